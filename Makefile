@@ -1,0 +1,34 @@
+# Two commands: `make test` and `make demo`. Each creates .venv when absent and installs
+# torch (the pinned CPU wheel when no torch is importable) and the project with its extras.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: test demo bench bench-store install clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install --upgrade --quiet pip
+
+$(STAMP): $(VPY) pyproject.toml
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install --quiet "$(TORCH_PIN)"
+	$(VPY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(VPY) -m pytest -q
+
+demo: $(STAMP)
+	$(VPY) -m moc.demo --dir runs/demo
+
+bench: bench-store
+
+bench-store: $(STAMP)
+	$(VPY) benchmarks/store/main.py
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

@@ -1,0 +1,254 @@
+"""The store: a small key/value object API over fsspec file systems."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Sequence, Union
+
+import fsspec
+
+from ._commit import is_temporary, write_local_atomic
+from ._retry import RetryPolicy
+
+__all__ = ["Store", "S3Store", "LocalStore", "Data"]
+
+log = logging.getLogger("storage_backends")
+
+Buffer = Union[bytes, bytearray, memoryview]
+# A payload is one bytes-like object or a sequence of them (written back to back without
+# being joined first, so a checkpoint object can be streamed from many tensor buffers).
+Data = Union[Buffer, Sequence[Buffer]]
+
+DEFAULT_PART_SIZE = 16 * 2**20
+MAX_COMMIT_BYTES = 16 * 2**20
+
+
+def _buffers(data: Data) -> list[memoryview]:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        items: Sequence[Any] = (data,)
+    elif isinstance(data, (list, tuple)):
+        items = data
+    else:
+        raise TypeError(
+            f"data must be bytes-like or a list/tuple of bytes-like objects, got {type(data).__name__}"
+        )
+    out = []
+    for item in items:
+        if not isinstance(item, (bytes, bytearray, memoryview)):
+            raise TypeError(f"data parts must be bytes-like, got {type(item).__name__}")
+        view = memoryview(item)
+        out.append(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
+    return out
+
+
+def check_key(key: str, *, allow_empty: bool = False) -> str:
+    """Validate a store key: '/'-separated, relative, no '.'/'..' parts, no hidden temp names."""
+    if not isinstance(key, str):
+        raise TypeError(f"key must be a str, got {type(key).__name__}")
+    if key == "" and allow_empty:
+        return key
+    parts = key.split("/")
+    if (
+        key == ""
+        or key.startswith("/")
+        or "\\" in key
+        or any(p in ("", ".", "..") for p in parts[:-1])
+        or parts[-1] in (".", "..")
+        or (parts[-1] == "" and not allow_empty)
+        or is_temporary(key)
+    ):
+        raise ValueError(
+            f"invalid key {key!r}: keys are relative '/'-separated paths without empty, '.' or '..' parts"
+        )
+    return key
+
+
+class Store:
+    """Objects under one root URL, on any fsspec file system.
+
+    Keys are relative '/'-separated paths. Every call retries transient errors with
+    exponential backoff (``retry``) and raises built-in exceptions (``FileNotFoundError``,
+    ``PermissionError``, ``ConnectionError``, ``TimeoutError``, ``OSError``) naming the URL
+    and key.
+    """
+
+    def __init__(
+        self,
+        fs: fsspec.AbstractFileSystem,
+        root: str,
+        *,
+        url: str,
+        retry: RetryPolicy | None = None,
+        part_size: int = DEFAULT_PART_SIZE,
+    ) -> None:
+        if part_size < 5 * 2**20:
+            raise ValueError(f"part_size must be at least 5 MiB (S3's minimum part), got {part_size}")
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.url = url.rstrip("/")
+        self.retry = retry or RetryPolicy()
+        self.part_size = int(part_size)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    # -- helpers -------------------------------------------------------------------------
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{check_key(key)}"
+
+    def _what(self, op: str, key: str) -> str:
+        return f"{op} {self.url}/{key}"
+
+    def _put(self, path: str, buffers: list[memoryview], *, durable: bool) -> None:
+        # One PUT of the whole payload: atomic on object stores and on fsspec's memory.
+        payload = bytes(buffers[0]) if len(buffers) == 1 else b"".join(buffers)
+        self.fs.pipe_file(path, payload)
+
+    # -- public API ----------------------------------------------------------------------
+    def write(self, key: str, data: Data) -> int:
+        """Store ``data`` under ``key`` (replacing any old object); return its size."""
+        path = self._path(key)
+        buffers = _buffers(data)
+        self.retry.call(lambda: self._put(path, buffers, durable=False), what=self._what("write", key))
+        return sum(len(b) for b in buffers)
+
+    def commit(self, key: str, data: Data) -> None:
+        """Publish a small object atomically and durably (a manifest, a marker).
+
+        Readers see the previous object or the complete new one, never a partial one.
+        """
+        path = self._path(key)
+        buffers = _buffers(data)
+        size = sum(len(b) for b in buffers)
+        if size > MAX_COMMIT_BYTES:
+            raise ValueError(f"commit is for small objects (<= {MAX_COMMIT_BYTES} bytes), got {size}")
+        self.retry.call(lambda: self._put(path, buffers, durable=True), what=self._what("commit", key))
+
+    def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Return bytes ``[start, end)`` of the object (the whole object by default)."""
+        path = self._path(key)
+        for name, value in (("start", start), ("end", end)):
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a non-negative int or None, got {value!r}")
+        if start is not None and end is not None and end < start:
+            raise ValueError(f"end ({end}) must be >= start ({start})")
+        return self.retry.call(lambda: self._get(path, start, end), what=self._what("read", key))
+
+    def _get(self, path: str, start: int | None, end: int | None) -> bytes:
+        if start is not None and end is not None and start == end:
+            # An empty range: HTTP cannot express it, so only check that the object exists.
+            if not self.fs.isfile(path):
+                raise FileNotFoundError(path)
+            return b""
+        return self.fs.cat_file(path, start=start, end=end)
+
+    def size(self, key: str) -> int:
+        path = self._path(key)
+        return int(self.retry.call(lambda: self.fs.size(path), what=self._what("size", key)))
+
+    def exists(self, key: str) -> bool:
+        path = self._path(key)
+        return bool(self.retry.call(lambda: self.fs.isfile(path), what=self._what("exists", key)))
+
+    def list(self, prefix: str = "") -> list[str]:
+        """All keys that start with ``prefix``, sorted."""
+        if not isinstance(prefix, str) or prefix.startswith("/") or ".." in prefix.split("/"):
+            raise ValueError(f"invalid prefix {prefix!r}")
+        directory = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        base = f"{self.root}/{directory}" if directory else self.root
+
+        def find() -> list[str]:
+            try:
+                return self.fs.find(base)
+            except FileNotFoundError:
+                return []
+
+        paths = self.retry.call(find, what=self._what("list", prefix))
+        strip = self.fs._strip_protocol(self.root).rstrip("/") + "/"
+        keys = []
+        for p in paths:
+            p = self.fs._strip_protocol(p)
+            if not p.startswith(strip):
+                continue
+            key = p[len(strip):]
+            if key.startswith(prefix) and not is_temporary(key):
+                keys.append(key)
+        return sorted(keys)
+
+    def delete(self, key: str, *, missing_ok: bool = False) -> None:
+        """Remove one object; ``FileNotFoundError`` when absent unless ``missing_ok``."""
+        path = self._path(key)
+
+        def rm() -> None:
+            if not self.fs.isfile(path):
+                if missing_ok:
+                    return
+                raise FileNotFoundError(f"no object {key!r}")
+            self.fs.rm_file(path)
+
+        self.retry.call(rm, what=self._what("delete", key))
+
+
+class S3Store(Store):
+    """S3 and compatible endpoints: one PUT for small objects, multipart for large ones."""
+
+    def _put(self, path: str, buffers: list[memoryview], *, durable: bool) -> None:
+        if sum(len(b) for b in buffers) <= self.part_size:
+            super()._put(path, buffers, durable=durable)
+            return
+        # A streamed multipart upload, completed only when every part is in and aborted on
+        # failure, so a partial object is never published.
+        f = self.fs.open(path, "wb", block_size=self.part_size)
+        try:
+            for buf in buffers:
+                f.write(buf)
+        except BaseException:
+            f.discard()
+            raise
+        f.close()
+
+
+class LocalStore(Store):
+    """Local disk or NFS: atomic temp-file + rename writes, optional fsync."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, url: str,
+                 retry: RetryPolicy | None = None, part_size: int = DEFAULT_PART_SIZE,
+                 fsync: bool = True) -> None:
+        super().__init__(fs, root, url=url, retry=retry, part_size=part_size)
+        self.fsync = bool(fsync)
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *check_key(key).split("/"))
+
+    def _put(self, path: str, buffers: list[memoryview], *, durable: bool) -> None:
+        write_local_atomic(path, buffers, fsync=self.fsync or durable)
+
+    def _get(self, path: str, start: int | None, end: int | None) -> bytes:
+        with open(path, "rb") as f:
+            if start:
+                f.seek(start)
+            if end is None:
+                return f.read()
+            return f.read(max(0, end - (start or 0)))
+
+    def delete(self, key: str, *, missing_ok: bool = False) -> None:
+        path = self._path(key)
+
+        def rm() -> None:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                if not missing_ok:
+                    raise
+                return
+            # Prune directories the deletion emptied, up to the root.
+            parent = os.path.dirname(path)
+            while parent != self.root and parent.startswith(self.root):
+                try:
+                    os.rmdir(parent)
+                except OSError:
+                    break
+                parent = os.path.dirname(parent)
+
+        self.retry.call(rm, what=self._what("delete", key))
