@@ -1,0 +1,36 @@
+"""moc: checkpointing built for Mixture-of-Experts training.
+
+The persistent level lives in :class:`CheckpointStore` (store format, atomic commit,
+partial checkpoints that compose over steps, checksums, retention); the ``moc`` CLI
+inspects, verifies and exports what it wrote.
+"""
+
+from ._ckpt_store import CheckpointStore, CorruptObjectError, LoadResult, ShardWriter, VerifyProblem
+from ._codec import decode_tree, encode_tree
+from ._format import FORMAT_VERSION, ChunkRecord, Manifest, ManifestError, UnitRecord, UnsupportedFormatError
+from ._plt import PLTTracker
+from ._selection import load_aware_selection, sequential_selection
+from ._units import DEFAULT_EXPERT_PATTERN, UnitLayout, UnitSpec, discover_units
+
+__all__ = [
+    "CheckpointStore",
+    "ShardWriter",
+    "LoadResult",
+    "VerifyProblem",
+    "CorruptObjectError",
+    "Manifest",
+    "UnitRecord",
+    "ChunkRecord",
+    "ManifestError",
+    "UnsupportedFormatError",
+    "FORMAT_VERSION",
+    "encode_tree",
+    "decode_tree",
+    "PLTTracker",
+    "sequential_selection",
+    "load_aware_selection",
+    "DEFAULT_EXPERT_PATTERN",
+    "UnitLayout",
+    "UnitSpec",
+    "discover_units",
+]

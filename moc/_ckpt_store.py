@@ -1,0 +1,425 @@
+"""The persistent level: writing, committing, reading, verifying and retiring checkpoints.
+
+:class:`CheckpointStore` owns the store layout described in :mod:`moc._format`. Saving is
+split so that many ranks can write in parallel and one of them commits:
+
+1. each writer packs its share of unit bytes into one object per group with a
+   :class:`ShardWriter` (raw tensor bytes, or zstd with byte-plane shuffle, each chunk
+   checksummed) and returns :class:`UnitRecord`\\ s;
+2. one process calls :meth:`CheckpointStore.commit` with all records: units not saved at
+   this step are carried over from the previous manifest, the manifest is published
+   atomically (last), then retention deletes old manifests and unreferenced objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import xxhash
+
+from storage_backends import Store, open_store
+
+from ._codec import CODECS, EncodedUnit, TensorMeta, checksum, compress, decode_tree, decompress, encode_tree
+from ._format import (
+    DATA_PREFIX,
+    MANIFEST_PREFIX,
+    ChunkRecord,
+    Manifest,
+    ManifestError,
+    UnitRecord,
+    data_prefix,
+    manifest_key,
+    step_of_data_key,
+    step_of_manifest_key,
+)
+
+__all__ = ["CheckpointStore", "ShardWriter", "CorruptObjectError", "LoadResult", "VerifyProblem"]
+
+log = logging.getLogger("moc.store")
+_WRITER_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+Progress = Callable[[int, int], None]
+
+
+class CorruptObjectError(OSError):
+    """A stored object failed its checksum, was truncated, or would not decode."""
+
+    def __init__(self, message: str, *, key: str, unit: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+        self.unit = unit
+
+
+@dataclass
+class LoadResult:
+    step: int
+    manifest: Manifest
+    units: dict[str, Any]               # unit name -> state tree
+    versions: dict[str, int]            # unit name -> step of the version loaded
+    fallbacks: list[tuple[str, int, int]] = field(default_factory=list)  # (unit, bad step, used step)
+
+
+@dataclass(frozen=True)
+class VerifyProblem:
+    key: str
+    units: tuple[str, ...]
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.reason} (units: {', '.join(self.units)})"
+
+
+class ShardWriter:
+    """Packs one writer's chunks of one step into one object per group, then writes them."""
+
+    def __init__(self, owner: "CheckpointStore", step: int, writer: str) -> None:
+        if not _WRITER_RE.match(writer):
+            raise ValueError(f"writer must match {_WRITER_RE.pattern}, got {writer!r}")
+        self.owner = owner
+        self.step = step
+        self.writer = writer
+        self._parts: dict[str, list[Any]] = {}
+        self._sizes: dict[str, int] = {}
+        self.raw_nbytes = 0
+
+    def key(self, group: str) -> str:
+        return f"{data_prefix(self.step)}{self.writer}.{group}.bin"
+
+    def add_chunk(self, enc: EncodedUnit, *, start: int = 0, end: int | None = None,
+                  group: str = "state") -> ChunkRecord:
+        """Queue bytes ``[start, end)`` of an encoded unit; return the chunk's record."""
+        if not _WRITER_RE.match(group):
+            raise ValueError(f"group must match {_WRITER_RE.pattern}, got {group!r}")
+        end = enc.nbytes if end is None else end
+        if not 0 <= start <= end <= enc.nbytes:
+            raise ValueError(f"chunk range [{start}, {end}) outside the unit's {enc.nbytes} bytes")
+        views = enc.stream(start, end)
+        codec = self.owner.compression
+        stored = compress(views, codec, itemsize=enc.itemsize, level=self.owner.zstd_level)
+        if isinstance(stored, bytes):
+            parts: list[Any] = [stored]
+            digest = checksum(stored)
+        else:
+            parts = stored
+            h = xxhash.xxh3_64()
+            for v in parts:
+                h.update(v)
+            digest = "xxh3:" + h.hexdigest()
+        size = sum(len(p) for p in parts)
+        key = self.key(group)
+        pos = self._sizes.get(group, 0)
+        self._parts.setdefault(group, []).extend(parts)
+        self._sizes[group] = pos + size
+        self.raw_nbytes += end - start
+        return ChunkRecord(key=key, start=pos, stored_nbytes=size, offset=start, nbytes=end - start,
+                           codec=codec, itemsize=enc.itemsize if codec == "zstd" else 1, checksum=digest)
+
+    def add_unit(self, name: str, tree: Any, *, kind: str, layer: str | None = None,
+                 expert: int | None = None, group: str | None = None) -> UnitRecord:
+        """Encode and queue a whole unit; return its record."""
+        enc = encode_tree(tree)
+        chunk = self.add_chunk(enc, group=group or ("experts" if kind == "expert" else "state"))
+        return make_record(name, enc, [chunk], kind=kind, step=self.step, layer=layer, expert=expert)
+
+    @property
+    def stored_nbytes(self) -> int:
+        return sum(self._sizes.values())
+
+    def finish(self) -> int:
+        """Write every queued object (streamed, retried); return the bytes written."""
+        total = 0
+        for group, parts in self._parts.items():
+            total += self.owner.store.write(self.key(group), parts)
+        self._parts.clear()
+        return total
+
+
+def make_record(name: str, enc: EncodedUnit, chunks: list[ChunkRecord], *, kind: str, step: int,
+                layer: str | None = None, expert: int | None = None) -> UnitRecord:
+    return UnitRecord(name=name, kind=kind, step=step, nbytes=enc.nbytes, skeleton=enc.skeleton,
+                      tensors=[t.to_json() for t in enc.tensors], chunks=list(chunks),
+                      layer=layer, expert=expert)
+
+
+class CheckpointStore:
+    """Checkpoints of one run in one store (see :mod:`moc._format` for the layout).
+
+    ``compression``: ``"raw"`` (default) or ``"zstd"`` (byte-plane shuffled).
+    ``keep_last``: number of committed steps to keep (None keeps all).
+    """
+
+    def __init__(self, store: Store | str, *, compression: str | None = "raw", zstd_level: int = 3,
+                 keep_last: int | None = None, storage_options: dict[str, Any] | None = None) -> None:
+        compression = compression or "raw"
+        if compression not in CODECS:
+            raise ValueError(f"compression must be one of {CODECS} or None, got {compression!r}")
+        if not (isinstance(zstd_level, int) and 1 <= zstd_level <= 22):
+            raise ValueError(f"zstd_level must be an integer in [1, 22], got {zstd_level!r}")
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last must be an integer >= 1 or None, got {keep_last!r}")
+        self.store = store if isinstance(store, Store) else open_store(store, **(storage_options or {}))
+        self.compression = compression
+        self.zstd_level = zstd_level
+        self.keep_last = keep_last
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self.store.url!r})"
+
+    # -- reading manifests ---------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Committed steps, ascending. A step without a manifest is never listed."""
+        found = (step_of_manifest_key(k) for k in self.store.list(MANIFEST_PREFIX))
+        return sorted(s for s in found if s is not None)
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def read_manifest(self, step: int) -> Manifest:
+        key = manifest_key(step)
+        try:
+            data = self.store.read(key)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"no checkpoint at step {step} in {self.store.url}; committed steps: {self.steps()}"
+            ) from None
+        manifest = Manifest.from_bytes(data, source=f"manifest {self.store.url}/{key}")
+        if manifest.step != step:
+            raise ManifestError(f"manifest {key} claims step {manifest.step}")
+        return manifest
+
+    def latest_manifest(self) -> Manifest | None:
+        """The newest manifest that parses; corrupt newer ones are skipped with a warning."""
+        for step in reversed(self.steps()):
+            try:
+                return self.read_manifest(step)
+            except ManifestError as exc:
+                log.warning("skipping step %d: %s", step, exc)
+        return None
+
+    # -- writing -------------------------------------------------------------------------
+    def writer(self, step: int, writer: str = "w0") -> ShardWriter:
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        return ShardWriter(self, step, writer)
+
+    def commit(self, step: int, records: Iterable[UnitRecord], *, base: Manifest | None = None,
+               plt: dict[str, Any] | None = None, meta: dict[str, Any] | None = None) -> Manifest:
+        """Publish step ``step``: ``records`` plus every other unit of ``base``.
+
+        All objects the records point to must already be written. The manifest is
+        written last and atomically; retention runs afterwards.
+        """
+        units = dict(base.units) if base is not None else {}
+        for rec in records:
+            if rec.step > step:
+                raise ValueError(f"unit {rec.name!r} has version step {rec.step} > commit step {step}")
+            units[rec.name] = rec
+        if not units:
+            raise ValueError("commit needs at least one unit")
+        manifest = Manifest(step=step, units=units, plt=dict(plt or {}), meta=dict(meta or {}),
+                            created_at=time.time())
+        self.store.commit(manifest_key(step), manifest.to_bytes())
+        log.info("committed step %d (%d units) to %s", step, len(units), self.store.url)
+        if self.keep_last is not None:
+            self.gc(upto=step)
+        return manifest
+
+    def save(self, step: int, units: dict[str, tuple[Any, dict[str, Any]]], *,
+             base: Manifest | None = None, plt: dict[str, Any] | None = None,
+             meta: dict[str, Any] | None = None, writer: str = "w0") -> Manifest:
+        """Single-writer convenience: ``units[name] = (tree, {"kind":..., "layer":..., "expert":...})``."""
+        w = self.writer(step, writer)
+        records = [w.add_unit(name, tree, **info) for name, (tree, info) in units.items()]
+        w.finish()
+        return self.commit(step, records, base=base, plt=plt, meta=meta)
+
+    # -- reading units -------------------------------------------------------------------
+    def _read_chunk(self, chunk: ChunkRecord, unit: str | None, blob: bytes | None = None) -> bytes:
+        where = f"{self.store.url}/{chunk.key}[{chunk.start}:{chunk.start + chunk.stored_nbytes}]"
+        if blob is None:
+            try:
+                blob = self.store.read(chunk.key, chunk.start, chunk.start + chunk.stored_nbytes)
+            except FileNotFoundError as exc:
+                raise CorruptObjectError(f"object {where} is missing", key=chunk.key, unit=unit) from exc
+        if len(blob) != chunk.stored_nbytes:
+            raise CorruptObjectError(
+                f"object {where} is truncated: {len(blob)} of {chunk.stored_nbytes} bytes",
+                key=chunk.key, unit=unit)
+        got = checksum(blob)
+        if got != chunk.checksum:
+            raise CorruptObjectError(
+                f"object {where} failed its checksum (expected {chunk.checksum}, got {got})",
+                key=chunk.key, unit=unit)
+        try:
+            raw = decompress(blob, chunk.codec, raw_nbytes=chunk.nbytes, itemsize=chunk.itemsize)
+        except Exception as exc:  # noqa: BLE001 - a codec failure is corruption too
+            raise CorruptObjectError(f"object {where} does not decode: {exc}", key=chunk.key, unit=unit) from exc
+        if len(raw) != chunk.nbytes:
+            raise CorruptObjectError(f"object {where} decodes to {len(raw)} bytes, expected {chunk.nbytes}",
+                                     key=chunk.key, unit=unit)
+        return raw
+
+    def read_unit(self, rec: UnitRecord) -> Any:
+        """Read, verify and decode one unit's saved version."""
+        data = bytearray(rec.nbytes)
+        for chunk in rec.chunks:
+            data[chunk.offset: chunk.offset + chunk.nbytes] = self._read_chunk(chunk, rec.name)
+        tensors = [TensorMeta.from_json(t) for t in rec.tensors]
+        try:
+            return decode_tree(rec.skeleton, tensors, data)
+        except (ValueError, KeyError, TypeError) as exc:
+            key = rec.chunks[0].key if rec.chunks else "?"
+            raise CorruptObjectError(f"unit {rec.name!r} does not decode: {exc}", key=key, unit=rec.name) from exc
+
+    def _older_versions(self, name: str, below: int, before_step: int) -> Iterable[UnitRecord]:
+        """Older saved versions of unit ``name`` (version step < ``below``), newest first."""
+        seen: set[int] = set()
+        for step in reversed([s for s in self.steps() if s < before_step]):
+            try:
+                rec = self.read_manifest(step).units.get(name)
+            except ManifestError:
+                continue
+            if rec is not None and rec.step < below and rec.step not in seen:
+                seen.add(rec.step)
+                yield rec
+
+    def load(self, step: int | None = None, names: Iterable[str] | None = None, *,
+             fallback: bool = True) -> LoadResult:
+        """Read the units of ``step`` (newest valid step by default).
+
+        A unit whose bytes are corrupt or missing falls back to its previous saved version
+        (from an older kept manifest) when ``fallback``; the substitution is reported in
+        ``LoadResult.fallbacks`` and logged. Without a good version the error propagates.
+        """
+        manifest = self.latest_manifest() if step is None else self.read_manifest(step)
+        if manifest is None:
+            raise FileNotFoundError(f"no committed checkpoint in {self.store.url}")
+        wanted = list(manifest.units) if names is None else list(names)
+        result = LoadResult(step=manifest.step, manifest=manifest, units={}, versions={})
+        for name in wanted:
+            rec = manifest.units.get(name)
+            if rec is None:
+                raise KeyError(f"unit {name!r} is not in step {manifest.step}")
+            try:
+                result.units[name] = self.read_unit(rec)
+                result.versions[name] = rec.step
+                continue
+            except CorruptObjectError as exc:
+                if not fallback:
+                    raise
+                error = exc
+            for older in self._older_versions(name, rec.step, manifest.step):
+                try:
+                    result.units[name] = self.read_unit(older)
+                except CorruptObjectError:
+                    continue
+                result.versions[name] = older.step
+                result.fallbacks.append((name, rec.step, older.step))
+                log.warning("unit %s: version of step %d is unreadable (%s); using step %d",
+                            name, rec.step, error, older.step)
+                break
+            else:
+                raise error
+        return result
+
+    # -- verification --------------------------------------------------------------------
+    def verify(self, step: int | None = None, *, progress: Progress | None = None) -> list[VerifyProblem]:
+        """Re-read every object referenced by ``step`` (all committed steps when None)."""
+        manifests = []
+        problems: list[VerifyProblem] = []
+        for s in ([step] if step is not None else self.steps()):
+            try:
+                manifests.append(self.read_manifest(s))
+            except ManifestError as exc:
+                problems.append(VerifyProblem(manifest_key(s), (), str(exc)))
+        chunks: dict[tuple[str, int], tuple[ChunkRecord, set[str]]] = {}
+        for m in manifests:
+            for rec in m.units.values():
+                for c in rec.chunks:
+                    chunks.setdefault((c.key, c.start), (c, set()))[1].add(rec.name)
+        by_key: dict[str, list[tuple[ChunkRecord, set[str]]]] = {}
+        for c, units in chunks.values():
+            by_key.setdefault(c.key, []).append((c, units))
+        total = sum(c.stored_nbytes for c, _ in chunks.values())
+        done = 0
+        for key in sorted(by_key):
+            entries = by_key[key]
+            try:
+                blob = self.store.read(key)
+            except FileNotFoundError:
+                blob = None
+            for c, units in sorted(entries, key=lambda e: e[0].start):
+                try:
+                    if blob is None:
+                        raise CorruptObjectError("object is missing", key=key)
+                    self._read_chunk(c, None, blob[c.start: c.start + c.stored_nbytes])
+                except CorruptObjectError as exc:
+                    reason = str(exc).split(": ", 1)[-1] if blob is not None else "object is missing"
+                    problems.append(VerifyProblem(key, tuple(sorted(units)), reason))
+                done += c.stored_nbytes
+                if progress is not None:
+                    progress(done, total)
+        return problems
+
+    # -- retention -----------------------------------------------------------------------
+    def gc(self, upto: int | None = None) -> list[str]:
+        """Apply ``keep_last`` and delete data objects no kept manifest references.
+
+        Only objects of steps <= ``upto`` (the newest committed step by default) are
+        considered, so a writer's in-flight objects for a later step are never touched.
+        Old manifests are deleted before objects, so no kept manifest ever loses data.
+        """
+        steps = self.steps()
+        if not steps:
+            return []
+        upto = steps[-1] if upto is None else upto
+        keep = steps if self.keep_last is None else steps[-self.keep_last:]
+        deleted: list[str] = []
+        for s in steps:
+            if s not in keep:
+                self.store.delete(manifest_key(s), missing_ok=True)
+                deleted.append(manifest_key(s))
+        referenced: set[str] = set()
+        for s in keep:
+            try:
+                referenced |= self.read_manifest(s).keys()
+            except ManifestError as exc:
+                # Can't tell what a corrupt manifest references: keep everything this round.
+                log.warning("gc skipped: %s", exc)
+                return deleted
+        for key in self.store.list(DATA_PREFIX):
+            data_step = step_of_data_key(key)
+            if data_step is not None and data_step <= upto and key not in referenced:
+                self.store.delete(key, missing_ok=True)
+                deleted.append(key)
+        if deleted:
+            log.info("gc removed %d objects from %s", len(deleted), self.store.url)
+        return deleted
+
+    # -- export --------------------------------------------------------------------------
+    def export(self, step: int | None = None) -> dict[str, Any]:
+        """One consolidated state dict: every unit's tree deep-merged (weights_only-loadable)."""
+        result = self.load(step)
+        merged: dict[str, Any] = {}
+        for name in sorted(result.units):
+            _merge(merged, result.units[name], name)
+        merged.setdefault("moc", {})
+        merged["moc"] = {"step": result.step, "versions": result.versions}
+        return merged
+
+
+def _merge(dst: dict[str, Any], src: Any, unit: str, path: str = "") -> None:
+    if not isinstance(src, dict):
+        raise ValueError(f"unit {unit!r}: top level must be a dict to export, got {type(src).__name__}")
+    for k, v in src.items():
+        if k in dst and isinstance(dst[k], dict) and isinstance(v, dict):
+            _merge(dst[k], v, unit, f"{path}.{k}")
+        elif k in dst:
+            raise ValueError(f"unit {unit!r} redefines {path}.{k} already set by another unit")
+        else:
+            dst[k] = v

@@ -1,0 +1,224 @@
+"""The checkpoint manifest: versioned JSON, readable without torch.
+
+Layout of a checkpoint store (keys relative to the store root)::
+
+    manifests/000000000120.json       # one per committed step; written last (the commit)
+    data/000000000120/<writer>.<group>.bin   # chunks of unit bytes, many units per object
+
+A manifest lists every unit of the logical checkpoint at its step. A unit's record says at
+which step its saved version was taken and where its bytes live, possibly in an older
+step's objects (partial checkpoints compose). Each chunk carries its own checksum.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+__all__ = [
+    "FORMAT_VERSION",
+    "ChunkRecord",
+    "UnitRecord",
+    "Manifest",
+    "ManifestError",
+    "UnsupportedFormatError",
+    "manifest_key",
+    "step_of_manifest_key",
+    "step_of_data_key",
+    "UNIT_KINDS",
+]
+
+FORMAT_VERSION = 1
+UNIT_KINDS = ("expert", "module", "extra")
+MANIFEST_PREFIX = "manifests/"
+DATA_PREFIX = "data/"
+_MANIFEST_RE = re.compile(r"^manifests/(\d{12})\.json$")
+_DATA_RE = re.compile(r"^data/(\d{12})/")
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be parsed or fails validation."""
+
+
+class UnsupportedFormatError(ManifestError):
+    """A manifest written by a newer, incompatible version of moc."""
+
+
+def manifest_key(step: int) -> str:
+    return f"{MANIFEST_PREFIX}{step:012d}.json"
+
+
+def data_prefix(step: int) -> str:
+    return f"{DATA_PREFIX}{step:012d}/"
+
+
+def step_of_manifest_key(key: str) -> int | None:
+    m = _MANIFEST_RE.match(key)
+    return int(m.group(1)) if m else None
+
+
+def step_of_data_key(key: str) -> int | None:
+    m = _DATA_RE.match(key)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """Bytes ``[offset, offset + nbytes)`` of a unit's stream, stored in one object."""
+
+    key: str             # object holding the chunk
+    start: int           # where the stored chunk begins inside the object
+    stored_nbytes: int   # bytes on storage (after compression)
+    offset: int          # position of the chunk in the unit's raw stream
+    nbytes: int          # raw bytes
+    codec: str           # "raw" | "zstd"
+    itemsize: int        # byte-plane shuffle width used with zstd (1 = none)
+    checksum: str        # "xxh3:<hex>" of the stored bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> "ChunkRecord":
+        return ChunkRecord(
+            key=str(d["key"]), start=int(d["start"]), stored_nbytes=int(d["stored_nbytes"]),
+            offset=int(d["offset"]), nbytes=int(d["nbytes"]), codec=str(d["codec"]),
+            itemsize=int(d["itemsize"]), checksum=str(d["checksum"]),
+        )
+
+
+@dataclass(frozen=True)
+class UnitRecord:
+    """Where the saved version of one unit lives, and how to decode it."""
+
+    name: str
+    kind: str                   # "expert" | "module" | "extra"
+    step: int                   # step at which this version was taken
+    nbytes: int                 # raw size of the unit's stream
+    skeleton: Any               # JSON tree with {"@t": i} tensor references
+    tensors: list[dict[str, Any]]
+    chunks: list[ChunkRecord]
+    layer: str | None = None
+    expert: int | None = None
+
+    @property
+    def stored_nbytes(self) -> int:
+        return sum(c.stored_nbytes for c in self.chunks)
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "kind": self.kind, "step": self.step, "nbytes": self.nbytes,
+            "skeleton": self.skeleton, "tensors": self.tensors,
+            "chunks": [c.to_json() for c in self.chunks],
+        }
+        if self.layer is not None:
+            d["layer"] = self.layer
+            d["expert"] = self.expert
+        return d
+
+    @staticmethod
+    def from_json(name: str, d: dict[str, Any]) -> "UnitRecord":
+        kind = str(d["kind"])
+        if kind not in UNIT_KINDS:
+            raise ManifestError(f"unit {name!r}: kind must be one of {UNIT_KINDS}, got {kind!r}")
+        chunks = [ChunkRecord.from_json(c) for c in d["chunks"]]
+        nbytes = int(d["nbytes"])
+        covered = sorted((c.offset, c.offset + c.nbytes) for c in chunks)
+        pos = 0
+        for lo, hi in covered:
+            if lo != pos:
+                raise ManifestError(f"unit {name!r}: chunks do not tile its {nbytes} bytes")
+            pos = hi
+        if pos != nbytes:
+            raise ManifestError(f"unit {name!r}: chunks cover {pos} of its {nbytes} bytes")
+        return UnitRecord(
+            name=name, kind=kind, step=int(d["step"]), nbytes=nbytes, skeleton=d["skeleton"],
+            tensors=list(d["tensors"]), chunks=chunks, layer=d.get("layer"),
+            expert=None if d.get("expert") is None else int(d["expert"]),
+        )
+
+    def keys(self) -> set[str]:
+        return {c.key for c in self.chunks}
+
+
+def _body_checksum(body: dict[str, Any]) -> str:
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return "xxh3:" + xxhash.xxh3_64_hexdigest(canon.encode())
+
+
+@dataclass
+class Manifest:
+    """One committed step: every unit's newest version, plus PLT data and user metadata.
+
+    ``plt`` holds what the proportion-of-lost-tokens accounting needs:
+    ``{"top_k": int, "total_tokens": int, "lost_tokens": {layer: int},
+    "unsaved": {layer: [tokens routed to expert e since the version this manifest points to]},
+    "value": float}``.
+    """
+
+    step: int
+    units: dict[str, UnitRecord]
+    plt: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    created_at: float = 0.0
+    format_version: int = FORMAT_VERSION
+
+    def layers(self) -> dict[str, dict[int, UnitRecord]]:
+        out: dict[str, dict[int, UnitRecord]] = {}
+        for rec in self.units.values():
+            if rec.kind == "expert":
+                out.setdefault(str(rec.layer), {})[int(rec.expert)] = rec
+        return {k: dict(sorted(v.items())) for k, v in out.items()}
+
+    def keys(self) -> set[str]:
+        out: set[str] = set()
+        for rec in self.units.values():
+            out |= rec.keys()
+        return out
+
+    def to_bytes(self) -> bytes:
+        body = {
+            "format_version": self.format_version,
+            "step": self.step,
+            "created_at": self.created_at,
+            "units": {name: rec.to_json() for name, rec in sorted(self.units.items())},
+            "plt": self.plt,
+            "meta": self.meta,
+        }
+        body["checksum"] = _body_checksum(body)
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @staticmethod
+    def from_bytes(data: bytes, *, source: str = "manifest") -> "Manifest":
+        try:
+            body = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ManifestError(f"{source} is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise ManifestError(f"{source} must be a JSON object, got {type(body).__name__}")
+        version = body.get("format_version")
+        if not isinstance(version, int):
+            raise ManifestError(f"{source} has no integer format_version")
+        if version > FORMAT_VERSION:
+            raise UnsupportedFormatError(
+                f"{source} has format_version {version}; this moc reads format_version <= "
+                f"{FORMAT_VERSION}: upgrade moc to read it"
+            )
+        stored = body.pop("checksum", None)
+        if stored is None or stored != _body_checksum(body):
+            raise ManifestError(f"{source} failed its checksum (corrupted)")
+        try:
+            units = {name: UnitRecord.from_json(name, rec) for name, rec in body["units"].items()}
+            return Manifest(
+                step=int(body["step"]), units=units, plt=dict(body.get("plt") or {}),
+                meta=dict(body.get("meta") or {}), created_at=float(body.get("created_at", 0.0)),
+                format_version=version,
+            )
+        except ManifestError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ManifestError(f"{source} is malformed: {type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,203 @@
+"""``moc`` command line: inspect, verify and export checkpoints.
+
+    moc inspect URL [--step N] [--json]
+    moc verify  URL [--step N]
+    moc export  URL [--step N] -o FILE
+
+URL is a path, file://, s3://BUCKET/PREFIX (credentials and endpoint from the AWS_*
+environment variables or --endpoint-url) or memory://. Errors print one line and exit 2;
+``verify`` exits 1 when any object is bad.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Sequence
+
+from storage_backends import open_store
+
+from ._ckpt_store import CheckpointStore
+from ._format import Manifest
+
+__all__ = ["main"]
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+class _Progress:
+    """A one-line progress bar on stderr for long reads (only when stderr is a terminal)."""
+
+    def __init__(self, label: str, enabled: bool | None = None) -> None:
+        self.label = label
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if not self.enabled or (now - self.last < 0.1 and done < total):
+            return
+        self.last = now
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * 30)
+        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:6.1%} {_human(done)}/{_human(total)}")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _open(args: argparse.Namespace) -> CheckpointStore:
+    opts: dict[str, Any] = {}
+    url = args.url
+    if "://" not in url or url.startswith("file://"):
+        opts["create"] = False
+    if args.endpoint_url:
+        opts["endpoint_url"] = args.endpoint_url
+    return CheckpointStore(open_store(url, **opts))
+
+
+def _pick(cs: CheckpointStore, step: int | None) -> Manifest:
+    if step is not None:
+        return cs.read_manifest(step)
+    manifest = cs.latest_manifest()
+    if manifest is None:
+        raise FileNotFoundError(f"no committed checkpoint in {cs.store.url}")
+    return manifest
+
+
+def summarize(cs: CheckpointStore, m: Manifest) -> dict[str, Any]:
+    units = []
+    for name, rec in sorted(m.units.items()):
+        units.append({"name": name, "kind": rec.kind, "version_step": rec.step, "age": m.step - rec.step,
+                      "nbytes": rec.nbytes, "stored_nbytes": rec.stored_nbytes,
+                      "codec": sorted({c.codec for c in rec.chunks})})
+    layers = {layer: {"experts": list(recs), "version_steps": [r.step for r in recs.values()],
+                      "ages": [m.step - r.step for r in recs.values()]}
+              for layer, recs in m.layers().items()}
+    saved_now = [u for u in units if u["version_step"] == m.step]
+    return {
+        "url": cs.store.url, "steps": cs.steps(), "step": m.step, "format_version": m.format_version,
+        "created_at": m.created_at,
+        "nbytes": sum(u["nbytes"] for u in units), "stored_nbytes": sum(u["stored_nbytes"] for u in units),
+        "saved_at_step_nbytes": sum(u["nbytes"] for u in saved_now),
+        "units": units, "layers": layers, "plt": m.plt, "meta": m.meta,
+    }
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    cs = _open(args)
+    info = summarize(cs, _pick(cs, args.step))
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"store   {info['url']}")
+    print(f"steps   {', '.join(map(str, info['steps']))}")
+    print(f"step    {info['step']} (format_version {info['format_version']}, "
+          f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(info['created_at']))})")
+    print(f"size    {_human(info['nbytes'])} raw, {_human(info['stored_nbytes'])} stored; "
+          f"{_human(info['saved_at_step_nbytes'])} written at this step\n")
+    print(f"{'unit':<40}{'kind':<8}{'version':>8}{'age':>6}{'raw':>12}{'stored':>12}")
+    for u in info["units"]:
+        print(f"{u['name']:<40.40}{u['kind']:<8}{u['version_step']:>8}{u['age']:>6}"
+              f"{_human(u['nbytes']):>12}{_human(u['stored_nbytes']):>12}")
+    if info["layers"]:
+        print("\nexpert ages (steps since each expert's saved version):")
+        for layer, d in info["layers"].items():
+            print(f"  {layer}: " + " ".join(f"{e}:{a}" for e, a in zip(d["experts"], d["ages"])))
+    plt = info["plt"]
+    if plt:
+        lost = sum((plt.get("lost_tokens") or {}).values())
+        print(f"\nPLT {plt.get('value', 0.0):.4%} (lost tokens {lost}, tokens processed "
+              f"{plt.get('total_tokens', 0)}, top_k {plt.get('top_k', 1)})")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    cs = _open(args)
+    if args.step is not None:
+        cs.read_manifest(args.step)  # a missing step is bad input, not a bad object
+    elif not cs.steps():
+        raise FileNotFoundError(f"no committed checkpoint in {cs.store.url}")
+    problems = cs.verify(args.step, progress=_Progress("verify"))
+    if problems:
+        for p in problems:
+            print(f"BAD {p}")
+        print(f"moc verify: {len(problems)} bad object(s) in {cs.store.url}", file=sys.stderr)
+        return 1
+    steps = [args.step] if args.step is not None else cs.steps()
+    print(f"OK {cs.store.url}: steps {', '.join(map(str, steps))} verified")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
+    cs = _open(args)
+    state = cs.export(args.step)
+    torch.save(state, args.output)
+    n = sum(1 for _ in _tensors(state))
+    print(f"exported step {state['moc']['step']} ({n} tensors) to {args.output}")
+    return 0
+
+
+def _tensors(tree: Any):
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _tensors(v)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="moc", description="Inspect, verify and export moc checkpoints.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("url", help="checkpoint store: path, file://, s3://BUCKET/PREFIX or memory://")
+        p.add_argument("--step", type=int, default=None, help="step to use (default: newest)")
+        p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: $AWS_ENDPOINT_URL)")
+
+    p = sub.add_parser("inspect", help="steps, units, sizes, expert ages and PLT")
+    common(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_inspect)
+    p = sub.add_parser("verify", help="re-read every object and check its checksum")
+    common(p)
+    p.set_defaults(func=cmd_verify)
+    p = sub.add_parser("export", help="write one consolidated state dict (torch.load(weights_only=True))")
+    common(p)
+    p.add_argument("-o", "--output", required=True, help="output file")
+    p.set_defaults(func=cmd_export)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except BrokenPipeError:  # output piped into head & co.
+        return 0
+    except KeyboardInterrupt:
+        print("moc: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one line, no traceback, for any failure
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"moc {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
