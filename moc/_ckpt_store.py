@@ -48,10 +48,11 @@ Progress = Callable[[int, int], None]
 class CorruptObjectError(OSError):
     """A stored object failed its checksum, was truncated, or would not decode."""
 
-    def __init__(self, message: str, *, key: str, unit: str | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, where: str, reason: str, *, key: str, unit: str | None = None) -> None:
+        super().__init__(f"object {where} {reason}" + (f" (unit {unit})" if unit else ""))
         self.key = key
         self.unit = unit
+        self.reason = reason
 
 
 @dataclass
@@ -245,22 +246,20 @@ class CheckpointStore:
             try:
                 blob = self.store.read(chunk.key, chunk.start, chunk.start + chunk.stored_nbytes)
             except FileNotFoundError as exc:
-                raise CorruptObjectError(f"object {where} is missing", key=chunk.key, unit=unit) from exc
+                raise CorruptObjectError(where, "is missing", key=chunk.key, unit=unit) from exc
         if len(blob) != chunk.stored_nbytes:
-            raise CorruptObjectError(
-                f"object {where} is truncated: {len(blob)} of {chunk.stored_nbytes} bytes",
-                key=chunk.key, unit=unit)
+            raise CorruptObjectError(where, f"is truncated: {len(blob)} of {chunk.stored_nbytes} bytes",
+                                     key=chunk.key, unit=unit)
         got = checksum(blob)
         if got != chunk.checksum:
-            raise CorruptObjectError(
-                f"object {where} failed its checksum (expected {chunk.checksum}, got {got})",
-                key=chunk.key, unit=unit)
+            raise CorruptObjectError(where, f"failed its checksum (expected {chunk.checksum}, got {got})",
+                                     key=chunk.key, unit=unit)
         try:
             raw = decompress(blob, chunk.codec, raw_nbytes=chunk.nbytes, itemsize=chunk.itemsize)
         except Exception as exc:  # noqa: BLE001 - a codec failure is corruption too
-            raise CorruptObjectError(f"object {where} does not decode: {exc}", key=chunk.key, unit=unit) from exc
+            raise CorruptObjectError(where, f"does not decode: {exc}", key=chunk.key, unit=unit) from exc
         if len(raw) != chunk.nbytes:
-            raise CorruptObjectError(f"object {where} decodes to {len(raw)} bytes, expected {chunk.nbytes}",
+            raise CorruptObjectError(where, f"decodes to {len(raw)} bytes, expected {chunk.nbytes}",
                                      key=chunk.key, unit=unit)
         return raw
 
@@ -274,7 +273,7 @@ class CheckpointStore:
             return decode_tree(rec.skeleton, tensors, data)
         except (ValueError, KeyError, TypeError) as exc:
             key = rec.chunks[0].key if rec.chunks else "?"
-            raise CorruptObjectError(f"unit {rec.name!r} does not decode: {exc}", key=key, unit=rec.name) from exc
+            raise CorruptObjectError(f"{self.store.url}/{key}", f"does not decode: {exc}", key=key, unit=rec.name) from exc
 
     def _older_versions(self, name: str, below: int, before_step: int) -> Iterable[UnitRecord]:
         """Older saved versions of unit ``name`` (version step < ``below``), newest first."""
@@ -348,19 +347,20 @@ class CheckpointStore:
         total = sum(c.stored_nbytes for c, _ in chunks.values())
         done = 0
         for key in sorted(by_key):
-            entries = by_key[key]
+            entries = sorted(by_key[key], key=lambda e: e[0].start)
             try:
                 blob = self.store.read(key)
             except FileNotFoundError:
+                units = tuple(sorted(set().union(*(u for _, u in entries))))
+                problems.append(VerifyProblem(key, units, "object is missing"))
                 blob = None
-            for c, units in sorted(entries, key=lambda e: e[0].start):
-                try:
-                    if blob is None:
-                        raise CorruptObjectError("object is missing", key=key)
-                    self._read_chunk(c, None, blob[c.start: c.start + c.stored_nbytes])
-                except CorruptObjectError as exc:
-                    reason = str(exc).split(": ", 1)[-1] if blob is not None else "object is missing"
-                    problems.append(VerifyProblem(key, tuple(sorted(units)), reason))
+            for c, units in entries:
+                if blob is not None:
+                    try:
+                        self._read_chunk(c, None, blob[c.start: c.start + c.stored_nbytes])
+                    except CorruptObjectError as exc:
+                        problems.append(VerifyProblem(key, tuple(sorted(units)),
+                                                      f"bytes [{c.start}, {c.start + c.stored_nbytes}) {exc.reason}"))
                 done += c.stored_nbytes
                 if progress is not None:
                     progress(done, total)
