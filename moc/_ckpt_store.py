@@ -263,11 +263,30 @@ class CheckpointStore:
                                      key=chunk.key, unit=unit)
         return raw
 
+    def _read_raw_into(self, chunk: ChunkRecord, out: memoryview, unit: str | None) -> None:
+        """An uncompressed chunk straight into its place in the unit's buffer, verified there."""
+        where = f"{self.store.url}/{chunk.key}[{chunk.start}:{chunk.start + chunk.stored_nbytes}]"
+        try:
+            n = self.store.read_into(chunk.key, out, chunk.start)
+        except FileNotFoundError as exc:
+            raise CorruptObjectError(where, "is missing", key=chunk.key, unit=unit) from exc
+        if n != chunk.stored_nbytes:
+            raise CorruptObjectError(where, f"is truncated: {n} of {chunk.stored_nbytes} bytes", key=chunk.key, unit=unit)
+        got = checksum(out)
+        if got != chunk.checksum:
+            raise CorruptObjectError(where, f"failed its checksum (expected {chunk.checksum}, got {got})",
+                                     key=chunk.key, unit=unit)
+
     def read_unit(self, rec: UnitRecord) -> Any:
         """Read, verify and decode one unit's saved version."""
         data = bytearray(rec.nbytes)
+        view = memoryview(data)
         for chunk in rec.chunks:
-            data[chunk.offset: chunk.offset + chunk.nbytes] = self._read_chunk(chunk, rec.name)
+            target = view[chunk.offset: chunk.offset + chunk.nbytes]
+            if chunk.codec == "raw" and chunk.stored_nbytes == chunk.nbytes:
+                self._read_raw_into(chunk, target, rec.name)
+            else:
+                target[:] = self._read_chunk(chunk, rec.name)
         tensors = [TensorMeta.from_json(t) for t in rec.tensors]
         try:
             return decode_tree(rec.skeleton, tensors, data)

@@ -135,6 +135,17 @@ class Store:
             raise ValueError(f"end ({end}) must be >= start ({start})")
         return self.retry.call(lambda: self._get(path, start, end), what=self._what("read", key))
 
+    def read_into(self, key: str, out: memoryview, start: int = 0) -> int:
+        """Fill ``out`` with the object's bytes from ``start``; return how many were read
+        (fewer than ``len(out)`` only when the object is shorter)."""
+        path = self._path(key)
+        return self.retry.call(lambda: self._get_into(path, out, start), what=self._what("read", key))
+
+    def _get_into(self, path: str, out: memoryview, start: int) -> int:
+        data = self._get(path, start, start + len(out))
+        out[: len(data)] = data
+        return len(data)
+
     def _get(self, path: str, start: int | None, end: int | None) -> bytes:
         if start is not None and end is not None and start == end:
             # An empty range: HTTP cannot express it, so only check that the object exists.
@@ -231,6 +242,18 @@ class LocalStore(Store):
             if end is None:
                 return f.read()
             return f.read(max(0, end - (start or 0)))
+
+    def _get_into(self, path: str, out: memoryview, start: int) -> int:
+        # Straight into the caller's buffer: no intermediate bytes object.
+        with open(path, "rb", buffering=0) as f:
+            f.seek(start)
+            done = 0
+            while done < len(out):
+                n = f.readinto(out[done:])
+                if not n:
+                    break
+                done += n
+            return done
 
     def delete(self, key: str, *, missing_ok: bool = False) -> None:
         path = self._path(key)

@@ -155,3 +155,14 @@ def test_local_delete_prunes_empty_directories(tmp_path):
     store.write("data/000001/a.bin", b"1")
     store.delete("data/000001/a.bin")
     assert os.listdir(tmp_path / "s") == []
+
+
+def test_read_into_fills_caller_buffer(store):
+    data = bytes(range(100))
+    store.write("into", data)
+    buf = bytearray(10)
+    assert store.read_into("into", memoryview(buf), 5) == 10 and bytes(buf) == data[5:15]
+    tail = bytearray(20)
+    assert store.read_into("into", memoryview(tail), 90) == 10 and bytes(tail[:10]) == data[90:]
+    with pytest.raises(FileNotFoundError):
+        store.read_into("missing", memoryview(bytearray(4)), 0)
