@@ -215,7 +215,8 @@ class S3Store(Store):
             for buf in buffers:
                 f.write(buf)
         except BaseException:
-            f.discard()
+            f.discard()  # aborts the multipart upload
+            f.closed = True  # nothing left to flush; keeps __del__ from closing it again
             raise
         f.close()
 
