@@ -17,6 +17,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Callable, Iterable
 
 import xxhash
@@ -166,6 +167,8 @@ class CheckpointStore:
         self.compression = compression
         self.zstd_level = zstd_level
         self.keep_last = keep_last
+        # Temp files older than this are debris of killed writers and are removed by gc.
+        self.stale_temporaries = timedelta(hours=1)
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.store.url!r})"
@@ -418,6 +421,7 @@ class CheckpointStore:
                 deleted.append(key)
         if deleted:
             log.info("gc removed %d objects from %s", len(deleted), self.store.url)
+        self.store.remove_temporaries(self.stale_temporaries)
         return deleted
 
     # -- export --------------------------------------------------------------------------

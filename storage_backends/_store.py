@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from datetime import timedelta
 from typing import Any, Sequence, Union
 
 import fsspec
@@ -200,6 +202,13 @@ class Store:
 
         self.retry.call(rm, what=self._what("delete", key))
 
+    def remove_temporaries(self, older_than: timedelta = timedelta(hours=1)) -> int:
+        """Delete temporaries left by writers that died mid-write; return how many.
+
+        Object stores publish with single PUTs or multipart uploads and leave none.
+        """
+        return 0
+
 
 class S3Store(Store):
     """S3 and compatible endpoints: one PUT for small objects, multipart for large ones."""
@@ -276,3 +285,23 @@ class LocalStore(Store):
                 parent = os.path.dirname(parent)
 
         self.retry.call(rm, what=self._what("delete", key))
+
+    def remove_temporaries(self, older_than: timedelta = timedelta(hours=1)) -> int:
+        """Delete hidden temp files (from killed writers) not modified for ``older_than``.
+
+        A live writer keeps touching its temp file, so a generous age never races it.
+        """
+        cutoff = time.time() - older_than.total_seconds()
+        removed = 0
+        for dirpath, _, files in os.walk(self.root):
+            for name in files:
+                path = os.path.join(dirpath, name)
+                try:
+                    if is_temporary(name) and os.stat(path).st_mtime <= cutoff:
+                        os.remove(path)
+                        removed += 1
+                except FileNotFoundError:
+                    continue
+        if removed:
+            log.info("removed %d stale temporaries under %s", removed, self.url)
+        return removed

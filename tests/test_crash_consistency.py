@@ -13,12 +13,14 @@ import os
 import random
 import signal
 import time
+from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
 
 from moc import CheckpointStore
+from storage_backends import is_temporary
 
 NUM_EXPERTS = 6
 K = 2
@@ -97,7 +99,9 @@ def test_sigkill_at_random_moments(tmp_path, compression, kills):
     # Retention kept the store bounded despite the crashes.
     cs = CheckpointStore(root, keep_last=3)
     assert len(cs.steps()) <= 3
+    cs.stale_temporaries = timedelta(0)  # every writer is dead: all temporaries are debris
     cs.gc()
+    assert not [n for _, _, files in os.walk(root) for n in files if is_temporary(n)]
     live = set().union(*(cs.read_manifest(s).keys() for s in cs.steps()))
     newest = cs.steps()[-1]
     settled = {k for k in cs.store.list("data/") if int(k.split("/")[1]) <= newest}
