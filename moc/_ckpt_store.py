@@ -310,7 +310,7 @@ class CheckpointStore:
                 yield rec
 
     def load(self, step: int | None = None, names: Iterable[str] | None = None, *,
-             fallback: bool = True) -> LoadResult:
+             fallback: bool = True, progress: Progress | None = None) -> LoadResult:
         """Read the units of ``step`` (newest valid step by default).
 
         A unit whose bytes are corrupt or missing falls back to its previous saved version
@@ -322,13 +322,19 @@ class CheckpointStore:
             raise FileNotFoundError(f"no committed checkpoint in {self.store.url}")
         wanted = list(manifest.units) if names is None else list(names)
         result = LoadResult(step=manifest.step, manifest=manifest, units={}, versions={})
+        missing = [n for n in wanted if n not in manifest.units]
+        if missing:
+            raise KeyError(f"units {missing[:5]} are not in step {manifest.step}")
+        total = sum(manifest.units[n].stored_nbytes for n in wanted)
+        done = 0
         for name in wanted:
-            rec = manifest.units.get(name)
-            if rec is None:
-                raise KeyError(f"unit {name!r} is not in step {manifest.step}")
+            rec = manifest.units[name]
+            done += rec.stored_nbytes
             try:
                 result.units[name] = self.read_unit(rec)
                 result.versions[name] = rec.step
+                if progress is not None:
+                    progress(done, total)
                 continue
             except CorruptObjectError as exc:
                 if not fallback:
@@ -425,13 +431,12 @@ class CheckpointStore:
         return deleted
 
     # -- export --------------------------------------------------------------------------
-    def export(self, step: int | None = None) -> dict[str, Any]:
+    def export(self, step: int | None = None, *, progress: Progress | None = None) -> dict[str, Any]:
         """One consolidated state dict: every unit's tree deep-merged (weights_only-loadable)."""
-        result = self.load(step)
+        result = self.load(step, progress=progress)
         merged: dict[str, Any] = {}
         for name in sorted(result.units):
             _merge(merged, result.units[name], name)
-        merged.setdefault("moc", {})
         merged["moc"] = {"step": result.step, "versions": result.versions}
         return merged
 

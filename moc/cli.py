@@ -141,7 +141,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     import torch
 
     cs = _open(args)
-    state = cs.export(args.step)
+    state = cs.export(args.step, progress=_Progress("export"))
     torch.save(state, args.output)
     n = sum(1 for _ in _tensors(state))
     print(f"exported step {state['moc']['step']} ({n} tensors) to {args.output}")

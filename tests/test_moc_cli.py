@@ -109,3 +109,16 @@ def test_help_for_every_command():
     for cmd in ("inspect", "verify", "export"):
         res = run_cli(cmd, "--help")
         assert res.returncode == 0 and "url" in res.stdout
+
+
+def test_progress_reports_reach_total(ckpt_dir, capsys):
+    from moc.cli import _Progress
+
+    calls = []
+    CheckpointStore(str(ckpt_dir)).verify(progress=lambda d, t: calls.append((d, t)))
+    assert calls and calls[-1][0] == calls[-1][1] > 0
+    assert all(a[0] <= b[0] for a, b in zip(calls, calls[1:]))
+    bar = _Progress("export", enabled=True)
+    CheckpointStore(str(ckpt_dir)).export(progress=bar)
+    err = capsys.readouterr().err
+    assert "export [" in err and "100.0%" in err
