@@ -1,0 +1,119 @@
+"""Load-aware replica allocation (Eq. 1 of the Lazarus paper).
+
+Popular experts receive more replicas so that per-replica work evens out, while every
+expert keeps at least ``f`` replicas so that any ``f - 1`` node failures are survivable.
+The rule walks the experts from the least to the most loaded one and hands each a share
+of the slots that are still free, proportional to its part of the load that is still
+unassigned; the most loaded expert takes whatever is left, so the slots add up exactly.
+
+Per-node cap (our choice, documented here because the paper leaves it implicit): a node
+gains nothing in fault tolerance from a second copy of an expert, and with one GPU per
+node a second copy on the same device is pure waste. ``allocate_replicas`` therefore caps
+every expert at ``max_per_node * num_nodes`` replicas, with ``max_per_node`` defaulting
+to the smallest value that can fill all slots, ``ceil(slots_per_node / E)`` (that is 1,
+one replica per node, whenever there are at least as many experts as slots per node).
+The cap is enforced inside the same sweep: an expert's count is clamped to
+``[rest - cap * (experts after it), cap]`` which keeps the sweep feasible, so the result
+still sums to ``N * c`` and never drops below ``f``. When the cap does not bind the
+output is exactly Eq. 1.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from fractions import Fraction
+
+from ._validate import check_int, check_loads
+
+
+def _as_fraction(x: float) -> Fraction:
+    if isinstance(x, numbers.Integral):
+        return Fraction(int(x))
+    return Fraction(repr(float(x)))
+
+
+def effective_min_replicas(
+    num_experts: int, num_nodes: int, slots_per_node: int, min_replicas: int
+) -> int:
+    """The ``f`` actually used: ``min(f, floor(N*c / E))``.
+
+    With few nodes left there may not be ``f`` slots per expert; the paper then lowers the
+    threshold rather than refusing to train. Below one slot per expert training cannot run
+    and :func:`allocate_replicas` raises instead.
+    """
+    e = check_int("num_experts", num_experts, lo=1)
+    n = check_int("num_nodes", num_nodes, lo=1)
+    c = check_int("slots_per_node", slots_per_node, lo=1)
+    f = check_int("min_replicas", min_replicas, lo=1, hi=n)
+    if n * c < e:
+        raise ValueError(
+            f"num_nodes*slots_per_node = {n * c} slots cannot hold {e} experts; "
+            f"need num_nodes*slots_per_node >= {e}"
+        )
+    return min(f, (n * c) // e)
+
+
+def allocate_replicas(
+    loads: Sequence[float],
+    num_nodes: int,
+    slots_per_node: int,
+    min_replicas: int,
+    *,
+    max_per_node: int | None = None,
+) -> list[int]:
+    """Number of replicas per expert, in the input order of ``loads``.
+
+    Args:
+        loads: tokens routed to each expert (any non-negative finite numbers; only ratios
+            matter). All-zero loads allocate uniformly.
+        num_nodes: N, nodes in the cluster (>= 1).
+        slots_per_node: c, expert replica slots per node (>= 1).
+        min_replicas: f, fault-tolerance threshold, in ``[1, num_nodes]``; lowered to
+            ``floor(N*c / E)`` when the slots are short.
+        max_per_node: copies of one expert a node may hold (default
+            ``ceil(c / E)``; see the module docstring).
+
+    Returns:
+        ``r`` with ``sum(r) == N*c`` and ``f_eff <= r[e] <= max_per_node * N``.
+        Experts are processed in ascending load order; ties are broken by expert index,
+        so the result is deterministic.
+    """
+    t = check_loads("loads", loads)
+    n = check_int("num_nodes", num_nodes, lo=1)
+    c = check_int("slots_per_node", slots_per_node, lo=1)
+    e_count = len(t)
+    if n * c < e_count:
+        raise ValueError(
+            f"loads has {e_count} experts but num_nodes*slots_per_node = {n * c} slots; "
+            f"need at least one slot per expert (num_nodes*slots_per_node >= {e_count})"
+        )
+    f = effective_min_replicas(e_count, n, c, min_replicas)
+    k_min = -(-c // e_count)
+    k = k_min if max_per_node is None else check_int("max_per_node", max_per_node, lo=k_min, hi=c)
+    cap = k * n
+
+    order = sorted(range(e_count), key=lambda i: (t[i], i))
+    # Exact arithmetic on the shortest decimal form of each load (what the user wrote):
+    # 0.3 / (0.3 + 0.4) * 7 must floor to 3, which binary floats get wrong.
+    exact = [_as_fraction(t[i]) for i in order]
+    suffix = [Fraction(0)] * (e_count + 1)
+    for j in range(e_count - 1, -1, -1):
+        suffix[j] = suffix[j + 1] + exact[j]
+
+    out = [0] * e_count
+    rest = n * c
+    for j, idx in enumerate(order):
+        after = e_count - j - 1
+        if suffix[j] > 0:
+            share = math.floor(exact[j] * rest / suffix[j])
+        else:  # every remaining expert has zero load: split what is left evenly
+            share = rest // (after + 1)
+        r = max(share, f)
+        r = min(max(r, rest - cap * after), cap)
+        if j == e_count - 1:
+            r = rest
+        out[idx] = r
+        rest -= r
+    return out

@@ -1,0 +1,135 @@
+"""The ``Placement`` value type: which expert replicas each node hosts.
+
+A placement is deliberately a plain table (``nodes[i]`` lists the expert ids on node ``i``)
+so that it serialises to JSON as is, travels from the controller to the agents, and can be
+written by hand in tests. Everything else (replica counts, owners of an expert, the
+per-GPU split) is derived from that table.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Expert replicas per node.
+
+    Attributes:
+        nodes: ``nodes[i]`` is the list of expert ids held by plan node ``i``; every node
+            has the same number of slots. An id may repeat on a node only when there are
+            fewer experts than slots (copies then go to different GPUs).
+        num_experts: E; inferred as ``max id + 1`` when omitted. Every expert in
+            ``range(E)`` must have at least one replica.
+        gpus_per_node: GPUs a node's slots are spread over (failures are still per node).
+        strategy: free-form label of the algorithm that produced the plan (not compared).
+    """
+
+    nodes: list[list[int]]
+    num_experts: int = -1
+    gpus_per_node: int = 1
+    strategy: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        nodes = self.nodes
+        if isinstance(nodes, (str, bytes)) or not hasattr(nodes, "__len__") or len(nodes) == 0:
+            raise ValueError("Placement.nodes must be a non-empty list of per-node expert lists")
+        table: list[list[int]] = []
+        for i, row in enumerate(nodes):
+            if isinstance(row, (str, bytes)) or not hasattr(row, "__iter__"):
+                raise ValueError(f"Placement.nodes[{i}] must be a list of expert ids, got {row!r}")
+            ids = []
+            for x in row:
+                if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0:
+                    raise ValueError(
+                        f"Placement.nodes[{i}] must hold non-negative integer expert ids, got {x!r}"
+                    )
+                ids.append(int(x))
+            table.append(ids)
+        c = len(table[0])
+        if c == 0:
+            raise ValueError("Placement.nodes rows must hold at least one slot (slots_per_node >= 1)")
+        for i, row in enumerate(table):
+            if len(row) != c:
+                raise ValueError(
+                    f"every node must hold slots_per_node = {c} replicas; node {i} holds {len(row)}"
+                )
+        seen_max = max(max(row) for row in table)
+        e = self.num_experts
+        if e == -1:
+            e = seen_max + 1
+        if isinstance(e, bool) or not isinstance(e, numbers.Integral) or e < 1:
+            raise ValueError(f"Placement.num_experts must be an integer >= 1, got {e!r}")
+        if seen_max >= e:
+            raise ValueError(f"expert ids must be in [0, {e - 1}] (num_experts={e}), got {seen_max}")
+        present = {x for row in table for x in row}
+        if len(present) != e:
+            absent = sorted(set(range(e)) - present)
+            raise ValueError(f"every expert needs at least one replica; missing {absent[:10]}")
+        g = self.gpus_per_node
+        if isinstance(g, bool) or not isinstance(g, numbers.Integral) or not 1 <= g <= c:
+            raise ValueError(f"gpus_per_node must be an integer in [1, {c}] (slots_per_node), got {g!r}")
+        object.__setattr__(self, "nodes", table)
+        object.__setattr__(self, "num_experts", int(e))
+        object.__setattr__(self, "gpus_per_node", int(g))
+
+    # ----- shape -----------------------------------------------------------------
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def slots_per_node(self) -> int:
+        return len(self.nodes[0])
+
+    # ----- derived views -----------------------------------------------------------
+    def replica_counts(self) -> list[int]:
+        """Replicas of each expert (all copies, including same-node ones)."""
+        counts = [0] * self.num_experts
+        for row in self.nodes:
+            for x in row:
+                counts[x] += 1
+        return counts
+
+    def owners(self) -> list[list[int]]:
+        """``owners()[e]``: sorted distinct nodes holding expert ``e``."""
+        out: list[set[int]] = [set() for _ in range(self.num_experts)]
+        for i, row in enumerate(self.nodes):
+            for x in row:
+                out[x].add(i)
+        return [sorted(s) for s in out]
+
+    def max_copies_per_node(self) -> int:
+        """Largest number of copies of one expert on one node (1 = no duplicates)."""
+        return max(max(row.count(x) for x in set(row)) for row in self.nodes)
+
+    def gpu_slots(self) -> list[list[list[int]]]:
+        """``gpu_slots()[node][gpu]``: expert ids on each GPU of each node.
+
+        A node's (sorted) slots are dealt round-robin over its GPUs, so copies of the same
+        expert on one node land on different GPUs and each GPU gets ``c // g`` or
+        ``c // g + 1`` slots.
+        """
+        g = self.gpus_per_node
+        return [[sorted(row)[j::g] for j in range(g)] for row in self.nodes]
+
+    def with_gpus(self, gpus_per_node: int) -> Placement:
+        """The same plan with its slots spread over ``gpus_per_node`` GPUs per node."""
+        return Placement(self.nodes, self.num_experts, gpus_per_node, self.strategy)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (used by the CLI and by the controller's plan messages)."""
+        d: dict[str, Any] = {
+            "strategy": self.strategy,
+            "num_nodes": self.num_nodes,
+            "slots_per_node": self.slots_per_node,
+            "num_experts": self.num_experts,
+            "gpus_per_node": self.gpus_per_node,
+            "nodes": [list(r) for r in self.nodes],
+            "replicas": self.replica_counts(),
+        }
+        if self.gpus_per_node > 1:
+            d["gpus"] = self.gpu_slots()
+        return d
