@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: test demo bench bench-store install clean
+.PHONY: test demo bench bench-store bench-placement install clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -25,10 +25,13 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VPY) -m moc.demo --dir runs/demo
 
-bench: bench-store
+bench: bench-store bench-placement
 
 bench-store: $(STAMP)
 	$(VPY) benchmarks/store/main.py
+
+bench-placement: $(STAMP)
+	$(VPY) benchmarks/placement/main.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

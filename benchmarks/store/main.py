@@ -5,11 +5,13 @@
 Writes benchmarks/store/results.md and benchmarks/store/throughput.png and prints the
 table. Every baseline is measured in the same run on the same bytes:
 
-* local disk: ``os.write`` + ``os.fsync`` of one file vs ``LocalStore.write`` (temp file,
-  fsync, rename) and vs the full checkpoint path (``CheckpointStore.save``: encode,
-  checksum, write, commit); reads: ``os.read`` vs ``Store.read`` vs ``CheckpointStore.load``
-  (checksum verified, tensors rebuilt). Reads come from the page cache for all of them.
-* S3 (moto server on 127.0.0.1): ``boto3`` ``put_object``/``get_object`` vs ``S3Store``.
+* local disk: ``os.write`` (+ ``os.fsync``) of a new file vs ``LocalStore.write`` (temp
+  file, fsync, rename) and vs the full checkpoint path (``CheckpointStore.save``: encode,
+  checksum, write, commit); reads: ``readinto`` a preallocated buffer vs ``Store.read``
+  vs ``CheckpointStore.load`` (checksum verified, tensors rebuilt). Reads come from the
+  page cache for all of them.
+* S3 (moto server on 127.0.0.1): ``boto3`` ``put_object`` / ``upload_fileobj`` (multipart)
+  / ``get_object`` vs ``S3Store`` doing the same.
 * compression: zstd level 3 without and with byte-plane shuffle on bf16 and fp32 weights.
 """
 
@@ -83,11 +85,15 @@ def bench_local(root: Path, mib: int, reps: int) -> list[tuple[str, float, float
             os.fsync(fd)
         os.close(fd)
 
+    target = memoryview(bytearray(nbytes))
+
     def raw_read():
-        fd = os.open(root / "raw.bin", os.O_RDONLY)
-        while os.read(fd, 64 * MiB):
-            pass
-        os.close(fd)
+        # The best raw case: a buffer allocated (and faulted in) once, filled with readinto.
+        out = target
+        with open(root / "raw.bin", "rb", buffering=0) as f:
+            done = 0
+            while done < nbytes:
+                done += f.readinto(out[done:])
 
     def clear(path: Path):
         # Every write goes to a file that does not exist yet, as a new checkpoint does.
@@ -106,12 +112,20 @@ def bench_local(root: Path, mib: int, reps: int) -> list[tuple[str, float, float
     store.write("obj.bin", bufs)
     cs = CheckpointStore(open_store(root / "ckpt"))
     cs.save(0, units)
-    t_raw = timed(raw_read, reps)
+    def raw_read_new():
+        with open(root / "raw.bin", "rb", buffering=0) as f:
+            return f.read()
+
+    t_new = timed(raw_read_new, reps)
     t_store = timed(lambda: store.read("obj.bin"), reps)
+    t_raw = timed(raw_read, reps)
+    t_into = timed(lambda: store.read_into("obj.bin", target), reps)
     t_load = timed(lambda: cs.load(), reps)
-    rows.append(("local read: os.read", nbytes / t_raw / MiB, 1.0))
-    rows.append(("local read: Store.read", nbytes / t_store / MiB, t_raw / t_store))
-    rows.append(("local read: CheckpointStore.load (verified)", nbytes / t_load / MiB, t_raw / t_load))
+    rows.append(("local read into new bytes: f.read", nbytes / t_new / MiB, 1.0))
+    rows.append(("local read into new bytes: Store.read", nbytes / t_store / MiB, t_new / t_store))
+    rows.append(("local read, reused buffer: readinto", nbytes / t_raw / MiB, 1.0))
+    rows.append(("local read, reused buffer: Store.read_into", nbytes / t_into / MiB, t_raw / t_into))
+    rows.append(("local read: CheckpointStore.load (verified, vs readinto)", nbytes / t_load / MiB, t_raw / t_load))
     return rows
 
 
@@ -129,19 +143,31 @@ def bench_s3(mib: int, reps: int) -> list[tuple[str, float, float]]:
         client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="x", aws_secret_access_key="x",
                               region_name="us-east-1")
         client.create_bucket(Bucket="bench")
+        import io
+
+        from boto3.s3.transfer import TransferConfig
+
         units = make_units(mib, torch.float32)
         bufs = raw_bytes(units)
         blob = b"".join(bufs)
-        store = open_store("s3://bench/run", endpoint_url=endpoint, key="x", secret="x", region="us-east-1")
-        t_put = timed(lambda: client.put_object(Bucket="bench", Key="boto.bin", Body=blob), reps)
-        t_write = timed(lambda: store.write("store.bin", bufs), reps)
-        t_get = timed(lambda: client.get_object(Bucket="bench", Key="boto.bin")["Body"].read(), reps)
-        t_read = timed(lambda: store.read("store.bin"), reps)
         n = len(blob)
+        part = 16 * MiB
+        opts = dict(endpoint_url=endpoint, key="x", secret="x", region="us-east-1")
+        single = open_store("s3://bench/single", part_size=max(part, n), **opts)
+        multi = open_store("s3://bench/multi", part_size=part, upload_concurrency=8, **opts)
+        transfer = TransferConfig(multipart_threshold=part, multipart_chunksize=part, max_concurrency=8)
+        t_put = timed(lambda: client.put_object(Bucket="bench", Key="boto.bin", Body=blob), reps)
+        t_single = timed(lambda: single.write("store.bin", bufs), reps)
+        t_boto_mp = timed(lambda: client.upload_fileobj(io.BytesIO(blob), "bench", "boto-mp.bin", Config=transfer), reps)
+        t_multi = timed(lambda: multi.write("store.bin", bufs), reps)
+        t_get = timed(lambda: client.get_object(Bucket="bench", Key="boto.bin")["Body"].read(), reps)
+        t_read = timed(lambda: single.read("store.bin"), reps)
         return [("s3 (moto) write: boto3 put_object", n / t_put / MiB, 1.0),
-                ("s3 (moto) write: S3Store.write (multipart)", n / t_write / MiB, t_put / t_write),
+                ("s3 (moto) write: S3Store.write (one PUT)", n / t_single / MiB, t_put / t_single),
+                ("s3 (moto) write: boto3 upload_fileobj (16 MiB parts, 8 threads)", n / t_boto_mp / MiB, 1.0),
+                ("s3 (moto) write: S3Store.write (16 MiB parts, 8 in flight)", n / t_multi / MiB, t_boto_mp / t_multi),
                 ("s3 (moto) read: boto3 get_object", n / t_get / MiB, 1.0),
-                ("s3 (moto) read: S3Store.read", n / t_read / MiB, t_get / t_read)]
+                ("s3 (moto) read: S3Store.read (s3fs)", n / t_read / MiB, t_get / t_read)]
     finally:
         server.stop()
 
