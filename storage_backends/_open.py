@@ -80,6 +80,7 @@ def _open_s3(bucket: str, prefix: str, url: str, opts: dict[str, Any]) -> Store:
         raise ValueError(f"s3 URL {url!r} names no bucket; expected s3://BUCKET[/PREFIX]")
     common = _pop_common(opts)
     check = opts.pop("check", True)
+    upload_concurrency = opts.pop("upload_concurrency", 8)
     endpoint = opts.pop("endpoint_url", None) or _env("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
     key = opts.pop("key", None) or _env("AWS_ACCESS_KEY_ID")
     secret = opts.pop("secret", None) or _env("AWS_SECRET_ACCESS_KEY")
@@ -104,7 +105,7 @@ def _open_s3(bucket: str, prefix: str, url: str, opts: dict[str, Any]) -> Store:
     )
     fs.retries = 1
     root = f"{bucket}/{prefix.strip('/')}".rstrip("/")
-    store = S3Store(fs, root, url=f"s3://{root}", **common)
+    store = S3Store(fs, root, url=f"s3://{root}", upload_concurrency=upload_concurrency, **common)
     if check:
         where = f" at {endpoint}" if endpoint else ""
 
@@ -129,7 +130,8 @@ def open_store(url: str | os.PathLike[str], **storage_options: Any) -> Store:
 
     Options for every scheme: ``retry`` (:class:`RetryPolicy`), ``part_size`` (bytes per
     multipart part, >= 5 MiB). Local: ``fsync`` (default True), ``create`` (default True).
-    S3: ``check`` (probe the bucket on open, default True), ``connect_timeout`` and
+    S3: ``check`` (probe the bucket on open, default True), ``upload_concurrency``
+    (multipart parts in flight, default 8), ``connect_timeout`` and
     ``read_timeout`` (``timedelta``), plus any ``s3fs.S3FileSystem`` argument.
     """
     if isinstance(url, os.PathLike):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
 from datetime import timedelta
-from typing import Any, Sequence, Union
+from typing import Any, Iterable, Iterator, Sequence, Union
 
 import fsspec
 
@@ -210,24 +211,73 @@ class Store:
         return 0
 
 
+def _parts(buffers: Iterable[memoryview], size: int) -> Iterator[bytes]:
+    """Regroup buffers into ``size``-byte parts (the last may be shorter), in one pass."""
+    pending: list[memoryview] = []
+    filled = 0
+    for buf in buffers:
+        while len(buf):
+            take = min(size - filled, len(buf))
+            pending.append(buf[:take])
+            filled += take
+            buf = buf[take:]
+            if filled == size:
+                yield b"".join(pending)
+                pending, filled = [], 0
+    if pending:
+        yield b"".join(pending)
+
+
 class S3Store(Store):
-    """S3 and compatible endpoints: one PUT for small objects, multipart for large ones."""
+    """S3 and compatible endpoints: one PUT for small objects; for large ones a multipart
+    upload with ``upload_concurrency`` parts in flight, completed only when every part is
+    in and aborted on any failure, so a partial object is never published."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, url: str,
+                 retry: RetryPolicy | None = None, part_size: int = DEFAULT_PART_SIZE,
+                 upload_concurrency: int = 8) -> None:
+        super().__init__(fs, root, url=url, retry=retry, part_size=part_size)
+        if not isinstance(upload_concurrency, int) or upload_concurrency < 1:
+            raise ValueError(f"upload_concurrency must be an integer >= 1, got {upload_concurrency!r}")
+        self.upload_concurrency = upload_concurrency
 
     def _put(self, path: str, buffers: list[memoryview], *, durable: bool) -> None:
         if sum(len(b) for b in buffers) <= self.part_size:
             super()._put(path, buffers, durable=durable)
             return
-        # A streamed multipart upload, completed only when every part is in and aborted on
-        # failure, so a partial object is never published.
-        f = self.fs.open(path, "wb", block_size=self.part_size)
+        from fsspec.asyn import sync
+
+        bucket, key = path.split("/", 1)
+        sync(self.fs.loop, self._multipart, bucket, key, _parts(buffers, self.part_size))
+
+    async def _multipart(self, bucket: str, key: str, parts: Iterator[bytes]) -> None:
+        call = self.fs._call_s3
+        upload = await call("create_multipart_upload", Bucket=bucket, Key=key)
+        uid = upload["UploadId"]
+        slots = asyncio.Semaphore(self.upload_concurrency)
+        tasks: list[asyncio.Future] = []
+
+        async def send(number: int, body: bytes) -> dict[str, Any]:
+            try:
+                out = await call("upload_part", Bucket=bucket, Key=key, UploadId=uid,
+                                 PartNumber=number, Body=body)
+                return {"PartNumber": number, "ETag": out["ETag"]}
+            finally:
+                slots.release()
+
         try:
-            for buf in buffers:
-                f.write(buf)
+            for number, body in enumerate(parts, 1):
+                await slots.acquire()  # at most upload_concurrency parts in memory
+                tasks.append(asyncio.ensure_future(send(number, body)))
+            done = await asyncio.gather(*tasks)
+            await call("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=uid,
+                       MultipartUpload={"Parts": list(done)})
         except BaseException:
-            f.discard()  # aborts the multipart upload
-            f.closed = True  # nothing left to flush; keeps __del__ from closing it again
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=uid)
             raise
-        f.close()
 
 
 class LocalStore(Store):
