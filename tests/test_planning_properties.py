@@ -7,7 +7,6 @@ multisets) and every alive set, on instances small enough to finish in milliseco
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 
@@ -16,6 +15,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from lazarus.planning import (
+    best_survivor_counts,
+    survivor_counts,
     Placement,
     allocate_replicas,
     effective_min_replicas,
@@ -37,53 +38,12 @@ PLACERS = [place_mro, place_mro_paper, place_spread, place_compact]
 # ----------------------------------------------------------------------------- references
 
 
-def survivors_by_alive_count(nodes: tuple[tuple[int, ...], ...], n: int) -> tuple[int, ...]:
-    """For R = 0..n: number of alive sets of size R on which every expert survives."""
-    owners = {}
-    for i, row in enumerate(nodes):
-        for x in row:
-            owners[x] = owners.get(x, 0) | (1 << i)
-    sets = list(owners.values())
-    out = [0] * (n + 1)
-    for mask in range(1 << n):
-        if all(mask & s for s in sets):
-            out[bin(mask).count("1")] += 1
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=None)
 def best_by_alive_count(r: tuple[int, ...], n: int, c: int) -> tuple[int, ...]:
-    """Pointwise maximum over all placements of ``r`` (brute force)."""
-    e = len(r)
-    multisets = list(itertools.combinations_with_replacement(range(e), c))
-    best = [0] * (n + 1)
-    left = list(r)
-
-    def rec(i: int, prev: tuple[int, ...], acc: list[tuple[int, ...]]) -> None:
-        if i == n:
-            if not any(left):
-                cur = survivors_by_alive_count(tuple(acc), n)
-                for k in range(n + 1):
-                    best[k] = max(best[k], cur[k])
-            return
-        for ms in multisets:
-            if ms < prev:
-                continue
-            for x in ms:
-                left[x] -= 1
-            if min(left) >= 0:
-                acc.append(ms)
-                rec(i + 1, ms, acc)
-                acc.pop()
-            for x in ms:
-                left[x] += 1
-
-    rec(0, (), [])
-    return tuple(best)
+    return best_survivor_counts(r, n, c)
 
 
 def counts_of(plan: Placement) -> tuple[int, ...]:
-    return survivors_by_alive_count(tuple(tuple(r) for r in plan.nodes), plan.num_nodes)
+    return survivor_counts(tuple(tuple(r) for r in plan.nodes), plan.num_nodes)
 
 
 @st.composite

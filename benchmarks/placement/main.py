@@ -26,6 +26,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 from lazarus.planning import (  # noqa: E402
     Placement,
     allocate_replicas,
+    best_survivor_counts,
     mro_layout,
     place_compact,
     place_mro,
@@ -33,6 +34,7 @@ from lazarus.planning import (  # noqa: E402
     place_spread,
     plan_migration,
     recovery_curve,
+    survivor_counts,
 )
 
 STRATEGIES = {
@@ -143,41 +145,7 @@ def exhaustive_section() -> list[str]:
     """Every replica vector with N <= 6, c <= 3, E <= 6 against the brute-force optimum."""
     from itertools import combinations_with_replacement as cwr
 
-    def counts(nodes: list[list[int]] | tuple, n: int) -> tuple[int, ...]:
-        owners: dict[int, int] = {}
-        for i, row in enumerate(nodes):
-            for x in row:
-                owners[x] = owners.get(x, 0) | (1 << i)
-        out = [0] * (n + 1)
-        for m in range(1 << n):
-            if all(m & v for v in owners.values()):
-                out[bin(m).count("1")] += 1
-        return tuple(out)
-
-    def best(r: tuple[int, ...], n: int, c: int) -> tuple[int, ...]:
-        ms = list(cwr(range(len(r)), c))
-        top = [0] * (n + 1)
-        left = list(r)
-
-        def rec(i: int, prev: tuple, acc: list) -> None:
-            if i == n:
-                for k, v in enumerate(counts(acc, n)):
-                    top[k] = max(top[k], v)
-                return
-            for m in ms:
-                if m < prev:
-                    continue
-                for x in m:
-                    left[x] -= 1
-                if min(left) >= 0 and sum(left) == (n - i - 1) * c:
-                    acc.append(m)
-                    rec(i + 1, m, acc)
-                    acc.pop()
-                for x in m:
-                    left[x] += 1
-
-        rec(0, (), [])
-        return tuple(top)
+    counts, best = survivor_counts, best_survivor_counts
 
     stats = dict(cases=0, full=0, full_opt=0, trunc=0, paper_opt=0, mro_opt=0)
     for n in range(1, 7):

@@ -12,6 +12,7 @@ Typical use::
 """
 
 from ._allocate import allocate_replicas, effective_min_replicas
+from ._bruteforce import best_survivor_counts, survivor_counts
 from ._layers import LayerPlan, plan_layers
 from ._migration import Migration, plan_migration
 from ._placement import MroLayout, mro_layout, place_compact, place_mro_paper, place_spread
@@ -32,6 +33,7 @@ __all__ = [
     "Placement",
     "RecoveryEstimate",
     "allocate_replicas",
+    "best_survivor_counts",
     "effective_min_replicas",
     "improve_placement",
     "minimal_owner_sets",
@@ -45,4 +47,5 @@ __all__ = [
     "recovery_curve",
     "recovery_estimate",
     "recovery_probability",
+    "survivor_counts",
 ]
