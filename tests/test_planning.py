@@ -11,6 +11,8 @@ import sys
 import pytest
 
 from lazarus.planning import (
+    best_survivor_counts,
+    survivor_counts,
     Migration,
     Placement,
     allocate_replicas,
@@ -67,12 +69,20 @@ def test_allocation_lowers_f_when_slots_are_short() -> None:
     assert sum(r) == 6 and min(r) >= 1
 
 
-def test_allocation_caps_at_one_replica_per_node() -> None:
-    r = allocate_replicas([1000, 1, 1, 1, 1, 1], 4, 3, 1)
+def test_allocation_gives_hot_experts_more_replicas_than_nodes() -> None:
+    # Plain Eq. 1: the hot expert gets 7 of 12 slots on 4 nodes (copies share a node).
+    assert allocate_replicas([1000, 1, 1, 1, 1, 1], 4, 3, 1) == [7, 1, 1, 1, 1, 1]
+    plan = place_mro([7, 1, 1, 1, 1, 1], 4, 3)
+    assert sorted(len(row) for row in plan.nodes) == [3, 3, 3, 3]
+    assert sum(row.count(0) for row in plan.nodes) == 7
+    assert survivor_counts(plan.nodes, 4) == best_survivor_counts([7, 1, 1, 1, 1, 1], 4, 3)
+
+
+def test_allocation_per_node_cap() -> None:
+    r = allocate_replicas([1000, 1, 1, 1, 1, 1], 4, 3, 1, max_per_node=1)
     assert max(r) <= 4 and sum(r) == 12
-    # With fewer experts than slots a node must hold copies: cap is ceil(c/E) per node.
-    r = allocate_replicas([100, 1], 2, 4, 1)
-    assert r == [4, 4]
+    # With fewer experts than slots a node must hold copies: the cap is at least ceil(c/E).
+    assert allocate_replicas([100, 1], 2, 4, 1, max_per_node=2) == [4, 4]
 
 
 def test_allocation_exact_arithmetic() -> None:

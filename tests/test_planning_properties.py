@@ -52,7 +52,7 @@ def replica_vectors(draw, max_nodes: int = 6, max_slots: int = 3, max_experts: i
     n = draw(st.integers(1, max_nodes))
     c = draw(st.integers(1, max_slots))
     e = draw(st.integers(1, min(max_experts, n * c)))
-    cap = -(-c // e) * n
+    cap = c * n  # hot experts may hold several replicas on one node
     r = [1] * e
     extra = n * c - e
     for _ in range(extra):
@@ -80,12 +80,34 @@ def test_allocation_invariants(loads, n, c, f) -> None:
     assert len(r) == len(loads)
     assert sum(r) == n * c
     assert min(r) >= f_eff
-    assert max(r) <= -(-c // len(loads)) * n  # per-node cap
-    # a more loaded expert never gets fewer replicas than a less loaded one by more than the
-    # floors/caps can explain: check the ordering is monotone when no cap binds
-    if max(r) < -(-c // len(loads)) * n:
-        order = sorted(range(len(loads)), key=lambda i: (loads[i], i))
-        assert all(r[order[i]] <= r[order[i + 1]] for i in range(len(order) - 1))
+    assert r == eq1_reference(loads, n, c, f_eff)
+    # a more loaded expert never gets fewer replicas than a less loaded one
+    order = sorted(range(len(loads)), key=lambda i: (loads[i], i))
+    assert all(r[order[i]] <= r[order[i + 1]] for i in range(len(order) - 1))
+
+
+@FAST
+@given(loads=loads_st, n=st.integers(1, 64), c=st.integers(1, 8), f=st.integers(1, 6), k=st.integers(1, 8))
+def test_allocation_with_per_node_cap(loads, n, c, f, k) -> None:
+    assume(n * c >= len(loads) and f <= n and -(-c // len(loads)) <= k <= c)
+    r = allocate_replicas(loads, n, c, f, max_per_node=k)
+    assert sum(r) == n * c and max(r) <= k * n
+    assert min(r) >= effective_min_replicas(len(loads), n, c, f)
+
+
+def eq1_reference(loads, n: int, c: int, f: int) -> list[int]:
+    """Eq. 1 written out directly, in exact arithmetic."""
+    from fractions import Fraction
+
+    order = sorted(range(len(loads)), key=lambda i: (loads[i], i))
+    t = [Fraction(repr(float(loads[i]))) if not isinstance(loads[i], int) else Fraction(loads[i]) for i in order]
+    out, rest = [0] * len(loads), n * c
+    for j, idx in enumerate(order):
+        tail = sum(t[j:])
+        share = math.floor(t[j] * rest / tail) if tail > 0 else rest // (len(order) - j)
+        out[idx] = rest if j == len(order) - 1 else max(share, f)
+        rest -= out[idx]
+    return out
 
 
 @FAST

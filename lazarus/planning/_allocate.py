@@ -6,16 +6,14 @@ The rule walks the experts from the least to the most loaded one and hands each 
 of the slots that are still free, proportional to its part of the load that is still
 unassigned; the most loaded expert takes whatever is left, so the slots add up exactly.
 
-Per-node cap (our choice, documented here because the paper leaves it implicit): a node
-gains nothing in fault tolerance from a second copy of an expert, and with one GPU per
-node a second copy on the same device is pure waste. ``allocate_replicas`` therefore caps
-every expert at ``max_per_node * num_nodes`` replicas, with ``max_per_node`` defaulting
-to the smallest value that can fill all slots, ``ceil(slots_per_node / E)`` (that is 1,
-one replica per node, whenever there are at least as many experts as slots per node).
-The cap is enforced inside the same sweep: an expert's count is clamped to
-``[rest - cap * (experts after it), cap]`` which keeps the sweep feasible, so the result
-still sums to ``N * c`` and never drops below ``f``. When the cap does not bind the
-output is exactly Eq. 1.
+Optional per-node cap: ``max_per_node`` limits the copies of one expert a node may hold
+(``max_per_node * num_nodes`` replicas in all). By default there is no cap, exactly as in
+Eq. 1: several replicas of a hot expert on one node are how that node takes a larger share
+of its tokens (the dispatcher gives a rank holding two replicas twice the share), which is
+what keeps per-replica work even under heavy skew. Fault tolerance is unaffected either
+way, since placement spreads each expert over distinct nodes first. With a cap, an
+expert's count is clamped to ``[rest - cap * (experts after it), cap]`` inside the same
+sweep, so the result still sums to ``N * c`` and never drops below ``f``.
 """
 
 from __future__ import annotations
@@ -72,8 +70,8 @@ def allocate_replicas(
         slots_per_node: c, expert replica slots per node (>= 1).
         min_replicas: f, fault-tolerance threshold, in ``[1, num_nodes]``; lowered to
             ``floor(N*c / E)`` when the slots are short.
-        max_per_node: copies of one expert a node may hold (default
-            ``ceil(c / E)``; see the module docstring).
+        max_per_node: copies of one expert a node may hold, in
+            ``[ceil(c / E), c]`` (default ``c``: no cap, plain Eq. 1).
 
     Returns:
         ``r`` with ``sum(r) == N*c`` and ``f_eff <= r[e] <= max_per_node * N``.
@@ -91,7 +89,7 @@ def allocate_replicas(
         )
     f = effective_min_replicas(e_count, n, c, min_replicas)
     k_min = -(-c // e_count)
-    k = k_min if max_per_node is None else check_int("max_per_node", max_per_node, lo=k_min, hi=c)
+    k = c if max_per_node is None else check_int("max_per_node", max_per_node, lo=k_min, hi=c)
     cap = k * n
 
     order = sorted(range(e_count), key=lambda i: (t[i], i))
