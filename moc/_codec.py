@@ -19,6 +19,8 @@ import zstandard
 
 __all__ = [
     "EncodedUnit",
+    "TreePlan",
+    "plan_tree",
     "TensorMeta",
     "encode_tree",
     "decode_tree",
@@ -99,10 +101,54 @@ def _tensor_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def encode_tree(tree: Any) -> EncodedUnit:
-    """Flatten ``tree``; raise ``TypeError`` naming the path of any unsupported leaf."""
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor (no copy for contiguous tensors)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+@dataclass
+class TreePlan:
+    """Where every tensor of a tree goes in the unit's byte stream, without touching data.
+
+    The snapshot level copies byte ranges of the stream straight from the live tensors
+    into preallocated buffers (:meth:`copy_range`); :func:`encode_tree` turns a plan into
+    zero-copy buffer views for writing.
+    """
+
+    skeleton: Any
+    tensors: list[TensorMeta]
+    sources: list[torch.Tensor]
+    nbytes: int
+    itemsize: int
+
+    def copy_range(self, start: int, end: int, out: torch.Tensor, *, non_blocking: bool = False) -> None:
+        """Copy stream bytes ``[start, end)`` into the uint8 tensor ``out`` (len end-start).
+
+        Alignment padding between tensors is written as zeros.
+        """
+        if out.numel() != end - start:
+            raise ValueError(f"out has {out.numel()} bytes, range needs {end - start}")
+        pos = start
+        for meta, src in zip(self.tensors, self.sources):
+            lo, hi = max(start, meta.offset), min(end, meta.offset + meta.nbytes)
+            if hi <= lo:
+                continue
+            if lo > pos:
+                out[pos - start: lo - start].zero_()
+            out[lo - start: hi - start].copy_(_byte_view(src)[lo - meta.offset: hi - meta.offset],
+                                              non_blocking=non_blocking)
+            pos = hi
+        if pos < end:
+            out[pos - start:].zero_()
+
+
+def plan_tree(tree: Any) -> TreePlan:
+    """Lay out ``tree``; raise ``TypeError`` naming the path of any unsupported leaf."""
     tensors: list[TensorMeta] = []
-    buffers: list[memoryview] = []
+    sources: list[torch.Tensor] = []
     pos = 0
     sizes: dict[int, int] = {}
 
@@ -113,17 +159,12 @@ def encode_tree(tree: Any) -> EncodedUnit:
                 raise TypeError(f"{path or '<root>'}: tensors of dtype {node.dtype} cannot be checkpointed")
             if node.is_sparse or node.layout != torch.strided:
                 raise TypeError(f"{path or '<root>'}: only strided (dense) tensors can be checkpointed")
-            pad = (-pos) % ALIGN
-            if pad:
-                buffers.append(memoryview(bytes(pad)))
-                pos += pad
-            view = _tensor_view(node)
-            meta = TensorMeta(_DTYPE_NAMES[node.dtype], tuple(node.shape), pos, len(view))
-            if len(view):
-                buffers.append(view)
-            pos += len(view)
-            sizes[node.element_size()] = sizes.get(node.element_size(), 0) + len(view)
-            tensors.append(meta)
+            pos += (-pos) % ALIGN
+            nbytes = node.numel() * node.element_size()
+            tensors.append(TensorMeta(_DTYPE_NAMES[node.dtype], tuple(node.shape), pos, nbytes))
+            sources.append(node.detach())
+            pos += nbytes
+            sizes[node.element_size()] = sizes.get(node.element_size(), 0) + nbytes
             return {"@t": len(tensors) - 1}
         if isinstance(node, dict):
             if all(isinstance(k, str) for k in node) and not any(k.startswith("@") for k in node):
@@ -151,7 +192,21 @@ def encode_tree(tree: Any) -> EncodedUnit:
 
     skeleton = walk(tree, "")
     itemsize = max(sizes, key=sizes.get) if sizes else 1
-    return EncodedUnit(skeleton, tensors, buffers, pos, itemsize)
+    return TreePlan(skeleton, tensors, sources, pos, itemsize)
+
+
+def encode_tree(tree: Any) -> EncodedUnit:
+    """Flatten ``tree`` into a skeleton and zero-copy views of its tensors' bytes."""
+    plan = plan_tree(tree)
+    buffers: list[memoryview] = []
+    pos = 0
+    for meta, src in zip(plan.tensors, plan.sources):
+        if meta.offset > pos:
+            buffers.append(memoryview(bytes(meta.offset - pos)))
+        if meta.nbytes:
+            buffers.append(_tensor_view(src))
+        pos = meta.offset + meta.nbytes
+    return EncodedUnit(plan.skeleton, plan.tensors, buffers, plan.nbytes, plan.itemsize)
 
 
 def decode_tree(skeleton: Any, tensors: list[TensorMeta], data: bytearray | bytes) -> Any:

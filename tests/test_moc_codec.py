@@ -119,3 +119,16 @@ def test_decode_rejects_metadata_that_does_not_fit():
     enc = encode_tree({"w": torch.ones(10)})
     with pytest.raises(ValueError, match="does not fit"):
         decode_tree(enc.skeleton, enc.tensors, _join(enc)[:20])
+
+
+@settings(max_examples=80, deadline=None)
+@given(trees, st.integers(0, 300), st.integers(0, 300))
+def test_plan_copy_range_matches_encoded_stream(tree, a, b):
+    from moc._codec import plan_tree
+
+    plan = plan_tree(tree)
+    enc = encode_tree(tree)
+    lo, hi = sorted((min(a, plan.nbytes), min(b, plan.nbytes)))
+    out = torch.full((hi - lo,), 0xAB, dtype=torch.uint8)
+    plan.copy_range(lo, hi, out)
+    assert bytes(out.numpy()) == bytes(_join(enc))[lo:hi]
