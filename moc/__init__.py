@@ -1,10 +1,15 @@
 """moc: checkpointing built for Mixture-of-Experts training.
 
-The persistent level lives in :class:`CheckpointStore` (store format, atomic commit,
-partial checkpoints that compose over steps, checksums, retention); the ``moc`` CLI
-inspects, verifies and exports what it wrote.
+:class:`CheckpointManager` (configured by :class:`MoCConfig`) wraps a training loop:
+partial-expert, two-level (shared-memory snapshot, then storage), triple-buffered,
+asynchronous checkpoints, sharded over ranks, with PLT tracking and dynamic K. The
+persistent level lives in :class:`CheckpointStore` (store format, atomic commit, partial
+checkpoints that compose over steps, checksums, retention); the ``moc`` CLI inspects,
+verifies and exports what it wrote.
 """
 
+from ._config import MoCConfig
+from ._manager import CheckpointManager
 from ._ckpt_store import CheckpointStore, CorruptObjectError, LoadResult, ShardWriter, VerifyProblem
 from ._codec import decode_tree, encode_tree
 from ._format import FORMAT_VERSION, ChunkRecord, Manifest, ManifestError, UnitRecord, UnsupportedFormatError
@@ -13,6 +18,8 @@ from ._selection import load_aware_selection, sequential_selection
 from ._units import DEFAULT_EXPERT_PATTERN, UnitLayout, UnitSpec, discover_units
 
 __all__ = [
+    "CheckpointManager",
+    "MoCConfig",
     "CheckpointStore",
     "ShardWriter",
     "LoadResult",

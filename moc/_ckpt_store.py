@@ -94,14 +94,19 @@ class ShardWriter:
     def add_chunk(self, enc: EncodedUnit, *, start: int = 0, end: int | None = None,
                   group: str = "state") -> ChunkRecord:
         """Queue bytes ``[start, end)`` of an encoded unit; return the chunk's record."""
-        if not _WRITER_RE.match(group):
-            raise ValueError(f"group must match {_WRITER_RE.pattern}, got {group!r}")
         end = enc.nbytes if end is None else end
         if not 0 <= start <= end <= enc.nbytes:
             raise ValueError(f"chunk range [{start}, {end}) outside the unit's {enc.nbytes} bytes")
-        views = enc.stream(start, end)
+        return self.add_bytes(enc.stream(start, end), offset=start, itemsize=enc.itemsize, group=group)
+
+    def add_bytes(self, views: list[memoryview], *, offset: int, itemsize: int = 1,
+                  group: str = "state") -> ChunkRecord:
+        """Queue raw unit bytes that start at ``offset`` in the unit's stream."""
+        if not _WRITER_RE.match(group):
+            raise ValueError(f"group must match {_WRITER_RE.pattern}, got {group!r}")
+        nbytes = sum(len(v) for v in views)
         codec = self.owner.compression
-        stored = compress(views, codec, itemsize=enc.itemsize, level=self.owner.zstd_level)
+        stored = compress(views, codec, itemsize=itemsize, level=self.owner.zstd_level)
         if isinstance(stored, bytes):
             parts: list[Any] = [stored]
             digest = checksum(stored)
@@ -116,9 +121,9 @@ class ShardWriter:
         pos = self._sizes.get(group, 0)
         self._parts.setdefault(group, []).extend(parts)
         self._sizes[group] = pos + size
-        self.raw_nbytes += end - start
-        return ChunkRecord(key=key, start=pos, stored_nbytes=size, offset=start, nbytes=end - start,
-                           codec=codec, itemsize=enc.itemsize if codec == "zstd" else 1, checksum=digest)
+        self.raw_nbytes += nbytes
+        return ChunkRecord(key=key, start=pos, stored_nbytes=size, offset=offset, nbytes=nbytes,
+                           codec=codec, itemsize=itemsize if codec == "zstd" else 1, checksum=digest)
 
     def add_unit(self, name: str, tree: Any, *, kind: str, layer: str | None = None,
                  expert: int | None = None, group: str | None = None) -> UnitRecord:

@@ -1,10 +1,15 @@
 """Proportion of lost tokens (PLT): what partial checkpoints cost on recovery.
 
-``unsaved[layer][e]`` counts tokens routed to expert ``e`` since its last saved version.
-When a fault restores expert ``e`` from a version that predates the checkpoint step, the
-tokens it saw since that version are lost. Accumulated over faults::
+For every expert the tracker keeps ``cum``, the tokens routed to it that are reflected in
+its current state, and per level (snapshot, persist) ``saved``, the value of ``cum`` at
+its newest saved version. When a fault restores an expert from a version taken when
+``cum`` was ``c_v``, while the rest of the model resumes from a step where it was ``c_S``,
+the ``c_S - c_v`` tokens it saw in between are lost. Accumulated over faults::
 
     PLT = (1/L) * sum_l lost_tokens[l] / (total_tokens_processed * top_k)
+
+Losses are booked to the level the restored version came from, so dynamic-K can raise K
+of the level that is too sparse.
 """
 
 from __future__ import annotations
@@ -13,69 +18,97 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-__all__ = ["PLTTracker"]
+__all__ = ["PLTTracker", "LEVELS"]
+
+LEVELS = ("snapshot", "persist")
 
 
 class PLTTracker:
-    """Routing counts since each expert's saved version, and lost tokens over faults."""
+    """Routing counts per expert and the tokens lost by recoveries."""
 
     def __init__(self, experts_per_layer: Mapping[str, int], top_k: int = 1) -> None:
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
         self.top_k = int(top_k)
-        self.unsaved: dict[str, list[int]] = {l: [0] * int(n) for l, n in experts_per_layer.items()}
-        self.lost: dict[str, int] = {l: 0 for l in experts_per_layer}
+        self.cum: dict[str, list[int]] = {l: [0] * int(n) for l, n in experts_per_layer.items()}
+        self.saved: dict[str, dict[str, list[int]]] = {lv: {l: [0] * int(n) for l, n in experts_per_layer.items()}
+                                                       for lv in LEVELS}
+        self.lost: dict[str, dict[str, int]] = {lv: {l: 0 for l in experts_per_layer} for lv in LEVELS}
         self.total_tokens = 0  # tokens processed (each routed to top_k experts)
 
+    @property
+    def layers(self) -> list[str]:
+        return list(self.cum)
+
     def record(self, layer: str, counts: Sequence[int] | torch.Tensor) -> None:
-        """Add the tokens routed to each expert of ``layer`` in one step."""
-        if layer not in self.unsaved:
-            raise KeyError(f"unknown MoE layer {layer!r}; known: {sorted(self.unsaved)}")
+        """Add the tokens routed to each expert of ``layer`` (global expert ids)."""
+        if layer not in self.cum:
+            raise KeyError(f"unknown MoE layer {layer!r}; known: {sorted(self.cum)}")
         values = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
-        row = self.unsaved[layer]
+        row = self.cum[layer]
         if len(values) != len(row):
             raise ValueError(f"layer {layer!r} has {len(row)} experts, got {len(values)} counts")
         for e, c in enumerate(values):
+            if c < 0:
+                raise ValueError(f"routing counts must be >= 0, got {c} for expert {e} of {layer!r}")
             row[e] += int(c)
 
     def add_tokens(self, n: int) -> None:
         self.total_tokens += int(n)
 
-    def saved(self, layer: str, experts: Iterable[int]) -> None:
-        """Experts of ``layer`` were just saved: nothing of theirs is unsaved any more."""
-        row = self.unsaved[layer]
+    def unsaved(self, level: str, layer: str) -> list[int]:
+        """Tokens routed to each expert of ``layer`` since its newest version at ``level``."""
+        return [c - s for c, s in zip(self.cum[layer], self.saved[level][layer])]
+
+    def mark_saved(self, level: str, layer: str, experts: Iterable[int], cum: Sequence[int] | None = None) -> None:
+        """Experts of ``layer`` were saved at ``level`` when the counters were ``cum``."""
+        ref = self.cum[layer] if cum is None else cum
+        row = self.saved[level][layer]
         for e in experts:
-            row[e] = 0
+            row[e] = int(ref[e])
 
-    def charge(self, unsaved_at_version: Mapping[str, Sequence[int]], stale: Mapping[str, Iterable[int]]) -> int:
-        """A fault restored ``stale[layer]`` experts from old versions: count their losses.
+    def book_loss(self, level: str, layer: str, tokens: int) -> None:
+        if tokens < 0:
+            raise ValueError(f"lost tokens must be >= 0, got {tokens}")
+        self.lost[level][layer] = self.lost[level].get(layer, 0) + int(tokens)
 
-        ``unsaved_at_version`` is the manifest's record of tokens each expert had seen
-        since its saved version, at the step being restored.
-        """
-        lost = 0
-        for layer, experts in stale.items():
-            for e in experts:
-                n = int(unsaved_at_version[layer][e])
-                self.lost[layer] = self.lost.get(layer, 0) + n
-                lost += n
-        return lost
+    def lost_tokens(self, level: str | None = None) -> int:
+        levels = LEVELS if level is None else (level,)
+        return sum(sum(self.lost[lv].values()) for lv in levels)
 
-    def value(self) -> float:
-        if self.total_tokens == 0 or not self.lost:
+    def value(self, level: str | None = None) -> float:
+        """PLT over all recoveries so far (losses of one level, or of both)."""
+        if self.total_tokens == 0 or not self.cum:
             return 0.0
-        per_layer = [lost / (self.total_tokens * self.top_k) for lost in self.lost.values()]
+        levels = LEVELS if level is None else (level,)
+        denom = self.total_tokens * self.top_k
+        per_layer = [sum(self.lost[lv].get(l, 0) for lv in levels) / denom for l in self.cum]
         return sum(per_layer) / len(per_layer)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"top_k": self.top_k, "total_tokens": self.total_tokens, "lost_tokens": dict(self.lost),
-                "unsaved": {l: list(v) for l, v in self.unsaved.items()}, "value": self.value()}
+    def state(self) -> dict[str, Any]:
+        """JSON-able state, stored in manifests and snapshot headers."""
+        return {
+            "top_k": self.top_k,
+            "total_tokens": self.total_tokens,
+            "cum": {l: list(v) for l, v in self.cum.items()},
+            "saved": {lv: {l: list(v) for l, v in rows.items()} for lv, rows in self.saved.items()},
+            "lost": {lv: dict(rows) for lv, rows in self.lost.items()},
+            "lost_tokens": {l: sum(self.lost[lv].get(l, 0) for lv in LEVELS) for l in self.cum},
+            "unsaved": {l: self.unsaved("persist", l) for l in self.cum},
+            "value": self.value(),
+        }
 
-    def load_json(self, d: Mapping[str, Any]) -> None:
-        """Resume totals from a manifest. After a restore every expert equals a saved
-        version, so nothing is unsaved: charge the stale ones first with :meth:`charge`."""
+    def load_state(self, d: Mapping[str, Any]) -> None:
+        """Restore counters saved by :meth:`state` (layers must match)."""
         self.total_tokens = int(d.get("total_tokens", 0))
-        for layer, n in (d.get("lost_tokens") or {}).items():
-            self.lost[layer] = int(n)
-        for row in self.unsaved.values():
-            row[:] = [0] * len(row)
+        for layer, row in (d.get("cum") or {}).items():
+            if layer in self.cum and len(row) == len(self.cum[layer]):
+                self.cum[layer] = [int(x) for x in row]
+        for lv, rows in (d.get("saved") or {}).items():
+            for layer, row in rows.items():
+                if lv in self.saved and layer in self.saved[lv] and len(row) == len(self.saved[lv][layer]):
+                    self.saved[lv][layer] = [int(x) for x in row]
+        for lv, rows in (d.get("lost") or {}).items():
+            for layer, n in rows.items():
+                if lv in self.lost:
+                    self.lost[lv][layer] = int(n)

@@ -78,8 +78,8 @@ class Trainer:
         records.append(writer.add_unit("extra", extra, kind="extra"))
         writer.finish()
         for layer, pick in chosen.items():
-            self.plt.saved(layer, pick)
-        self.base = self.ckpt.commit(step, records, base=self.base, plt=self.plt.to_json())
+            self.plt.mark_saved("persist", layer, pick)
+        self.base = self.ckpt.commit(step, records, base=self.base, plt=self.plt.state())
         self.checkpoints += 1
         return chosen
 
@@ -94,8 +94,14 @@ class Trainer:
         manifest = result.manifest
         stale = {layer: [e for e, rec in recs.items() if result.versions[rec.name] < manifest.step]
                  for layer, recs in manifest.layers().items()}
-        self.plt.load_json(manifest.plt)
-        lost = self.plt.charge(manifest.plt["unsaved"], stale)
+        self.plt.load_state(manifest.plt)
+        lost = 0
+        for layer, experts in stale.items():
+            for e in experts:  # tokens the expert saw after its saved version are lost
+                n = self.plt.cum[layer][e] - self.plt.saved["persist"][layer][e]
+                self.plt.book_loss("persist", layer, n)
+                self.plt.cum[layer][e] = self.plt.saved["persist"][layer][e]
+                lost += n
         self.base = manifest
         self.checkpoints = int(extra["checkpoints"]) + 1
         return {"step": manifest.step, "manifest": manifest, "versions": result.versions,

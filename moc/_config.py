@@ -1,0 +1,126 @@
+"""``MoCConfig``: every knob of the checkpoint manager, validated at construction."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Union
+
+from ._codec import CODECS
+from ._selection import SELECTIONS
+from ._units import DEFAULT_EXPERT_PATTERN
+
+__all__ = ["MoCConfig", "SHARDINGS"]
+
+SHARDINGS = ("adaptive", "equal", "none")
+_SCHEMES = ("file", "s3", "s3a", "memory")
+
+Auto = str  # the literal "auto"
+
+
+def _check_int(name: str, value: Any, lo: int, *, allow_auto: bool = False, allow_none: bool = False) -> None:
+    if allow_auto and value == "auto":
+        return
+    if allow_none and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        extra = " or 'auto'" if allow_auto else ""
+        extra += " or None" if allow_none else ""
+        raise ValueError(f"MoCConfig.{name} must be an integer >= {lo}{extra}, got {value!r}")
+
+
+@dataclass
+class MoCConfig:
+    """Configuration of :class:`moc.CheckpointManager`.
+
+    Attributes:
+        storage: where checkpoints persist: a path, ``file://``, ``s3://BUCKET/PREFIX`` or
+            ``memory://`` (see :func:`storage_backends.open_store`).
+        storage_options: passed to ``open_store`` (endpoint, credentials, retry, ...).
+        interval: checkpoint every ``interval`` steps, or ``"auto"`` (Young/Daly from the
+            measured checkpoint overhead and the observed failure rate).
+        k_snapshot: experts per MoE layer copied to CPU memory at each checkpoint; ``None``
+            saves all (no partial checkpointing); ``"auto"``: the largest K whose copy fits
+            in one forward+backward, measured.
+        k_persist: experts per layer (of the snapshotted ones) written to storage at each
+            checkpoint; ``None`` = ``k_snapshot``.
+        selection: ``"sequential"`` (round robin, staggered across layers) or
+            ``"load_aware"`` (most tokens since the last save first).
+        dynamic_k: double K (per level, capped at E) after a recovery when the
+            accumulated PLT exceeds ``plt_threshold``.
+        plt_threshold: PLT above which dynamic-K raises K (0.0375 in the MoC paper).
+        top_k: experts each token is routed to (the PLT denominator counts tokens x top_k).
+        sharding: how ranks split the saving work: ``"adaptive"`` (greedy, largest module
+            to the least loaded rank), ``"equal"`` (round robin) or ``"none"`` (rank 0
+            saves every non-expert module).
+        compression: ``None`` / ``"raw"`` or ``"zstd"`` (byte-plane shuffled).
+        keep_last: committed steps kept in storage.
+        expert_pattern: regex with groups ``layer`` and ``expert`` naming expert parameters.
+        snapshot_dir: where the three snapshot buffers live; default a per-run folder in
+            ``/dev/shm`` so a restarted process on the same node recovers from memory.
+        mtbf: failure interval assumed by ``interval="auto"`` until failures are observed.
+        persist_timeout: how long :meth:`CheckpointManager.wait` waits for storage.
+        coordination_timeout: timeout of the manager's own process groups.
+    """
+
+    storage: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    interval: Union[int, Auto] = 50
+    k_snapshot: Union[int, Auto, None] = None
+    k_persist: Union[int, None] = None
+    selection: str = "sequential"
+    dynamic_k: bool = True
+    plt_threshold: float = 0.0375
+    top_k: int = 1
+    sharding: str = "adaptive"
+    compression: Union[str, None] = None
+    keep_last: int = 3
+    expert_pattern: str = DEFAULT_EXPERT_PATTERN
+    snapshot_dir: Union[str, None] = None
+    mtbf: timedelta = timedelta(hours=6)
+    persist_timeout: timedelta = timedelta(minutes=10)
+    coordination_timeout: timedelta = timedelta(minutes=5)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.storage, os.PathLike):
+            self.storage = os.fspath(self.storage)
+        if not isinstance(self.storage, str) or not self.storage:
+            raise ValueError(f"MoCConfig.storage must be a non-empty URL or path, got {self.storage!r}")
+        if "://" in self.storage:
+            scheme = self.storage.split("://", 1)[0].lower()
+            if scheme not in _SCHEMES:
+                raise ValueError(
+                    f"MoCConfig.storage has unsupported scheme {scheme!r}; allowed: file://, s3://, memory:// or a path"
+                )
+        if not isinstance(self.storage_options, dict):
+            raise ValueError("MoCConfig.storage_options must be a dict")
+        _check_int("interval", self.interval, 1, allow_auto=True)
+        _check_int("k_snapshot", self.k_snapshot, 1, allow_auto=True, allow_none=True)
+        _check_int("k_persist", self.k_persist, 1, allow_none=True)
+        if isinstance(self.k_snapshot, int) and self.k_persist is not None and self.k_persist > self.k_snapshot:
+            raise ValueError(
+                f"MoCConfig.k_persist ({self.k_persist}) must be <= k_snapshot ({self.k_snapshot}): "
+                "persisted experts are taken from the snapshot"
+            )
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"MoCConfig.selection must be one of {SELECTIONS}, got {self.selection!r}")
+        if not isinstance(self.plt_threshold, (int, float)) or not 0.0 < self.plt_threshold < 1.0:
+            raise ValueError(f"MoCConfig.plt_threshold must be in (0, 1), got {self.plt_threshold!r}")
+        _check_int("top_k", self.top_k, 1)
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"MoCConfig.sharding must be one of {SHARDINGS}, got {self.sharding!r}")
+        if self.compression not in (None, *CODECS):
+            raise ValueError(f"MoCConfig.compression must be one of {(None, *CODECS)}, got {self.compression!r}")
+        _check_int("keep_last", self.keep_last, 1)
+        try:
+            groups = set(re.compile(self.expert_pattern).groupindex)
+        except (re.error, TypeError) as exc:
+            raise ValueError(f"MoCConfig.expert_pattern is not a valid regex: {exc}") from exc
+        if not {"layer", "expert"} <= groups:
+            raise ValueError("MoCConfig.expert_pattern must have named groups 'layer' and 'expert'")
+        for name in ("mtbf", "persist_timeout", "coordination_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, timedelta) or value <= timedelta(0):
+                raise ValueError(f"MoCConfig.{name} must be a positive timedelta, got {value!r}")

@@ -1,0 +1,98 @@
+"""Small, pickle-free collectives for the checkpoint manager's coordination.
+
+Metadata travels as UTF-8 JSON in uint8 tensors (``all_gather_object`` would unpickle
+bytes from the network, which this project never does).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Comm"]
+
+
+@dataclass
+class Comm:
+    """Rank, world and the process groups the manager uses (or a single process)."""
+
+    rank: int = 0
+    world: int = 1
+    group: Any = None          # coordination from the training thread
+    persist_group: Any = None  # coordination from the persist thread
+
+    @staticmethod
+    def create(process_group: Any, timeout: timedelta) -> "Comm":
+        if not (dist.is_available() and dist.is_initialized()):
+            return Comm()
+        pg = process_group if process_group is not None else dist.group.WORLD
+        ranks = dist.get_process_group_ranks(pg)
+        # Two private gloo groups: one per thread that talks, so the training thread's
+        # decisions and the persist thread's commit never interleave on one group.
+        group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        persist_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        return Comm(rank=dist.get_rank(pg), world=len(ranks), group=group, persist_group=persist_group)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    def gather_json(self, value: Any, *, persist: bool = False) -> list[Any]:
+        """Every rank's ``value`` (JSON-able), in rank order, on every rank."""
+        if not self.distributed:
+            return [value]
+        group = self.persist_group if persist else self.group
+        payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(sizes, size, group=group)
+        longest = int(max(s.item() for s in sizes))
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world)]
+        dist.all_gather(out, padded, group=group)
+        return [json.loads(bytes(o[: int(s.item())].numpy()).decode()) for o, s in zip(out, sizes)]
+
+    def broadcast_json(self, value: Any, src: int = 0, *, persist: bool = False) -> Any:
+        if not self.distributed:
+            return value
+        return self.gather_json(value if self.rank == src else None, persist=persist)[src]
+
+    def any_true(self, flag: bool) -> bool:
+        """Logical OR of ``flag`` over ranks (training-thread group)."""
+        if not self.distributed:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+    def sum_int64(self, t: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum over ranks of an int64 CPU tensor (training-thread group)."""
+        if self.distributed:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def exchange(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+        """One uneven all-to-all of uint8 bytes (training-thread group)."""
+        if not self.distributed:
+            return send.clone()
+        recv = torch.empty(sum(recv_splits), dtype=torch.uint8)
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
+        return recv
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.group)
+
+    def destroy(self) -> None:
+        if self.distributed and dist.is_initialized():
+            for g in (self.group, self.persist_group):
+                try:
+                    dist.destroy_process_group(g)
+                except Exception:  # noqa: BLE001 - the default group may already be gone
+                    pass

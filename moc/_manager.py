@@ -1,0 +1,613 @@
+"""``CheckpointManager``: two-level, triple-buffered, partial-expert checkpointing.
+
+Per checkpoint (every ``interval`` steps, called right after ``optimizer.step()``):
+
+1. selection: ``k_snapshot`` experts per MoE layer (all at a run's first checkpoint), of
+   which ``k_persist`` also go to storage;
+2. sharding: expert bytes split over the ranks holding the expert, non-expert modules
+   spread over ranks, each rank's extra state its own;
+3. snapshot: a background thread copies this rank's share into a shared-memory buffer
+   while the next forward/backward runs; the optimizer step pre-hook waits for it (the
+   only stall) so no snapshot ever sees the next update;
+4. persist: another background thread writes the buffer to storage, the ranks exchange
+   chunk records, rank 0 commits the manifest. Storage errors are retried, reported in
+   :meth:`status` and never raised into training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import signal
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Mapping
+
+import torch
+import xxhash
+
+from storage_backends import open_store
+
+from ._buffers import PERSIST, READY, BufferPool, SnapshotBuffer, read_headers
+from ._ckpt_store import CheckpointStore
+from ._codec import TensorMeta, TreePlan, decode_tree, plan_tree
+from ._config import MoCConfig
+from ._dist import Comm
+from ._manager_restore import RestoreMixin
+from ._format import ChunkRecord, Manifest, UnitRecord
+from ._plt import PLTTracker
+from ._selection import load_aware_selection
+from ._sharding import plan_shares
+from ._units import UnitLayout, capture_rng, capture_unit, discover_units, optimizer_groups
+
+__all__ = ["CheckpointManager"]
+
+log = logging.getLogger("moc")
+
+
+def _expert_count(names: list[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for name in names:
+        if name.startswith("expert/"):
+            layer, e = name[len("expert/"):].rsplit("/", 1)
+            counts[layer] = max(counts.get(layer, 0), int(e) + 1)
+    return dict(sorted(counts.items()))
+
+
+class CheckpointManager(RestoreMixin):
+    """Wraps a training loop; see the module docstring and ``README.md``.
+
+    Args:
+        cfg: the configuration.
+        model: the (local part of the) model; expert parameters are found with
+            ``cfg.expert_pattern`` (``expert_pattern`` overrides it).
+        optimizer: its state is saved with the parameters it belongs to; its step
+            pre-hook is where the manager waits for an in-flight snapshot.
+        process_group: ranks that checkpoint together (default: the whole world when
+            ``torch.distributed`` is initialised, else a single process).
+        extra_state: objects with ``state_dict()``/``load_state_dict()`` saved alongside
+            (data loaders, schedulers, ...).
+    """
+
+    def __init__(self, cfg: MoCConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 process_group: Any = None, expert_pattern: str | None = None,
+                 extra_state: Mapping[str, Any] | None = None) -> None:
+        if not isinstance(cfg, MoCConfig):
+            raise TypeError(f"cfg must be a MoCConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.model = model
+        self.optimizer = optimizer
+        self.extra_state = dict(extra_state or {})
+        for name, obj in self.extra_state.items():
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise ValueError(f"extra_state[{name!r}] must have state_dict() and load_state_dict()")
+        self.layout: UnitLayout = discover_units(model, expert_pattern or cfg.expert_pattern)
+        self.comm = Comm.create(process_group, cfg.coordination_timeout)
+        self.rank, self.world = self.comm.rank, self.comm.world
+
+        inventory = self.comm.gather_json(sorted(u for u in self.layout.units))
+        self.holders: dict[str, list[int]] = {}
+        for r, names in enumerate(inventory):
+            for name in names:
+                self.holders.setdefault(name, []).append(r)
+        for r in range(self.world):
+            self.holders[f"extra/rank{r}"] = [r]
+        self.num_experts = _expert_count(list(self.holders))
+        e_min = min(self.num_experts.values())
+        self.k_snapshot = self._initial_k("k_snapshot", cfg.k_snapshot, e_min)
+        self.k_persist = self._initial_k("k_persist", cfg.k_persist if cfg.k_persist is not None else self.k_snapshot, e_min)
+        if self.k_persist > self.k_snapshot:
+            raise ValueError(f"MoCConfig.k_persist ({self.k_persist}) must be <= k_snapshot ({self.k_snapshot})")
+        self.interval = 1 if cfg.interval == "auto" else int(cfg.interval)
+        self.plt_tracker = PLTTracker(self.num_experts, cfg.top_k)
+        self._pending_counts = {layer: torch.zeros(n, dtype=torch.int64) for layer, n in self.num_experts.items()}
+
+        self.store = CheckpointStore(open_store(cfg.storage, **cfg.storage_options),
+                                     compression=cfg.compression, keep_last=cfg.keep_last)
+        run_key = hashlib.sha1(self.store.store.url.encode()).hexdigest()[:12]
+        base_dir = cfg.snapshot_dir or (f"/dev/shm/moc-{run_key}" if os.path.isdir("/dev/shm")
+                                        else os.path.join(tempfile.gettempdir(), f"moc-{run_key}"))
+        self.snapshot_dir = os.path.join(base_dir, f"rank{self.rank}")
+        self.pool = BufferPool(self.snapshot_dir)
+        self.run_id = uuid.uuid4().hex[:16]
+
+        self._lock = threading.Lock()
+        self._snap_exec = ThreadPoolExecutor(1, thread_name_prefix=f"moc-snapshot-r{self.rank}")
+        self._persist_exec = ThreadPoolExecutor(1, thread_name_prefix=f"moc-persist-r{self.rank}")
+        self._snapshot: Future | None = None
+        self._persist: Future | None = None
+        self._base: Manifest | None = None           # newest committed manifest (rank 0)
+        self._checkpoints = 0
+        self._first_done = False      # a snapshot was taken by this process
+        self._has_base = False        # a committed manifest holds every unit
+        self._last_step: int | None = None
+        self._last_snapshot_step: int | None = None
+        self._last_persisted_step: int | None = None
+        self._stall_total = 0.0
+        self._stall_last = 0.0
+        self._stalls = 0
+        self._persist_failures = 0
+        self._last_error: str | None = None
+        self._closed = False
+        self._sigterm = False
+        self._step_times: list[float] = []
+        self._last_step_wall: float | None = None
+        self._snapshot_seconds: float | None = None
+        self._save_overhead: float | None = None
+        self._recoveries = 0
+        self._started = time.time()
+
+        self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step) if optimizer is not None else None
+        self._old_sigterm = None
+        if threading.current_thread() is threading.main_thread():
+            self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    # -- configuration helpers -----------------------------------------------------------
+    @staticmethod
+    def _initial_k(field: str, value: Any, e_min: int) -> int:
+        if value is None or value == "auto":
+            return e_min if value is None else 1
+        if not 1 <= int(value) <= e_min:
+            raise ValueError(f"MoCConfig.{field} must be in [1, {e_min}] (experts per MoE layer), got {value}")
+        return int(value)
+
+    # -- context manager -----------------------------------------------------------------
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            # Crashing out: keep the in-memory snapshots for recovery, don't raise again.
+            self.close(keep_snapshots=True, raise_errors=False)
+
+    # -- training-loop API ---------------------------------------------------------------
+    def record_routing(self, layer: str, counts: Any) -> None:
+        """Tokens this rank routed to each expert of ``layer`` (global ids) in one step."""
+        if layer not in self._pending_counts:
+            raise KeyError(f"unknown MoE layer {layer!r}; known: {sorted(self._pending_counts)}")
+        t = torch.as_tensor(counts, dtype=torch.int64).reshape(-1).cpu()
+        if t.numel() != self._pending_counts[layer].numel():
+            raise ValueError(f"layer {layer!r} has {self._pending_counts[layer].numel()} experts, got {t.numel()} counts")
+        self._pending_counts[layer] += t
+
+    def _sync_routing(self) -> None:
+        """Fold the pending per-rank routing counts into the global PLT counters."""
+        layers = list(self._pending_counts)
+        flat = torch.cat([self._pending_counts[l] for l in layers])
+        self.comm.sum_int64(flat)
+        pos = 0
+        with self._lock:
+            for l in layers:
+                n = self._pending_counts[l].numel()
+                self.plt_tracker.record(l, flat[pos: pos + n])
+                pos += n
+            first = flat[: self._pending_counts[layers[0]].numel()]
+            self.plt_tracker.add_tokens(int(first.sum()) // self.cfg.top_k)
+        for l in layers:
+            self._pending_counts[l].zero_()
+
+    def _due(self, step: int) -> bool:
+        return not self._first_done or step % self.interval == 0
+
+    def step(self, step: int) -> None:
+        """Call after ``optimizer.step()`` of training step ``step``."""
+        if self._closed:
+            raise RuntimeError("CheckpointManager is closed")
+        now = time.perf_counter()
+        if self._last_step_wall is not None:
+            self._step_times = (self._step_times + [now - self._last_step_wall])[-50:]
+        self._last_step_wall = now
+        self._last_step = step
+        due = self._due(step)
+        if due or step % max(1, self.interval // 4) == 0:
+            # Decision points are the same steps on every rank, so collectives line up.
+            if self.comm.any_true(self._sigterm):
+                self._flush_and_exit()
+        if due:
+            t0 = time.perf_counter()
+            self._checkpoint(step)
+            self._save_overhead = time.perf_counter() - t0 + self._stall_last
+            self._tune()
+        elif step % max(1, self.interval // 4) == 0:
+            self._maybe_persist()
+
+    def _checkpoint(self, step: int) -> None:
+        self._wait_snapshot()
+        self._sync_routing()
+        # Until one checkpoint holding every unit is committed, save every expert.
+        selection = self._select(not self._has_base)
+        entries, sync_entries, persist_units = self._plan(step, selection)
+        needed = sum(e[3] - e[2] for e in entries)
+        buf = self.pool.acquire()
+        buf.ensure(needed)
+        with self._lock:
+            plt_state = self.plt_tracker.state()
+            for layer, (snap, _) in selection.items():
+                self.plt_tracker.mark_saved("snapshot", layer, snap)
+        header = {"run": self.run_id, "rank": self.rank, "world": self.world, "step": step,
+                  "plt": plt_state, "meta": self._meta(), "selection": {l: list(v[1]) for l, v in selection.items()}}
+        offset = 0
+        placed = []
+        for entry in entries:
+            placed.append((entry, offset))
+            offset += entry[3] - entry[2]
+        # Small, non-parameter state (extra state, module buffers) is copied now: the next
+        # forward may change it before the background copy would get to it.
+        for entry, off in placed:
+            if entry[0] in sync_entries:
+                entry[1].copy_range(entry[2], entry[3], buf.data[off: off + entry[3] - entry[2]])
+        self._snapshot = self._snap_exec.submit(self._fill, buf, placed, sync_entries, persist_units, header)
+        self._first_done = True
+        self._checkpoints += 1
+        self._maybe_persist(just_started=True)
+
+    def _select(self, first: bool) -> dict[str, tuple[list[int], list[int]]]:
+        """Per layer: (experts to snapshot, experts to persist)."""
+        out = {}
+        n = self._checkpoints
+        for li, (layer, num) in enumerate(self.num_experts.items()):
+            if first:
+                out[layer] = (list(range(num)), list(range(num)))
+                continue
+            ks, kp = min(self.k_snapshot, num), min(self.k_persist, num)
+            if self.cfg.selection == "sequential":
+                base = (n * kp + li * kp) % num
+                order = [(base + j) % num for j in range(num)]
+            else:
+                with self._lock:
+                    unsaved_p = self.plt_tracker.unsaved("persist", layer)
+                    unsaved_s = self.plt_tracker.unsaved("snapshot", layer)
+                persist = load_aware_selection(unsaved_p, kp)
+                rest = [e for e in sorted(range(num), key=lambda e: (-unsaved_s[e], e)) if e not in persist]
+                order = persist + rest
+            out[layer] = (sorted(order[:ks]), sorted(order[:kp]))
+        return out
+
+    def _plan(self, step: int, selection: dict[str, tuple[list[int], list[int]]]):
+        """This rank's share: entries (unit, TreePlan, start, end, kind, layer, expert)."""
+        state = self.model.state_dict(keep_vars=True)
+        plans: dict[str, tuple[TreePlan, Any]] = {}
+        for layer, (snap, _) in selection.items():
+            for e in snap:
+                name = f"expert/{layer}/{e}"
+                spec = self.layout.units.get(name)
+                if spec is not None:
+                    plans[name] = (plan_tree(capture_unit(spec, self.model, self.optimizer, state=state)), spec)
+        for spec in self.layout.modules():
+            plans[spec.name] = (plan_tree(capture_unit(spec, self.model, self.optimizer, state=state)), spec)
+        extra_name = f"extra/rank{self.rank}"
+        plans[extra_name] = (plan_tree(self._extra_tree(step)), None)
+        sizes = self.comm.gather_json({n: p.nbytes for n, (p, _) in plans.items()})
+        size_of: dict[str, int] = {}
+        for d in sizes:
+            size_of.update(d)
+        experts = {n: s for n, s in size_of.items() if n.startswith("expert/")}
+        modules = {n: s for n, s in size_of.items() if not n.startswith("expert/")}
+        shares = plan_shares(experts, modules, self.holders, self.world, self.cfg.sharding)
+        persist_units = {f"expert/{l}/{e}" for l, (_, p) in selection.items() for e in p}
+        persist_units |= set(modules)
+        entries = []
+        sync_entries = {extra_name}
+        for sh in shares:
+            if sh.rank != self.rank:
+                continue
+            plan, spec = plans[sh.unit]
+            entries.append((sh.unit, plan, sh.start, sh.end, spec))
+            if spec is not None and spec.kind == "module" and self._has_buffers(spec):
+                sync_entries.add(sh.unit)
+        return entries, sync_entries, persist_units
+
+    def _has_buffers(self, spec) -> bool:
+        params = {n for n, _ in self.model.named_parameters()}
+        return any(k not in params for k in spec.keys)
+
+    def _extra_tree(self, step: int) -> dict[str, Any]:
+        extra: dict[str, Any] = {"step": step, "rng": capture_rng(), "rank": self.rank, "world": self.world}
+        if self.optimizer is not None:
+            extra["optimizer_groups"] = optimizer_groups(self.model, self.optimizer)
+        if self.extra_state:
+            extra["user"] = {name: obj.state_dict() for name, obj in self.extra_state.items()}
+        return {"extra": extra}
+
+    def _meta(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "k_snapshot": self.k_snapshot, "k_persist": self.k_persist,
+                "checkpoints": self._checkpoints + 1, "world": self.world, "interval": self.interval,
+                "recoveries": self._recoveries}
+
+    def _fill(self, buf: SnapshotBuffer, placed, sync_entries, persist_units, header) -> SnapshotBuffer:
+        """Background: copy this rank's share into the buffer, checksum it, publish."""
+        t0 = time.perf_counter()
+        units = {}
+        for (name, plan, start, end, spec), off in placed:
+            n = end - start
+            if name not in sync_entries:
+                plan.copy_range(start, end, buf.data[off: off + n])
+            kind = "extra" if spec is None else spec.kind
+            units[name] = {
+                "kind": kind, "layer": getattr(spec, "layer", None), "expert": getattr(spec, "expert", None),
+                "unit_nbytes": plan.nbytes, "start": start, "end": end, "offset": off,
+                "skeleton": plan.skeleton, "tensors": [t.to_json() for t in plan.tensors],
+                "itemsize": plan.itemsize, "checksum": "xxh3:" + xxhash.xxh3_64_hexdigest(buf.view(off, n)),
+                "persist": name in persist_units or kind == "extra",
+            }
+        header = dict(header, units=units)
+        buf.publish(header)
+        buf.step = header["step"]
+        buf.header = header
+        with self._lock:
+            buf.state = READY
+            self._last_snapshot_step = header["step"]
+        self._snapshot_seconds = time.perf_counter() - t0
+        return buf
+
+    # -- the stall point -----------------------------------------------------------------
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        t0 = time.perf_counter()
+        waited = self._wait_snapshot()
+        if waited:
+            self._stall_last = time.perf_counter() - t0
+            self._stall_total += self._stall_last
+            self._stalls += 1
+
+    def _wait_snapshot(self) -> bool:
+        fut = self._snapshot
+        if fut is None:
+            return False
+        pending = not fut.done()
+        try:
+            fut.result()
+        except Exception as exc:  # noqa: BLE001 - a failed snapshot must not stop training
+            self._last_error = f"snapshot failed: {exc}"
+            log.error("rank %d step %s: snapshot failed: %s", self.rank, self._last_step, exc)
+        self._snapshot = None
+        return pending
+
+    # -- persisting ----------------------------------------------------------------------
+    def _maybe_persist(self, just_started: bool = False) -> None:
+        """Start persisting the newest snapshot if every rank is idle (a collective
+        decision, so all ranks persist the same steps in the same order)."""
+        busy = self._persist is not None and not self._persist.done()
+        if self.comm.any_true(busy):
+            return
+        self._reap_persist()
+        newest = self.pool.newest_complete() if not just_started else None
+        if just_started:
+            candidate_step = self._last_step
+        else:
+            if newest is None or newest.persisted:
+                candidate_step = None
+            else:
+                candidate_step = newest.step
+        steps = self.comm.gather_json(candidate_step)
+        if any(s is None for s in steps) or len(set(steps)) != 1:
+            return
+        snap = self._snapshot if just_started else None
+        self._persist = self._persist_exec.submit(self._persist_job, snap, candidate_step)
+
+    def _reap_persist(self) -> None:
+        fut = self._persist
+        if fut is not None and fut.done():
+            self._persist = None
+            exc = fut.exception()
+            if exc is not None:
+                self._last_error = f"persist failed: {exc}"
+
+    def _persist_job(self, snap: Future | None, step: int) -> bool:
+        buf = None
+        if snap is not None:
+            try:
+                buf = snap.result()
+            except Exception:  # noqa: BLE001 - reported by _wait_snapshot
+                buf = None
+        if buf is None:
+            with self._lock:
+                found = [b for b in self.pool.buffers if b.step == step and b.state == READY]
+            buf = found[0] if found else None
+        ok, error, units = False, None, {}
+        if buf is not None:
+            with self._lock:
+                buf.state = PERSIST
+            try:
+                units = self._write_share(buf)
+                ok = True
+            except Exception as exc:  # noqa: BLE001 - storage trouble never reaches training
+                error = f"{type(exc).__name__}: {exc}"
+        else:
+            error = f"snapshot of step {step} is not available"
+        results = self.comm.gather_json({"ok": ok, "error": error, "units": units}, persist=True)
+        committed = False
+        if self.rank == 0:
+            if all(r["ok"] for r in results):
+                try:
+                    self._commit(step, results, buf.header)  # type: ignore[union-attr]
+                    committed = True
+                except Exception as exc:  # noqa: BLE001
+                    error = f"commit failed: {type(exc).__name__}: {exc}"
+            else:
+                error = "; ".join(f"rank {i}: {r['error']}" for i, r in enumerate(results) if not r["ok"])
+        outcome = self.comm.broadcast_json({"committed": committed, "error": error}, persist=True)
+        with self._lock:
+            if buf is not None:
+                buf.state = READY
+            if outcome["committed"]:
+                buf.persisted = True
+                self._has_base = True
+                self._last_persisted_step = step
+                for layer, experts in buf.header["selection"].items():
+                    self.plt_tracker.mark_saved("persist", layer, experts, cum=buf.header["plt"]["cum"][layer])
+            else:
+                self._persist_failures += 1
+                self._last_error = outcome["error"]
+        if outcome["committed"]:
+            log.info("rank %d step %d: checkpoint persisted to %s", self.rank, step, self.store.store.url)
+        else:
+            log.warning("rank %d step %d: persist failed, snapshot kept in memory: %s",
+                        self.rank, step, outcome["error"])
+        return bool(outcome["committed"])
+
+    def _write_share(self, buf: SnapshotBuffer) -> dict[str, Any]:
+        header = buf.header  # type: ignore[attr-defined]
+        writer = self.store.writer(header["step"], f"r{self.rank}")
+        out = {}
+        for name, u in header["units"].items():
+            if not u["persist"]:
+                continue
+            view = buf.view(u["offset"], u["end"] - u["start"])
+            chunk = writer.add_bytes([view], offset=u["start"], itemsize=u["itemsize"],
+                                     group="experts" if u["kind"] == "expert" else "state")
+            out[name] = {"chunk": chunk.to_json(), **{k: u[k] for k in ("kind", "layer", "expert", "unit_nbytes",
+                                                                          "skeleton", "tensors")}}
+        writer.finish()
+        return out
+
+    def _commit(self, step: int, results: list[dict[str, Any]], header: dict[str, Any]) -> None:
+        merged: dict[str, dict[str, Any]] = {}
+        for r in results:
+            for name, u in r["units"].items():
+                entry = merged.setdefault(name, dict(u, chunks=[]))
+                entry["chunks"].append(ChunkRecord.from_json(u["chunk"]))
+        records = [
+            UnitRecord(name=name, kind=u["kind"], step=step, nbytes=int(u["unit_nbytes"]), skeleton=u["skeleton"],
+                       tensors=u["tensors"], chunks=sorted(u["chunks"], key=lambda c: c.offset),
+                       layer=u["layer"], expert=u["expert"])
+            for name, u in merged.items()
+        ]
+        plt = PLTTracker(self.num_experts, self.cfg.top_k)
+        plt.load_state(header["plt"])
+        for layer, experts in header["selection"].items():
+            plt.mark_saved("persist", layer, experts)
+        base = self._base
+        if base is None:
+            base = self.store.latest_manifest()
+        self._base = self.store.commit(step, records, base=base, plt=plt.state(), meta=header["meta"])
+
+    # -- adaptive configuration ----------------------------------------------------------
+    def _tune(self) -> None:
+        step_time = sorted(self._step_times)[len(self._step_times) // 2] if self._step_times else None
+        if self.cfg.k_snapshot == "auto" and step_time and self._snapshot_seconds:
+            # Largest K whose copy fits in one forward+backward (copy time ~ linear in K).
+            per_expert = self._snapshot_seconds / max(1, self._snapshotted_experts())
+            e_min = min(self.num_experts.values())
+            fit = int(step_time / max(per_expert * len(self.num_experts), 1e-9))
+            k = max(self.k_persist, min(e_min, fit))
+            k = int(self.comm.broadcast_json(k))
+            self.k_snapshot = max(k, 1)
+        if self.cfg.interval == "auto" and step_time and self._save_overhead is not None:
+            self.interval = int(self.comm.broadcast_json(self.young_daly_interval(step_time)))
+
+    def _snapshotted_experts(self) -> int:
+        return sum(min(self.k_snapshot, n) for n in self.num_experts.values()) if self._checkpoints > 1 else \
+            sum(self.num_experts.values())
+
+    def young_daly_interval(self, step_time: float) -> int:
+        """Steps between checkpoints: I* = sqrt(2 * save_overhead / failure_rate)."""
+        elapsed = max(time.time() - self._started, 1.0)
+        observed = self._recoveries / elapsed if self._recoveries else 0.0
+        rate = max(observed, 1.0 / self.cfg.mtbf.total_seconds())
+        seconds = math.sqrt(2.0 * max(self._save_overhead or 0.0, 1e-6) / rate)
+        return int(min(max(1, round(seconds / max(step_time, 1e-9))), 100_000))
+
+    # -- waiting, flushing, closing ------------------------------------------------------
+    def wait(self) -> None:
+        """Block until the newest snapshot is in storage; raise if it cannot be written."""
+        self._wait_snapshot()
+        deadline = time.monotonic() + self.cfg.persist_timeout.total_seconds()
+        while True:
+            fut = self._persist
+            if fut is not None:
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                self._reap_persist()
+            newest = self.pool.newest_complete()
+            if newest is None or newest.persisted:
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"checkpoint of step {newest.step} not persisted within {self.cfg.persist_timeout}: "
+                                   f"{self._last_error}")
+            before = self._persist_failures
+            self._maybe_persist()
+            if self._persist is not None:
+                self._persist.result(timeout=max(0.0, deadline - time.monotonic()))
+                self._reap_persist()
+            if self._persist_failures > before and time.monotonic() >= deadline:
+                raise OSError(f"checkpoint of step {newest.step} could not be persisted: {self._last_error}")
+            if self._persist_failures > before:
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._sigterm = True
+        log.warning("rank %d: SIGTERM received; flushing the newest snapshot at the next step", self.rank)
+        if not self.comm.distributed and self._last_step is not None and not self._closed:
+            self._flush_and_exit()
+
+    def _flush_and_exit(self) -> None:
+        log.warning("rank %d step %s: flushing the newest snapshot before exit", self.rank, self._last_step)
+        try:
+            self.wait()
+        finally:
+            self.close(keep_snapshots=True, raise_errors=False)
+            raise SystemExit(128 + signal.SIGTERM)
+
+    def close(self, *, keep_snapshots: bool = False, raise_errors: bool = True) -> None:
+        if self._closed:
+            return
+        try:
+            self.wait()
+        except Exception:
+            if raise_errors:
+                raise
+            log.exception("rank %d: final persist failed", self.rank)
+        finally:
+            self._closed = True
+            if self._hook is not None:
+                self._hook.remove()
+            if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._snap_exec.shutdown(wait=True)
+            self._persist_exec.shutdown(wait=True)
+            if not keep_snapshots:
+                self.pool.remove_files()
+
+    # -- reporting -----------------------------------------------------------------------
+    def snapshot_state(self) -> tuple[int, dict[str, Any]] | None:
+        """(step, {unit: tree}) of this rank's newest complete in-memory snapshot; units
+        split with other ranks hold only this rank's bytes and are left out."""
+        self._wait_snapshot()
+        with self._lock:
+            buf = self.pool.newest_complete()
+        if buf is None:
+            return None
+        trees = {}
+        for name, u in buf.header["units"].items():
+            if u["start"] != 0 or u["end"] != u["unit_nbytes"]:
+                continue
+            data = bytearray(buf.view(u["offset"], u["end"] - u["start"]))
+            trees[name] = decode_tree(u["skeleton"], [TensorMeta.from_json(t) for t in u["tensors"]], data)
+        return buf.step, trees
+
+
+    def plt(self) -> float:
+        """Proportion of lost tokens over all recoveries so far."""
+        with self._lock:
+            return self.plt_tracker.value()
+
+    def status(self) -> dict[str, Any]:
+        busy = self._persist is not None and not self._persist.done()
+        with self._lock:
+            return {
+                "rank": self.rank, "world": self.world, "step": self._last_step,
+                "last_snapshot_step": self._last_snapshot_step, "last_persisted_step": self._last_persisted_step,
+                "persist_in_flight": busy, "persist_failures": self._persist_failures, "last_error": self._last_error,
+                "k_snapshot": self.k_snapshot, "k_persist": self.k_persist, "interval": self.interval,
+                "stall_seconds_last": self._stall_last, "stall_seconds_total": self._stall_total, "stalls": self._stalls,
+                "snapshot_seconds": self._snapshot_seconds, "buffer_bytes": self.pool.allocated_bytes(),
+                "plt": self.plt_tracker.value(), "plt_snapshot": self.plt_tracker.value("snapshot"),
+                "plt_persist": self.plt_tracker.value("persist"), "recoveries": self._recoveries,
+            }
+

@@ -1,0 +1,191 @@
+"""Recovery for :class:`moc.CheckpointManager`: newest version of every unit from the
+ranks' surviving in-memory snapshots, else storage; PLT charged for stale experts;
+dynamic-K applied afterwards."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import xxhash
+
+from ._buffers import map_existing, read_headers
+from ._codec import TensorMeta, decode_tree
+from ._restore import MemoryPiece, RestorePlan, Source, plan_restore
+from ._units import apply_units, restore_rng
+
+__all__ = ["RestoreMixin"]
+
+log = logging.getLogger("moc")
+
+
+class RestoreMixin:
+    """``restore()`` and its helpers (mixed into CheckpointManager)."""
+
+    def snapshot_headers(self) -> list[dict[str, Any]]:
+        """Published snapshots in this rank's shared-memory directory (newest last)."""
+        return sorted(read_headers(self.snapshot_dir), key=lambda h: h["step"])
+
+    def restore(self) -> int:
+        """Load the newest consistent state; return the next step to run (0 if none).
+
+        Collective: every rank of the process group must call it.
+        """
+        self._wait_snapshot()
+        manifest = self.store.latest_manifest()
+        local = []
+        if manifest is not None:
+            run = manifest.meta.get("run_id")
+            local = [h for h in self.snapshot_headers() if h.get("run") == run and h["step"] > manifest.step]
+        everyone = [h for hs in self.comm.gather_json(local) for h in hs]
+        manifest_dict = None
+        if manifest is not None:
+            manifest_dict = {"step": manifest.step, "plt": manifest.plt, "meta": manifest.meta,
+                             "units": {n: {"step": r.step} for n, r in manifest.units.items()}}
+        modules = sorted(n for n in self.holders if not n.startswith(("expert/", "extra/")))
+        plan = plan_restore(everyone, manifest_dict, modules)
+        if plan is None:
+            log.info("rank %d: nothing to restore from %s; starting at step 0", self.rank, self.store.store.url)
+            return 0
+
+        trees = self._gather_units(plan, manifest)
+        extra_name = f"extra/rank{self.rank}"
+        if extra_name not in trees:
+            fallback = next((n for n in sorted(trees) if n.startswith("extra/")), None)
+            if fallback is not None:
+                trees[extra_name] = trees.pop(fallback)
+        extra = trees.pop(extra_name, {}).get("extra", {})
+        for name in [n for n in trees if n.startswith("extra/")]:
+            trees.pop(name)
+        missing = apply_units(self.model, self.optimizer, list(trees.values()), extra.get("optimizer_groups"))
+        if missing:
+            raise RuntimeError(f"restore step {plan.step}: no saved state for {missing[:5]}")
+        if "rng" in extra:
+            restore_rng(extra["rng"])
+        for name, obj in self.extra_state.items():
+            if name in extra.get("user", {}):
+                obj.load_state_dict(extra["user"][name])
+        self._after_restore(plan, manifest)
+        log.info("rank %d: restored step %d (%s), PLT %.4f%%, k_snapshot=%d k_persist=%d", self.rank, plan.step,
+                 "memory" if plan.from_memory else "storage", 100 * self.plt(), self.k_snapshot, self.k_persist)
+        return plan.step + 1
+
+    # -- data movement -------------------------------------------------------------------
+    def _needs(self) -> dict[int, list[str]]:
+        needs: dict[int, list[str]] = {r: [] for r in range(self.world)}
+        for name, ranks in self.holders.items():
+            for r in ranks:
+                needs[r].append(name)
+        return {r: sorted(v) for r, v in needs.items()}
+
+    def _gather_units(self, plan: RestorePlan, manifest) -> dict[str, Any]:
+        """Trees of the units this rank holds: memory pieces moved with one all-to-all,
+        storage units read directly."""
+        needs = self._needs()
+        # (dest, unit, piece) in one global order that every rank derives identically.
+        moves: list[tuple[int, str, MemoryPiece]] = []
+        for dest in range(self.world):
+            for name in needs[dest]:
+                src = plan.sources.get(name)
+                if src is not None and src.level == "snapshot":
+                    moves.extend((dest, name, p) for p in src.pieces)
+        mapped: dict[int, torch.Tensor | None] = {}
+
+        def local_bytes(p: MemoryPiece) -> torch.Tensor:
+            if p.buffer not in mapped:
+                mapped[p.buffer] = map_existing(self.snapshot_dir, p.buffer)
+            data = mapped[p.buffer]
+            if data is None or data.numel() < p.offset + (p.end - p.start):
+                raise RuntimeError(f"snapshot buffer {p.buffer} of rank {self.rank} is gone")
+            return data[p.offset: p.offset + (p.end - p.start)]
+
+        send_parts, send_splits = [], [0] * self.world
+        recv_splits = [0] * self.world
+        for dest, _, p in moves:
+            if p.rank == self.rank and dest != self.rank:
+                send_parts.append(local_bytes(p))
+                send_splits[dest] += p.end - p.start
+            if dest == self.rank and p.rank != self.rank:
+                recv_splits[p.rank] += p.end - p.start
+        # ``moves`` is sorted by destination, so the send buffer is grouped by destination
+        # and each source's pieces arrive in the same global order, as all_to_all_single wants.
+        send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=torch.uint8)
+        received = self.comm.exchange(send, send_splits, recv_splits) if self.world > 1 else send
+        recv_offsets: dict[int, int] = {}
+        pos = 0
+        for q in range(self.world):
+            recv_offsets[q] = pos
+            pos += recv_splits[q]
+
+        trees: dict[str, Any] = {}
+        storage_names = []
+        for name in needs[self.rank]:
+            src = plan.sources.get(name)
+            if src is None:
+                continue
+            if src.level == "persist":
+                storage_names.append(name)
+                continue
+            data = bytearray(int(src.meta["unit_nbytes"]))
+            view = memoryview(data)
+            for p in src.pieces:
+                if p.rank == self.rank:
+                    chunk = local_bytes(p)
+                else:
+                    # Pieces from rank q arrive in the global move order.
+                    chunk = received[recv_offsets[p.rank]: recv_offsets[p.rank] + (p.end - p.start)]
+                    recv_offsets[p.rank] += p.end - p.start
+                raw = bytes(chunk.numpy())
+                if p.checksum and "xxh3:" + xxhash.xxh3_64_hexdigest(raw) != p.checksum:
+                    raise RuntimeError(f"snapshot piece of {name} (step {p.step}, rank {p.rank}) failed its checksum")
+                view[p.start: p.end] = raw
+            tensors = [TensorMeta.from_json(t) for t in src.meta["tensors"]]
+            trees[name] = decode_tree(src.meta["skeleton"], tensors, data)
+        if storage_names:
+            loaded = self.store.load(manifest.step, names=storage_names)
+            trees.update(loaded.units)
+            for unit, bad, used in loaded.fallbacks:
+                src = plan.sources[unit]
+                src.version = used
+                log.warning("rank %d: %s restored from step %d (step %d unreadable)", self.rank, unit, used, bad)
+        return trees
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def _after_restore(self, plan: RestorePlan, manifest) -> None:
+        meta = plan.meta
+        self.run_id = meta.get("run_id", self.run_id)
+        self.k_snapshot = int(meta.get("k_snapshot", self.k_snapshot))
+        self.k_persist = int(meta.get("k_persist", self.k_persist))
+        self._checkpoints = int(meta.get("checkpoints", 0))
+        self._recoveries = int(meta.get("recoveries", 0)) + 1
+        self._has_base = manifest is not None
+        self._first_done = True
+        self._base = manifest if self.rank == 0 else None
+        if self.rank == 0 and manifest is not None:
+            for step in self.store.steps():
+                if step > plan.step:  # unreadable newer manifests belong to no timeline now
+                    self.store.store.delete(f"manifests/{step:012d}.json", missing_ok=True)
+        with self._lock:
+            tracker = self.plt_tracker
+            tracker.load_state(plan.plt)
+            for name, src in plan.sources.items():
+                if not name.startswith("expert/") or src.cum is None:
+                    continue
+                layer, e = name[len("expert/"):].rsplit("/", 1)
+                e = int(e)
+                lost = tracker.cum[layer][e] - src.cum
+                if lost > 0:
+                    tracker.book_loss(src.level, layer, lost)
+                tracker.cum[layer][e] = src.cum
+                tracker.saved["snapshot"][layer][e] = src.cum
+                tracker.saved["persist"][layer][e] = min(tracker.saved["persist"][layer][e], src.cum)
+            if self.cfg.dynamic_k:
+                e_min = min(self.num_experts.values())
+                if tracker.value("snapshot") > self.cfg.plt_threshold:
+                    self.k_snapshot = min(2 * self.k_snapshot, e_min)
+                if tracker.value("persist") > self.cfg.plt_threshold:
+                    self.k_persist = min(2 * self.k_persist, e_min)
+                    self.k_snapshot = max(self.k_snapshot, self.k_persist)
+        self._stale_sources: dict[str, Source] = {n: s for n, s in plan.sources.items() if s.version < plan.step}
+        self.last_restore = plan

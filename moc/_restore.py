@@ -1,0 +1,154 @@
+"""Choosing what to restore: the newest version of every unit among in-memory snapshots
+(on any surviving rank) and storage, consistent with one restore step.
+
+Pure planning over JSON inventories, so every rank computes the same answer from the
+gathered inventories without further talk.
+
+* The restore step ``S`` is the newest step at which every non-expert module is complete:
+  either a storage manifest, or a snapshot step whose module bytes are fully covered by
+  the snapshot shards that survive in memory.
+* Every unit then takes its newest version at or before ``S``: from memory when some step
+  ``<= S`` covers all its bytes, from storage otherwise (the manifest's record).
+* Versions newer than ``S`` are never used: the model would otherwise mix states that
+  never coexisted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+__all__ = ["Source", "RestorePlan", "plan_restore", "MemoryPiece"]
+
+
+@dataclass(frozen=True)
+class MemoryPiece:
+    """Bytes ``[start, end)`` of a unit's version ``step``, held in rank ``rank``'s buffer."""
+
+    rank: int
+    step: int
+    start: int
+    end: int
+    buffer: int
+    offset: int
+    checksum: str
+
+
+@dataclass
+class Source:
+    """Where one unit comes from."""
+
+    unit: str
+    version: int
+    level: str                                   # "snapshot" (memory) or "persist" (storage)
+    pieces: list[MemoryPiece] = field(default_factory=list)   # memory only
+    meta: dict[str, Any] = field(default_factory=dict)        # skeleton, tensors, nbytes, ...
+    cum: int | None = None       # experts: routing counter when this version was taken
+
+
+@dataclass
+class RestorePlan:
+    step: int
+    from_memory: bool                            # S is a snapshot step (newer than storage)
+    sources: dict[str, Source]
+    plt: dict[str, Any]                          # tracker state at S
+    meta: dict[str, Any]                         # manager metadata at S (K values, counters)
+
+
+def _cover(pieces: list[MemoryPiece], nbytes: int) -> list[MemoryPiece] | None:
+    """A minimal left-to-right cover of ``[0, nbytes)`` from the pieces, or None."""
+    chosen, pos = [], 0
+    for p in sorted(pieces, key=lambda p: (p.start, -p.end)):
+        if p.start > pos:
+            break
+        if p.end > pos:
+            if chosen and chosen[-1].start == p.start:
+                chosen[-1] = p
+            else:
+                chosen.append(p)
+            pos = p.end
+    if pos < nbytes:
+        return None
+    # Trim overlaps so each byte is read once.
+    out, pos = [], 0
+    for p in chosen:
+        a = max(p.start, pos)
+        if a < p.end:
+            # A trimmed piece no longer matches its recorded checksum.
+            checksum = p.checksum if a == p.start else ""
+            out.append(MemoryPiece(p.rank, p.step, a, p.end, p.buffer, p.offset + (a - p.start), checksum))
+            pos = p.end
+    return out
+
+
+def plan_restore(
+    snapshots: Sequence[Mapping[str, Any]],
+    manifest: Mapping[str, Any] | None,
+    module_units: Sequence[str],
+) -> RestorePlan | None:
+    """Plan a restore.
+
+    ``snapshots``: published snapshot headers from every rank (each carries ``rank``,
+    ``step``, ``units`` with byte ranges, ``plt`` and ``meta``); ``manifest``: the newest
+    valid storage manifest as a dict with ``step``, ``units`` (name -> {"step": version,
+    ...}), ``plt`` and ``meta``; ``module_units``: non-expert units the model needs.
+    Returns None when there is nothing to restore.
+    """
+    # Pieces per (unit, step) across ranks, and unit metadata per step.
+    pieces: dict[tuple[str, int], list[MemoryPiece]] = {}
+    unit_meta: dict[tuple[str, int], dict[str, Any]] = {}
+    headers: dict[int, Mapping[str, Any]] = {}
+    for h in snapshots:
+        step = int(h["step"])
+        headers.setdefault(step, h)
+        for name, u in h["units"].items():
+            pieces.setdefault((name, step), []).append(MemoryPiece(
+                int(h["rank"]), step, int(u["start"]), int(u["end"]), int(h["buffer"]), int(u["offset"]), u["checksum"]))
+            unit_meta.setdefault((name, step), u)
+    covers: dict[tuple[str, int], list[MemoryPiece]] = {}
+    for key, ps in pieces.items():
+        c = _cover(ps, int(unit_meta[key]["unit_nbytes"]))
+        if c is not None:
+            covers[key] = c
+
+    storage_step = int(manifest["step"]) if manifest is not None else None
+    mem_steps = sorted({s for (_, s) in covers}, reverse=True)
+    restore_step, from_memory = storage_step, False
+    for s in mem_steps:
+        if storage_step is not None and s <= storage_step:
+            break
+        if all((m, s) in covers for m in module_units):
+            restore_step, from_memory = s, True
+            break
+    if restore_step is None:
+        return None
+
+    sources: dict[str, Source] = {}
+    stored_units = manifest["units"] if manifest is not None and storage_step <= restore_step else {}
+    names = set(stored_units) | {n for (n, s) in covers if s <= restore_step}
+    for name in sorted(names):
+        best_mem = max((s for (n, s) in covers if n == name and s <= restore_step), default=None)
+        stored = stored_units.get(name)
+        stored_version = int(stored["step"]) if stored is not None else None
+        if best_mem is not None and (stored_version is None or best_mem >= stored_version):
+            sources[name] = Source(name, best_mem, "snapshot", covers[(name, best_mem)], dict(unit_meta[(name, best_mem)]))
+        elif stored is not None:
+            sources[name] = Source(name, stored_version, "persist", [], dict(stored))
+    missing = [m for m in module_units if m not in sources or sources[m].version != restore_step]
+    if missing:
+        raise RuntimeError(f"restore step {restore_step}: non-expert units {missing[:5]} have no version at that step")
+    for src in sources.values():
+        if src.unit.startswith("expert/"):
+            layer, e = src.unit[len("expert/"):].rsplit("/", 1)
+            if src.level == "snapshot":
+                counters = headers[src.version].get("plt") or {}
+                src.cum = int(counters["cum"][layer][int(e)]) if counters.get("cum") else None
+            else:
+                counters = (manifest.get("plt") or {}).get("saved", {}).get("persist", {})
+                src.cum = int(counters[layer][int(e)]) if layer in counters else None
+    if from_memory:
+        h = headers[restore_step]
+        plt, meta = dict(h.get("plt") or {}), dict(h.get("meta") or {})
+    else:
+        plt, meta = dict(manifest.get("plt") or {}), dict(manifest.get("meta") or {})
+    return RestorePlan(restore_step, from_memory, sources, plt, meta)
