@@ -45,7 +45,9 @@ class MoCConfig:
             saves all (no partial checkpointing); ``"auto"``: the largest K whose copy fits
             in one forward+backward, measured.
         k_persist: experts per layer (of the snapshotted ones) written to storage at each
-            checkpoint; ``None`` = ``k_snapshot``.
+            persisted checkpoint; ``None`` = ``k_snapshot``.
+        persist_every: every n-th snapshot also goes to storage (1: all of them); the
+            others live in memory only (fast, frequent recovery points).
         selection: ``"sequential"`` (round robin, staggered across layers) or
             ``"load_aware"`` (most tokens since the last save first).
         dynamic_k: double K (per level, capped at E) after a recovery when the
@@ -60,6 +62,9 @@ class MoCConfig:
         expert_pattern: regex with groups ``layer`` and ``expert`` naming expert parameters.
         snapshot_dir: where the three snapshot buffers live; default a per-run folder in
             ``/dev/shm`` so a restarted process on the same node recovers from memory.
+        snapshot_copies: in-memory copies of every share, kept by distinct ranks holding
+            the unit (from their own replicas, no network); 2 means losing one node loses
+            no snapshot share. 1 halves snapshot memory.
         mtbf: failure interval assumed by ``interval="auto"`` until failures are observed.
         persist_timeout: how long :meth:`CheckpointManager.wait` waits for storage.
         coordination_timeout: timeout of the manager's own process groups.
@@ -70,6 +75,7 @@ class MoCConfig:
     interval: Union[int, Auto] = 50
     k_snapshot: Union[int, Auto, None] = None
     k_persist: Union[int, None] = None
+    persist_every: int = 1
     selection: str = "sequential"
     dynamic_k: bool = True
     plt_threshold: float = 0.0375
@@ -79,6 +85,7 @@ class MoCConfig:
     keep_last: int = 3
     expert_pattern: str = DEFAULT_EXPERT_PATTERN
     snapshot_dir: Union[str, None] = None
+    snapshot_copies: int = 2
     mtbf: timedelta = timedelta(hours=6)
     persist_timeout: timedelta = timedelta(minutes=10)
     coordination_timeout: timedelta = timedelta(minutes=5)
@@ -99,6 +106,7 @@ class MoCConfig:
         _check_int("interval", self.interval, 1, allow_auto=True)
         _check_int("k_snapshot", self.k_snapshot, 1, allow_auto=True, allow_none=True)
         _check_int("k_persist", self.k_persist, 1, allow_none=True)
+        _check_int("persist_every", self.persist_every, 1)
         if isinstance(self.k_snapshot, int) and self.k_persist is not None and self.k_persist > self.k_snapshot:
             raise ValueError(
                 f"MoCConfig.k_persist ({self.k_persist}) must be <= k_snapshot ({self.k_snapshot}): "
@@ -114,6 +122,7 @@ class MoCConfig:
         if self.compression not in (None, *CODECS):
             raise ValueError(f"MoCConfig.compression must be one of {(None, *CODECS)}, got {self.compression!r}")
         _check_int("keep_last", self.keep_last, 1)
+        _check_int("snapshot_copies", self.snapshot_copies, 1)
         try:
             groups = set(re.compile(self.expert_pattern).groupindex)
         except (re.error, TypeError) as exc:

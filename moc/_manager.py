@@ -123,6 +123,7 @@ class CheckpointManager(RestoreMixin):
         self._persist: Future | None = None
         self._base: Manifest | None = None           # newest committed manifest (rank 0)
         self._checkpoints = 0
+        self._persist_rounds = 0
         self._first_done = False      # a snapshot was taken by this process
         self._has_base = False        # a committed manifest holds every unit
         self._last_step: int | None = None
@@ -216,13 +217,15 @@ class CheckpointManager(RestoreMixin):
             self._save_overhead = time.perf_counter() - t0 + self._stall_last
             self._tune()
         elif step % max(1, self.interval // 4) == 0:
-            self._maybe_persist()
+            self._maybe_persist("retry")
 
     def _checkpoint(self, step: int) -> None:
         self._wait_snapshot()
         self._sync_routing()
-        # Until one checkpoint holding every unit is committed, save every expert.
-        selection = self._select(not self._has_base)
+        # Until one checkpoint holding every unit is committed, save (and persist) every
+        # expert; afterwards every persist_every-th snapshot also goes to storage.
+        designated = not self._has_base or self._checkpoints % self.cfg.persist_every == 0
+        selection = self._select(not self._has_base, designated)
         entries, sync_entries, persist_units = self._plan(step, selection)
         needed = sum(e[3] - e[2] for e in entries)
         buf = self.pool.acquire()
@@ -232,7 +235,8 @@ class CheckpointManager(RestoreMixin):
             for layer, (snap, _) in selection.items():
                 self.plt_tracker.mark_saved("snapshot", layer, snap)
         header = {"run": self.run_id, "rank": self.rank, "world": self.world, "step": step,
-                  "plt": plt_state, "meta": self._meta(), "selection": {l: list(v[1]) for l, v in selection.items()}}
+                  "plt": plt_state, "meta": self._meta(), "persist_due": designated,
+                  "selection": {l: list(v[1]) for l, v in selection.items()}}
         offset = 0
         placed = []
         for entry in entries:
@@ -246,28 +250,37 @@ class CheckpointManager(RestoreMixin):
         self._snapshot = self._snap_exec.submit(self._fill, buf, placed, sync_entries, persist_units, header)
         self._first_done = True
         self._checkpoints += 1
-        self._maybe_persist(just_started=True)
+        if designated:
+            self._persist_rounds += 1
+        self._maybe_persist("new" if designated else "retry")
 
-    def _select(self, first: bool) -> dict[str, tuple[list[int], list[int]]]:
-        """Per layer: (experts to snapshot, experts to persist)."""
+    def _select(self, first: bool, designated: bool) -> dict[str, tuple[list[int], list[int]]]:
+        """Per layer: (experts to snapshot, experts to persist if this snapshot is persisted).
+
+        Sequential: persisted snapshots rotate by ``k_persist`` per persisted checkpoint and
+        snapshot the persisted experts plus the next ones; memory-only snapshots rotate by
+        ``k_snapshot`` per snapshot. Both are staggered across layers by the layer index.
+        A memory-only snapshot that ends up flushed (SIGTERM, close) persists all it holds.
+        """
         out = {}
-        n = self._checkpoints
         for li, (layer, num) in enumerate(self.num_experts.items()):
             if first:
                 out[layer] = (list(range(num)), list(range(num)))
                 continue
             ks, kp = min(self.k_snapshot, num), min(self.k_persist, num)
             if self.cfg.selection == "sequential":
-                base = (n * kp + li * kp) % num
+                k, n = (kp, self._persist_rounds) if designated else (ks, self._checkpoints)
+                base = (n * k + li * k) % num
                 order = [(base + j) % num for j in range(num)]
             else:
                 with self._lock:
                     unsaved_p = self.plt_tracker.unsaved("persist", layer)
                     unsaved_s = self.plt_tracker.unsaved("snapshot", layer)
-                persist = load_aware_selection(unsaved_p, kp)
+                persist = load_aware_selection(unsaved_p, kp) if designated else []
                 rest = [e for e in sorted(range(num), key=lambda e: (-unsaved_s[e], e)) if e not in persist]
                 order = persist + rest
-            out[layer] = (sorted(order[:ks]), sorted(order[:kp]))
+            snap = sorted(order[:ks])
+            out[layer] = (snap, sorted(order[:kp]) if designated else snap)
         return out
 
     def _plan(self, step: int, selection: dict[str, tuple[list[int], list[int]]]):
@@ -296,10 +309,15 @@ class CheckpointManager(RestoreMixin):
         entries = []
         sync_entries = {extra_name}
         for sh in shares:
-            if sh.rank != self.rank:
+            holders = sorted(self.holders[sh.unit])
+            # The owner persists the share; the next holders (cyclically) keep extra
+            # in-memory copies from their own replicas, so losing one node loses no share.
+            i = holders.index(sh.rank)
+            copies = {holders[(i + j) % len(holders)] for j in range(min(self.cfg.snapshot_copies, len(holders)))}
+            if self.rank not in copies:
                 continue
             plan, spec = plans[sh.unit]
-            entries.append((sh.unit, plan, sh.start, sh.end, spec))
+            entries.append((sh.unit, plan, sh.start, sh.end, spec, sh.rank == self.rank))
             if spec is not None and spec.kind == "module" and self._has_buffers(spec):
                 sync_entries.add(sh.unit)
         return entries, sync_entries, persist_units
@@ -318,26 +336,28 @@ class CheckpointManager(RestoreMixin):
 
     def _meta(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "k_snapshot": self.k_snapshot, "k_persist": self.k_persist,
-                "checkpoints": self._checkpoints + 1, "world": self.world, "interval": self.interval,
-                "recoveries": self._recoveries}
+                "checkpoints": self._checkpoints + 1, "persist_rounds": self._persist_rounds + 1,
+                "world": self.world, "interval": self.interval, "recoveries": self._recoveries}
 
     def _fill(self, buf: SnapshotBuffer, placed, sync_entries, persist_units, header) -> SnapshotBuffer:
         """Background: copy this rank's share into the buffer, checksum it, publish."""
         t0 = time.perf_counter()
-        units = {}
-        for (name, plan, start, end, spec), off in placed:
+        units: dict[str, Any] = {}
+        pieces = []
+        for (name, plan, start, end, spec, owner), off in placed:
             n = end - start
             if name not in sync_entries:
                 plan.copy_range(start, end, buf.data[off: off + n])
             kind = "extra" if spec is None else spec.kind
             units[name] = {
                 "kind": kind, "layer": getattr(spec, "layer", None), "expert": getattr(spec, "expert", None),
-                "unit_nbytes": plan.nbytes, "start": start, "end": end, "offset": off,
-                "skeleton": plan.skeleton, "tensors": [t.to_json() for t in plan.tensors],
-                "itemsize": plan.itemsize, "checksum": "xxh3:" + xxhash.xxh3_64_hexdigest(buf.view(off, n)),
-                "persist": name in persist_units or kind == "extra",
+                "unit_nbytes": plan.nbytes, "skeleton": plan.skeleton,
+                "tensors": [t.to_json() for t in plan.tensors], "itemsize": plan.itemsize,
             }
-        header = dict(header, units=units)
+            pieces.append({"unit": name, "start": start, "end": end, "offset": off,
+                           "checksum": "xxh3:" + xxhash.xxh3_64_hexdigest(buf.view(off, n)),
+                           "persist": owner and (name in persist_units or kind == "extra")})
+        header = dict(header, units=units, pieces=pieces)
         buf.publish(header)
         buf.step = header["step"]
         buf.header = header
@@ -370,26 +390,35 @@ class CheckpointManager(RestoreMixin):
         return pending
 
     # -- persisting ----------------------------------------------------------------------
-    def _maybe_persist(self, just_started: bool = False) -> None:
-        """Start persisting the newest snapshot if every rank is idle (a collective
-        decision, so all ranks persist the same steps in the same order)."""
+    def _maybe_persist(self, mode: str) -> None:
+        """Start a persist if every rank is idle; a collective decision, so all ranks
+        persist the same steps in the same order.
+
+        ``new``: the snapshot just started (due for storage); ``retry``: the newest
+        complete snapshot that was due but is not in storage yet; ``flush``: the newest
+        complete snapshot, due or not.
+        """
         busy = self._persist is not None and not self._persist.done()
         if self.comm.any_true(busy):
             return
         self._reap_persist()
-        newest = self.pool.newest_complete() if not just_started else None
-        if just_started:
-            candidate_step = self._last_step
+        if mode == "new":
+            candidate: int | None = self._last_step
         else:
-            if newest is None or newest.persisted:
-                candidate_step = None
-            else:
-                candidate_step = newest.step
-        steps = self.comm.gather_json(candidate_step)
+            with self._lock:
+                done = [b for b in self.pool.buffers if b.step is not None and b.state in (READY, PERSIST)]
+                if mode == "retry":
+                    done = [b for b in done if b.header.get("persist_due")]
+                newest = max(done, key=lambda b: b.step) if done else None
+            # Never commit a step older than one already committed: manifests only move forward.
+            behind = newest is not None and self._last_persisted_step is not None \
+                and newest.step <= self._last_persisted_step
+            candidate = None if newest is None or newest.persisted or behind else newest.step
+        steps = self.comm.gather_json(candidate)
         if any(s is None for s in steps) or len(set(steps)) != 1:
             return
-        snap = self._snapshot if just_started else None
-        self._persist = self._persist_exec.submit(self._persist_job, snap, candidate_step)
+        snap = self._snapshot if mode == "new" else None
+        self._persist = self._persist_exec.submit(self._persist_job, snap, candidate)
 
     def _reap_persist(self) -> None:
         fut = self._persist
@@ -456,11 +485,13 @@ class CheckpointManager(RestoreMixin):
         header = buf.header  # type: ignore[attr-defined]
         writer = self.store.writer(header["step"], f"r{self.rank}")
         out = {}
-        for name, u in header["units"].items():
-            if not u["persist"]:
+        for piece in header["pieces"]:
+            if not piece["persist"]:
                 continue
-            view = buf.view(u["offset"], u["end"] - u["start"])
-            chunk = writer.add_bytes([view], offset=u["start"], itemsize=u["itemsize"],
+            name = piece["unit"]
+            u = header["units"][name]
+            view = buf.view(piece["offset"], piece["end"] - piece["start"])
+            chunk = writer.add_bytes([view], offset=piece["start"], itemsize=u["itemsize"],
                                      group="experts" if u["kind"] == "expert" else "state")
             out[name] = {"chunk": chunk.to_json(), **{k: u[k] for k in ("kind", "layer", "expert", "unit_nbytes",
                                                                           "skeleton", "tensors")}}
@@ -531,7 +562,7 @@ class CheckpointManager(RestoreMixin):
                 raise TimeoutError(f"checkpoint of step {newest.step} not persisted within {self.cfg.persist_timeout}: "
                                    f"{self._last_error}")
             before = self._persist_failures
-            self._maybe_persist()
+            self._maybe_persist("flush")
             if self._persist is not None:
                 self._persist.result(timeout=max(0.0, deadline - time.monotonic()))
                 self._reap_persist()
@@ -584,11 +615,12 @@ class CheckpointManager(RestoreMixin):
         if buf is None:
             return None
         trees = {}
-        for name, u in buf.header["units"].items():
-            if u["start"] != 0 or u["end"] != u["unit_nbytes"]:
+        for piece in buf.header["pieces"]:
+            u = buf.header["units"][piece["unit"]]
+            if piece["start"] != 0 or piece["end"] != u["unit_nbytes"]:
                 continue
-            data = bytearray(buf.view(u["offset"], u["end"] - u["start"]))
-            trees[name] = decode_tree(u["skeleton"], [TensorMeta.from_json(t) for t in u["tensors"]], data)
+            data = bytearray(buf.view(piece["offset"], piece["end"] - piece["start"]))
+            trees[piece["unit"]] = decode_tree(u["skeleton"], [TensorMeta.from_json(t) for t in u["tensors"]], data)
         return buf.step, trees
 
 

@@ -158,6 +158,7 @@ class RestoreMixin:
         self.k_snapshot = int(meta.get("k_snapshot", self.k_snapshot))
         self.k_persist = int(meta.get("k_persist", self.k_persist))
         self._checkpoints = int(meta.get("checkpoints", 0))
+        self._persist_rounds = int(meta.get("persist_rounds", 0))
         self._recoveries = int(meta.get("recoveries", 0)) + 1
         self._has_base = manifest is not None
         self._first_done = True

@@ -89,7 +89,8 @@ def plan_restore(
     """Plan a restore.
 
     ``snapshots``: published snapshot headers from every rank (each carries ``rank``,
-    ``step``, ``units`` with byte ranges, ``plt`` and ``meta``); ``manifest``: the newest
+    ``step``, ``buffer``, ``units`` (metadata), ``pieces`` (byte ranges held), ``plt`` and
+    ``meta``); ``manifest``: the newest
     valid storage manifest as a dict with ``step``, ``units`` (name -> {"step": version,
     ...}), ``plt`` and ``meta``; ``module_units``: non-expert units the model needs.
     Returns None when there is nothing to restore.
@@ -101,10 +102,12 @@ def plan_restore(
     for h in snapshots:
         step = int(h["step"])
         headers.setdefault(step, h)
-        for name, u in h["units"].items():
+        for piece in h["pieces"]:
+            name = piece["unit"]
             pieces.setdefault((name, step), []).append(MemoryPiece(
-                int(h["rank"]), step, int(u["start"]), int(u["end"]), int(h["buffer"]), int(u["offset"]), u["checksum"]))
-            unit_meta.setdefault((name, step), u)
+                int(h["rank"]), step, int(piece["start"]), int(piece["end"]), int(h["buffer"]),
+                int(piece["offset"]), piece["checksum"]))
+            unit_meta.setdefault((name, step), h["units"][name])
     covers: dict[tuple[str, int], list[MemoryPiece]] = {}
     for key, ps in pieces.items():
         c = _cover(ps, int(unit_meta[key]["unit_nbytes"]))
