@@ -1,0 +1,156 @@
+"""Build and load the C++ (and, where CUDA is usable, CUDA) dispatcher ops on first use.
+
+The extension is compiled with ``torch.utils.cpp_extension.load`` into a cache directory
+keyed by the torch version, the CUDA flag and a hash of the sources, so a later process
+(or a spawned rank) only loads the shared object; editing ``csrc/`` rebuilds. Nothing is
+ever downloaded. Any failure (no compiler, no ninja, a compile error) logs a warning and
+leaves the pure-torch implementation in charge, which gives the same numbers.
+
+Environment:
+    LAZARUS_DISPATCH_BACKEND  ``auto`` (default), ``cpp`` (C++ op; warn and fall back if it
+                              cannot be built) or ``torch`` (never build).
+    LAZARUS_EXT_DIR           cache root (default ``~/.cache/lazarus/ext``).
+    LAZARUS_CSRC              directory holding the sources (default ``<repo>/csrc``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ._log import get_logger
+
+log = get_logger("lazarus.dispatch")
+
+BACKENDS = ("auto", "cpp", "torch")
+CPU_SOURCES = ("dispatch.cpp",)
+CUDA_SOURCES = ("dispatch_cuda.cpp", "dispatch_kernels.cu")
+HEADERS = ("dispatch_core.h", "dispatch_kernels.h")
+
+
+@dataclass
+class OpsState:
+    """What this process ended up with: ``cpp`` ops loaded, CUDA kernels registered."""
+
+    cpp: bool = False
+    cuda: bool = False
+    reason: str = ""
+
+
+_lock = threading.Lock()
+_state: OpsState | None = None
+
+
+def requested_backend() -> str:
+    value = os.environ.get("LAZARUS_DISPATCH_BACKEND", "auto").strip().lower() or "auto"
+    if value not in BACKENDS:
+        raise ValueError(f"LAZARUS_DISPATCH_BACKEND must be one of {list(BACKENDS)}, got {value!r}")
+    return value
+
+
+def csrc_dir() -> Path:
+    env = os.environ.get("LAZARUS_CSRC")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "csrc"
+
+
+def cache_root() -> Path:
+    env = os.environ.get("LAZARUS_EXT_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "lazarus" / "ext"
+
+
+def _cuda_usable() -> bool:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return bool(torch.cuda.is_available() and torch.version.cuda and CUDA_HOME)
+
+
+def _tag(src: Path, with_cuda: bool) -> str:
+    h = hashlib.sha1()
+    h.update(torch.__version__.encode())
+    h.update(b"cuda" if with_cuda else b"cpu")
+    for name in CPU_SOURCES + HEADERS + (CUDA_SOURCES if with_cuda else ()):
+        path = src / name
+        if path.exists():
+            h.update(name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _compile(src: Path, with_cuda: bool) -> None:
+    from torch.utils import cpp_extension
+
+    tag = _tag(src, with_cuda)
+    name = f"lazarus_dispatch_{'cuda' if with_cuda else 'cpu'}_{tag}"
+    build_dir = cache_root() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    sources = [str(src / s) for s in CPU_SOURCES + (CUDA_SOURCES if with_cuda else ())]
+    cpp_extension.load(
+        name=name,
+        sources=sources,
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=["-O3"] if with_cuda else None,
+        extra_include_paths=[str(src)],
+        build_directory=str(build_dir),
+        with_cuda=with_cuda,
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def _missing_tools(src: Path, with_cuda: bool) -> str:
+    from torch.utils import cpp_extension
+
+    needed = CPU_SOURCES + HEADERS[:1] + (CUDA_SOURCES + HEADERS[1:] if with_cuda else ())
+    absent = [n for n in needed if not (src / n).exists()]
+    if absent:
+        return f"sources {absent} not found in {src} (set LAZARUS_CSRC)"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} not on PATH)"
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    return ""
+
+
+def load_ops() -> OpsState:
+    """Load (building on first use) the compiled ops once per process; never raises."""
+    global _state
+    if _state is not None:
+        return _state
+    with _lock:
+        if _state is not None:
+            return _state
+        state = OpsState()
+        if requested_backend() == "torch":
+            state.reason = "LAZARUS_DISPATCH_BACKEND=torch"
+            _state = state
+            return state
+        src = csrc_dir()
+        attempts = [True, False] if _cuda_usable() else [False]
+        for with_cuda in attempts:
+            problem = _missing_tools(src, with_cuda)
+            if problem:
+                state.reason = problem
+                continue
+            try:
+                _compile(src, with_cuda)
+            except Exception as exc:  # a broken toolchain must never stop training
+                state.reason = f"build failed: {type(exc).__name__}: {str(exc).strip()[-400:]}"
+                if with_cuda:
+                    log.warning("CUDA dispatcher build failed, trying the CPU-only op: %s", state.reason)
+                continue
+            state.cpp = hasattr(torch.ops.lazarus, "dispatch_rank")
+            state.cuda = with_cuda and state.cpp
+            state.reason = "" if state.cpp else "ops not registered after load"
+            break
+        if not state.cpp:
+            log.warning("lazarus dispatch: using the pure-torch fallback (same results, slower): %s",
+                        state.reason)
+        _state = state
+        return state
