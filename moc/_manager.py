@@ -114,7 +114,7 @@ class CheckpointManager(RestoreMixin):
                                         else os.path.join(tempfile.gettempdir(), f"moc-{run_key}"))
         self.snapshot_dir = os.path.join(base_dir, f"rank{self.rank}")
         self.pool = BufferPool(self.snapshot_dir)
-        self.run_id = uuid.uuid4().hex[:16]
+        self.run_id = self.comm.broadcast_json(uuid.uuid4().hex[:16])  # one id for the whole job
 
         self._lock = threading.Lock()
         self._snap_exec = ThreadPoolExecutor(1, thread_name_prefix=f"moc-snapshot-r{self.rank}")
