@@ -165,8 +165,9 @@ class CheckpointManager(RestoreMixin):
         if exc_type is None:
             self.close()
         else:
-            # Crashing out: keep the in-memory snapshots for recovery, don't raise again.
-            self.close(keep_snapshots=True, raise_errors=False)
+            # Crashing out: keep the in-memory snapshots for recovery, let an in-flight
+            # persist finish, start nothing new, and never mask the exception.
+            self.close(keep_snapshots=True, raise_errors=False, flush=False)
 
     # -- training-loop API ---------------------------------------------------------------
     def record_routing(self, layer: str, counts: Any) -> None:
@@ -585,11 +586,18 @@ class CheckpointManager(RestoreMixin):
             self.close(keep_snapshots=True, raise_errors=False)
             raise SystemExit(128 + signal.SIGTERM)
 
-    def close(self, *, keep_snapshots: bool = False, raise_errors: bool = True) -> None:
+    def close(self, *, keep_snapshots: bool = False, raise_errors: bool = True, flush: bool = True) -> None:
+        """Persist the newest snapshot (``flush``), stop the workers, release the hook and
+        the SIGTERM handler; remove the shared-memory buffers unless ``keep_snapshots``."""
         if self._closed:
             return
         try:
-            self.wait()
+            if flush:
+                self.wait()
+            else:
+                self._wait_snapshot()
+                if self._persist is not None:
+                    self._persist.result(timeout=self.cfg.persist_timeout.total_seconds())
         except Exception:
             if raise_errors:
                 raise

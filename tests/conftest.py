@@ -38,7 +38,12 @@ class MotoS3:
         self.server.start()
 
     def stop(self) -> None:
+        """Stop serving and close the listening socket, so the endpoint refuses
+        connections like a server that is down (moto's stop() leaves it bound)."""
         self.server.stop()
+        inner = getattr(self.server, "_server", None)
+        if inner is not None:
+            inner.server_close()
 
     def reset(self) -> None:
         import urllib.request
