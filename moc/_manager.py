@@ -143,6 +143,7 @@ class CheckpointManager(RestoreMixin):
         self._recoveries = 0
         self._started = time.time()
 
+        self._attach_lazarus_layers()
         self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step) if optimizer is not None else None
         self._old_sigterm = None
         if threading.current_thread() is threading.main_thread():
@@ -170,14 +171,36 @@ class CheckpointManager(RestoreMixin):
             self.close(keep_snapshots=True, raise_errors=False, flush=False)
 
     # -- training-loop API ---------------------------------------------------------------
-    def record_routing(self, layer: str, counts: Any) -> None:
-        """Tokens this rank routed to each expert of ``layer`` (global ids) in one step."""
+    def record_routing(self, layer: str, counts: Any, *, scope: str = "local") -> None:
+        """Tokens routed to each expert of ``layer`` (global expert ids) in one step.
+
+        ``scope="local"``: this rank's tokens (the manager sums over ranks);
+        ``"global"``: counts already summed over ranks and identical on every rank (what
+        lazarus MoE layers report; they are wired up automatically).
+        """
+        if scope not in ("local", "global"):
+            raise ValueError(f"scope must be 'local' or 'global', got {scope!r}")
         if layer not in self._pending_counts:
             raise KeyError(f"unknown MoE layer {layer!r}; known: {sorted(self._pending_counts)}")
         t = torch.as_tensor(counts, dtype=torch.int64).reshape(-1).cpu()
         if t.numel() != self._pending_counts[layer].numel():
             raise ValueError(f"layer {layer!r} has {self._pending_counts[layer].numel()} experts, got {t.numel()} counts")
-        self._pending_counts[layer] += t
+        if scope == "global":
+            # Counted once over the job: only rank 0 contributes it to the sum.
+            if self.rank == 0:
+                self._pending_counts[layer] += t
+        else:
+            self._pending_counts[layer] += t
+
+    def _attach_lazarus_layers(self) -> None:
+        """Feed routing counts of lazarus MoE layers in the model automatically."""
+        try:
+            from lazarus.moe import moe_layers
+        except ImportError:  # pragma: no cover - lazarus ships with moc
+            return
+        for name, layer in moe_layers(self.model):
+            if name in self._pending_counts:
+                layer.routing_hook = (lambda counts, _n=name: self.record_routing(_n, counts, scope="global"))
 
     def _sync_routing(self) -> None:
         """Fold the pending per-rank routing counts into the global PLT counters."""

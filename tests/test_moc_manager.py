@@ -205,3 +205,44 @@ def test_memory_flat_over_1000_steps(tmp_path):
         files = os.listdir(ckpt.snapshot_dir)
         assert len([f for f in files if f.endswith(".bin")]) == 3
     assert len(CheckpointStore(str(tmp_path / "ckpt")).steps()) <= 2
+
+
+def test_routing_scope_and_validation(tmp_path):
+    model, opt, task = make(0, num_experts=4)
+    with CheckpointManager(cfg_for(tmp_path), model=model, optimizer=opt) as ckpt:
+        with pytest.raises(KeyError, match="unknown MoE layer"):
+            ckpt.record_routing("nope", [1, 2, 3, 4])
+        with pytest.raises(ValueError, match="4 experts, got 3"):
+            ckpt.record_routing("layers.0.moe", [1, 2, 3])
+        with pytest.raises(ValueError, match="scope"):
+            ckpt.record_routing("layers.0.moe", [1, 2, 3, 4], scope="world")
+        ckpt.record_routing("layers.0.moe", [1, 2, 3, 4], scope="global")
+        ckpt.record_routing("layers.1.moe", [4, 3, 2, 1])
+        ckpt._sync_routing()
+        assert ckpt.plt_tracker.cum["layers.0.moe"] == [1, 2, 3, 4]
+        assert ckpt.plt_tracker.total_tokens == 10
+
+
+def test_lazarus_moe_layers_report_routing_automatically(tmp_path):
+    import torch.distributed as dist
+
+    from lazarus.moe import MoEConfig, MoELayer
+    from lazarus.planning import Placement
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        layer = MoELayer(MoEConfig(d_model=8, d_hidden=16, num_experts=4, top_k=1),
+                         Placement(nodes=[[0, 1, 2, 3]]))
+        model = torch.nn.Module()
+        model.moe = layer
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with CheckpointManager(cfg_for(tmp_path), model=model, optimizer=opt) as ckpt:
+            out = model.moe(torch.randn(32, 8))
+            out.sum().backward()
+            opt.step()
+            ckpt.step(0)
+            assert sum(ckpt.plt_tracker.cum["moe"]) == 32
+    finally:
+        dist.destroy_process_group()
