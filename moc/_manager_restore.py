@@ -37,7 +37,9 @@ class RestoreMixin:
         local = []
         if manifest is not None:
             run = manifest.meta.get("run_id")
-            local = [h for h in self.snapshot_headers() if h.get("run") == run and h["step"] > manifest.step]
+            # Snapshots of this job only; older ones than the manifest still help experts
+            # whose stored version is older than the snapshot.
+            local = [h for h in self.snapshot_headers() if h.get("run") == run]
         everyone = [h for hs in self.comm.gather_json(local) for h in hs]
         manifest_dict = None
         if manifest is not None:
@@ -70,6 +72,23 @@ class RestoreMixin:
         log.info("rank %d: restored step %d (%s), PLT %.4f%%, k_snapshot=%d k_persist=%d", self.rank, plan.step,
                  "memory" if plan.from_memory else "storage", 100 * self.plt(), self.k_snapshot, self.k_persist)
         return plan.step + 1
+
+    def _apply_dynamic_k(self) -> None:
+        """Double K of every level whose own PLT passed the threshold; if only the total
+        did, double K of the level that lost the most tokens (caller holds the lock)."""
+        tracker, thr = self.plt_tracker, self.cfg.plt_threshold
+        levels = {lv for lv in ("snapshot", "persist") if tracker.value(lv) > thr}
+        if not levels and tracker.value() > thr:
+            levels = {max(("snapshot", "persist"), key=tracker.lost_tokens)}
+        e_min = min(self.num_experts.values())
+        if "snapshot" in levels:
+            self.k_snapshot = min(2 * self.k_snapshot, e_min)
+        if "persist" in levels:
+            self.k_persist = min(2 * self.k_persist, e_min)
+            self.k_snapshot = max(self.k_snapshot, self.k_persist)
+        if levels:
+            log.warning("rank %d: PLT %.4f%% > %.4f%%: K raised to snapshot=%d persist=%d", self.rank,
+                        100 * tracker.value(), 100 * thr, self.k_snapshot, self.k_persist)
 
     # -- data movement -------------------------------------------------------------------
     def _needs(self) -> dict[int, list[str]]:
@@ -182,11 +201,6 @@ class RestoreMixin:
                 tracker.saved["snapshot"][layer][e] = src.cum
                 tracker.saved["persist"][layer][e] = min(tracker.saved["persist"][layer][e], src.cum)
             if self.cfg.dynamic_k:
-                e_min = min(self.num_experts.values())
-                if tracker.value("snapshot") > self.cfg.plt_threshold:
-                    self.k_snapshot = min(2 * self.k_snapshot, e_min)
-                if tracker.value("persist") > self.cfg.plt_threshold:
-                    self.k_persist = min(2 * self.k_persist, e_min)
-                    self.k_snapshot = max(self.k_snapshot, self.k_persist)
+                self._apply_dynamic_k()
         self._stale_sources: dict[str, Source] = {n: s for n, s in plan.sources.items() if s.version < plan.step}
         self.last_restore = plan

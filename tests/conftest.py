@@ -8,8 +8,13 @@ import uuid
 from typing import Iterator
 
 import pytest
+import torch
 
 from storage_backends import RetryPolicy, open_store
+
+# Tiny models on a 2-core machine with several processes: one intra-op thread each avoids
+# OpenMP oversubscription (a step goes from ~1 s to ~5 ms under load).
+torch.set_num_threads(1)
 
 from datetime import timedelta
 

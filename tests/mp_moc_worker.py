@@ -81,6 +81,7 @@ def state_by_name(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
 
 
 def main() -> None:
+    torch.set_num_threads(1)
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)

@@ -165,11 +165,13 @@ def test_no_snapshot_sees_the_next_update(tmp_path):
     """The background copy races the next optimizer step; the pre-hook must win."""
     torch.manual_seed(0)
     model = torch.nn.Module()
-    model.experts = torch.nn.ModuleList(torch.nn.Linear(512, 512) for _ in range(4))
-    model.body = torch.nn.Linear(512, 512)
+    model.experts = torch.nn.ModuleList(torch.nn.Linear(1024, 1024) for _ in range(4))
+    model.body = torch.nn.Linear(1024, 1024)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # 21 MB per snapshot, memory only after the first (persist_every): the copy is slow
+    # enough that the next optimizer step always has to wait for it.
     cfg = MoCConfig(storage=str(tmp_path / "c"), snapshot_dir=str(tmp_path / "shm"), interval=1,
-                    expert_pattern=r"(?P<layer>)experts\.(?P<expert>\d+)\.")
+                    persist_every=1000, expert_pattern=r"(?P<layer>)experts\.(?P<expert>\d+)\.")
     with CheckpointManager(cfg, model=model, optimizer=opt) as ckpt:
         for step in range(25):
             for p in model.parameters():
@@ -246,3 +248,30 @@ def test_lazarus_moe_layers_report_routing_automatically(tmp_path):
             assert sum(ckpt.plt_tracker.cum["moe"]) == 32
     finally:
         dist.destroy_process_group()
+
+
+def _crash_and_restore(tmp_path, threshold, *, dynamic_k=True):
+    """Train with K=1 of 8 (storage only), 'crash' after step 17, restore; return manager."""
+    kw = dict(k_snapshot=1, k_persist=1, interval=4, plt_threshold=threshold, dynamic_k=dynamic_k)
+    model, opt, task = make(0)
+    ckpt = CheckpointManager(cfg_for(tmp_path, **kw), model=model, optimizer=opt)
+    for step in range(18):
+        train_step(model, opt, task, step, ckpt)
+    ckpt.close()  # snapshots removed: the restore comes from storage (step 16)
+    model, opt, _ = make(1)
+    ckpt = CheckpointManager(cfg_for(tmp_path, **kw), model=model, optimizer=opt)
+    assert ckpt.restore() == 17
+    return ckpt
+
+
+def test_dynamic_k_doubles_exactly_when_plt_passes_threshold(tmp_path):
+    probe = _crash_and_restore(tmp_path / "probe", 0.5, dynamic_k=False)
+    plt_value = probe.plt()
+    assert probe.plt() == probe.plt_tracker.value("persist") > 0  # all losses at the persist level
+    probe.close()
+    above = _crash_and_restore(tmp_path / "a", plt_value * 0.999)
+    assert (above.k_snapshot, above.k_persist) == (2, 2)
+    above.close()
+    below = _crash_and_restore(tmp_path / "b", plt_value * 1.001)
+    assert (below.k_snapshot, below.k_persist) == (1, 1)
+    below.close()
