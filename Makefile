@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: test demo bench bench-store bench-placement install clean
+.PHONY: test demo bench bench-store bench-placement bench-dispatch bench-moc install clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -25,13 +25,20 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VPY) -m moc.demo --dir runs/demo
 
-bench: bench-store bench-placement
+bench: bench-store bench-placement bench-dispatch bench-moc
 
 bench-store: $(STAMP)
 	$(VPY) benchmarks/store/main.py
 
 bench-placement: $(STAMP)
 	$(VPY) benchmarks/placement/main.py
+
+bench-dispatch: $(STAMP)
+	$(VPY) benchmarks/dispatch/main.py
+
+bench-moc: $(STAMP)
+	$(VPY) -m pip install --quiet -e ".[dev,bench]"
+	$(VPY) benchmarks/moc_overhead/main.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

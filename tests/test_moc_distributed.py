@@ -29,7 +29,8 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mp_moc_worker
 INTERVAL, PERSIST_EVERY = 2, 3
 
 
-def launch(world, ep, tmp, steps, logs):
+def launch(world, ep, tmp, steps, logs, watch=1):
+    """Start the ranks; rank ``watch`` has its stdout piped to the test, the rest log."""
     rdzv = tmp / f"rdzv-{uuid.uuid4().hex}"
     procs = []
     for r in range(world):
@@ -38,7 +39,8 @@ def launch(world, ep, tmp, steps, logs):
                "--out", str(tmp / "out"), "--steps", str(steps), "--interval", str(INTERVAL),
                "--persist-every", str(PERSIST_EVERY)]
         log = open(logs / f"{len(os.listdir(logs))}-rank{r}.log", "w")
-        procs.append((subprocess.Popen(cmd, stdout=subprocess.PIPE if r == 1 else log, stderr=log, text=True), log))
+        procs.append((subprocess.Popen(cmd, stdout=subprocess.PIPE if r == watch else log, stderr=log, text=True),
+                      log))
     return procs
 
 
@@ -151,3 +153,33 @@ def test_sigkill_restart_restore(tmp_path, world, ep, node_lost):
     expected = sum(v / total for v in lost.values()) / len(lost)
     assert expected > 0  # partial checkpoints did lose something
     assert infos[0]["plt"] == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.timeout(300)
+def test_restore_onto_a_different_world_size(tmp_path):
+    """Saved by 2 ranks with 4 experts each; restored by 1 rank holding all 8."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    procs = launch(2, 2, tmp_path, 13, logs)
+    for _ in procs[1][0].stdout:
+        pass
+    stop_all(procs, timeout=120)
+    assert all(p.returncode == 0 for p, _ in procs), f"first run failed; logs in {logs}"
+    procs = launch(1, 1, tmp_path, 15, logs, watch=0)
+    for _ in procs[0][0].stdout:
+        pass
+    stop_all(procs, timeout=120)
+    assert procs[0][0].returncode == 0, f"single-rank restore failed; logs in {logs}"
+    info = json.load(open(tmp_path / "out" / "rank0" / "restore.json"))
+    assert info["step"] == 12 and not info["from_memory"]  # a clean close left it all in storage
+    restored = torch.load(tmp_path / "out" / "rank0" / "restored.pt", weights_only=True)
+    for key, value in restored["model"].items():
+        if ".experts." in key:
+            layer, rest = key.split(".experts.")
+            e = int(rest.split(".")[0])
+            version = info["sources"][f"expert/{layer}/{e}"]["version"]
+            owner = e // 4  # the old rank that trained this expert
+        else:
+            version, owner = 12, 0
+        old = torch.load(tmp_path / "out" / f"rank{owner}" / f"state_{version}.pt", weights_only=True)
+        assert torch.equal(value, old["model"][key]), key

@@ -275,3 +275,61 @@ def test_dynamic_k_doubles_exactly_when_plt_passes_threshold(tmp_path):
     below = _crash_and_restore(tmp_path / "b", plt_value * 1.001)
     assert (below.k_snapshot, below.k_persist) == (1, 1)
     below.close()
+
+
+def test_extra_state_objects_and_rng_round_trip(tmp_path):
+    model, opt, task = make(0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    with CheckpointManager(cfg_for(tmp_path, interval=4), model=model, optimizer=opt,
+                           extra_state={"sched": sched}) as ckpt:
+        for step in range(9):
+            train_step(model, opt, task, step, ckpt)
+            sched.step()
+            if step == 8:
+                expected_rng = torch.get_rng_state()
+    model2, opt2, _ = make(5)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=3, gamma=0.5)
+    torch.manual_seed(999)
+    with CheckpointManager(cfg_for(tmp_path, interval=4), model=model2, optimizer=opt2,
+                           extra_state={"sched": sched2}) as ckpt:
+        assert ckpt.restore() == 9
+    # The scheduler was saved right after its 8th step() (step 8's checkpoint ran before it).
+    assert sched2.state_dict()["last_epoch"] == 8 and sched2.get_last_lr() != [3e-3]
+    assert torch.equal(torch.get_rng_state(), expected_rng)
+    with pytest.raises(ValueError, match=r"extra_state\['x'\]"):
+        CheckpointManager(cfg_for(tmp_path), model=model2, optimizer=opt2, extra_state={"x": object()})
+
+
+def test_load_aware_selection_saves_the_busiest_experts(tmp_path):
+    model, opt, _ = make(0, num_experts=4, layers=1)
+    cs = CheckpointStore(str(tmp_path / "ckpt"))
+    with CheckpointManager(cfg_for(tmp_path, k_snapshot=2, interval=1, selection="load_aware"),
+                           model=model, optimizer=opt) as ckpt:
+        ckpt.step(0)  # first checkpoint: everything
+        ckpt.wait()
+        ckpt.record_routing("layers.0.moe", [5, 100, 1, 50])
+        ckpt.step(1)
+        ckpt.wait()
+        ckpt.record_routing("layers.0.moe", [60, 0, 1, 2])
+        ckpt.step(2)
+        ckpt.wait()
+    saved_at = lambda s: sorted(e for e, r in cs.read_manifest(s).layers()["layers.0.moe"].items() if r.step == s)
+    assert saved_at(1) == [1, 3]
+    assert saved_at(2) == [0, 2]  # expert 0: 65 unsaved tokens, expert 2: 2 (ties: lower id)
+
+
+def test_auto_interval_and_auto_k(tmp_path):
+    model, opt, task = make(0)
+    cfg = cfg_for(tmp_path, interval="auto", k_snapshot="auto", k_persist=1, mtbf=timedelta(seconds=30))
+    with CheckpointManager(cfg, model=model, optimizer=opt) as ckpt:
+        assert ckpt.interval == 1
+        for step in range(12):
+            train_step(model, opt, task, step, ckpt)
+        st = ckpt.status()
+        # Checkpointing every step costs far more than the failure rate justifies: the
+        # interval grows from 1 to the Young/Daly value after the first checkpoint.
+        assert st["interval"] > 1
+        assert 1 <= st["k_snapshot"] <= 8 and st["k_snapshot"] >= st["k_persist"]
+    # Young/Daly: sqrt(2 * overhead * MTBF) seconds, in steps.
+    ckpt._save_overhead = 0.5
+    assert ckpt.young_daly_interval(0.1) == round(math.sqrt(2 * 0.5 * 30) / 0.1)
