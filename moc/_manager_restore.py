@@ -12,6 +12,7 @@ import xxhash
 
 from ._buffers import map_existing, read_headers
 from ._codec import TensorMeta, decode_tree
+from ._format import manifest_key
 from ._restore import MemoryPiece, RestorePlan, Source, plan_restore
 from ._units import apply_units, restore_rng
 
@@ -185,7 +186,7 @@ class RestoreMixin:
         if self.rank == 0 and manifest is not None:
             for step in self.store.steps():
                 if step > plan.step:  # unreadable newer manifests belong to no timeline now
-                    self.store.store.delete(f"manifests/{step:012d}.json", missing_ok=True)
+                    self.store.store.delete(manifest_key(step), missing_ok=True)
         with self._lock:
             tracker = self.plt_tracker
             tracker.load_state(plan.plt)
