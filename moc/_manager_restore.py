@@ -5,12 +5,13 @@ dynamic-K applied afterwards."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
 import xxhash
 
-from ._buffers import map_existing, read_headers
+from ._buffers import read_headers
 from ._codec import TensorMeta, decode_tree
 from ._format import manifest_key
 from ._restore import MemoryPiece, RestorePlan, Source, plan_restore
@@ -110,15 +111,28 @@ class RestoreMixin:
                 src = plan.sources.get(name)
                 if src is not None and src.level == "snapshot":
                     moves.extend((dest, name, p) for p in src.pieces)
-        mapped: dict[int, torch.Tensor | None] = {}
+        files: dict[int, Any] = {}
+
+        def read_local(p: MemoryPiece, out: memoryview) -> None:
+            """Plain reads of the buffer file (tmpfs: one memcpy, no page-fault storm)."""
+            if p.buffer not in files:
+                try:
+                    files[p.buffer] = open(os.path.join(self.snapshot_dir, f"buf{p.buffer}.bin"), "rb", buffering=0)
+                except FileNotFoundError:
+                    raise RuntimeError(f"snapshot buffer {p.buffer} of rank {self.rank} is gone") from None
+            f = files[p.buffer]
+            f.seek(p.offset)
+            done = 0
+            while done < len(out):
+                n = f.readinto(out[done:])
+                if not n:
+                    raise RuntimeError(f"snapshot buffer {p.buffer} of rank {self.rank} is truncated")
+                done += n
 
         def local_bytes(p: MemoryPiece) -> torch.Tensor:
-            if p.buffer not in mapped:
-                mapped[p.buffer] = map_existing(self.snapshot_dir, p.buffer)
-            data = mapped[p.buffer]
-            if data is None or data.numel() < p.offset + (p.end - p.start):
-                raise RuntimeError(f"snapshot buffer {p.buffer} of rank {self.rank} is gone")
-            return data[p.offset: p.offset + (p.end - p.start)]
+            out = torch.empty(p.end - p.start, dtype=torch.uint8)
+            read_local(p, memoryview(out.numpy()))
+            return out
 
         send_parts, send_splits = [], [0] * self.world
         recv_splits = [0] * self.world
@@ -150,18 +164,20 @@ class RestoreMixin:
             data = bytearray(int(src.meta["unit_nbytes"]))
             view = memoryview(data)
             for p in src.pieces:
+                target = view[p.start: p.end]
                 if p.rank == self.rank:
-                    chunk = local_bytes(p)
+                    read_local(p, target)
                 else:
                     # Pieces from rank q arrive in the global move order.
-                    chunk = received[recv_offsets[p.rank]: recv_offsets[p.rank] + (p.end - p.start)]
+                    lo = recv_offsets[p.rank]
+                    target[:] = memoryview(received[lo: lo + (p.end - p.start)].numpy())
                     recv_offsets[p.rank] += p.end - p.start
-                raw = bytes(chunk.numpy())
-                if p.checksum and "xxh3:" + xxhash.xxh3_64_hexdigest(raw) != p.checksum:
+                if p.checksum and "xxh3:" + xxhash.xxh3_64_hexdigest(target) != p.checksum:
                     raise RuntimeError(f"snapshot piece of {name} (step {p.step}, rank {p.rank}) failed its checksum")
-                view[p.start: p.end] = raw
             tensors = [TensorMeta.from_json(t) for t in src.meta["tensors"]]
             trees[name] = decode_tree(src.meta["skeleton"], tensors, data)
+        for f in files.values():
+            f.close()
         if storage_names:
             loaded = self.store.load(manifest.step, names=storage_names)
             trees.update(loaded.units)

@@ -257,6 +257,8 @@ def _crash_and_restore(tmp_path, threshold, *, dynamic_k=True):
     ckpt = CheckpointManager(cfg_for(tmp_path, **kw), model=model, optimizer=opt)
     for step in range(18):
         train_step(model, opt, task, step, ckpt)
+        if step % 4 == 0:
+            ckpt.wait()  # every checkpoint persisted: the lost tokens do not depend on timing
     ckpt.close()  # snapshots removed: the restore comes from storage (step 16)
     model, opt, _ = make(1)
     ckpt = CheckpointManager(cfg_for(tmp_path, **kw), model=model, optimizer=opt)
