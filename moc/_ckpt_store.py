@@ -24,7 +24,8 @@ import xxhash
 
 from storage_backends import Store, open_store
 
-from ._codec import CODECS, EncodedUnit, TensorMeta, checksum, compress, decode_tree, decompress, encode_tree
+from ._codec import (CODECS, EncodedUnit, TensorMeta, checksum, compress, decode_tree, decompress, encode_tree,
+                     unit_buffer)
 from ._format import (
     DATA_PREFIX,
     MANIFEST_PREFIX,
@@ -287,8 +288,7 @@ class CheckpointStore:
 
     def read_unit(self, rec: UnitRecord) -> Any:
         """Read, verify and decode one unit's saved version."""
-        data = bytearray(rec.nbytes)
-        view = memoryview(data)
+        data, view = unit_buffer(rec.nbytes)
         for chunk in rec.chunks:
             target = view[chunk.offset: chunk.offset + chunk.nbytes]
             if chunk.codec == "raw" and chunk.stored_nbytes == chunk.nbytes:

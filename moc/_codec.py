@@ -21,6 +21,7 @@ __all__ = [
     "EncodedUnit",
     "TreePlan",
     "plan_tree",
+    "unit_buffer",
     "TensorMeta",
     "encode_tree",
     "decode_tree",
@@ -209,9 +210,22 @@ def encode_tree(tree: Any) -> EncodedUnit:
     return EncodedUnit(plan.skeleton, plan.tensors, buffers, plan.nbytes, plan.itemsize)
 
 
-def decode_tree(skeleton: Any, tensors: list[TensorMeta], data: bytearray | bytes) -> Any:
-    """Rebuild the tree; tensors are fresh CPU tensors backed by ``data``."""
-    buf = data if isinstance(data, bytearray) else bytearray(data)
+def unit_buffer(nbytes: int) -> tuple[torch.Tensor, memoryview]:
+    """An uninitialised byte buffer for a unit (no zero-fill pass) and a writable view."""
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    return t, memoryview(t.numpy()) if nbytes else memoryview(bytearray())
+
+
+def decode_tree(skeleton: Any, tensors: list[TensorMeta], data: bytearray | bytes | torch.Tensor) -> Any:
+    """Rebuild the tree; tensors are CPU tensors backed by ``data`` (no copy)."""
+    if isinstance(data, torch.Tensor):
+        if data.dtype != torch.uint8 or data.dim() != 1:
+            raise ValueError("data must be a 1-D uint8 tensor")
+        base: torch.Tensor | None = data
+        buf: Any = data
+    else:
+        base = None
+        buf = data if isinstance(data, bytearray) else bytearray(data)
 
     def tensor(i: int) -> torch.Tensor:
         meta = tensors[i]
@@ -224,6 +238,8 @@ def decode_tree(skeleton: Any, tensors: list[TensorMeta], data: bytearray | byte
             raise ValueError(f"tensor {i} metadata does not fit the unit's bytes")
         if numel == 0:
             return torch.empty(meta.shape, dtype=dtype)
+        if base is not None:
+            return base[meta.offset: meta.offset + meta.nbytes].view(dtype).view(meta.shape)
         return torch.frombuffer(buf, dtype=dtype, count=numel, offset=meta.offset).view(meta.shape)
 
     def walk(node: Any) -> Any:

@@ -12,7 +12,7 @@ import torch
 import xxhash
 
 from ._buffers import read_headers
-from ._codec import TensorMeta, decode_tree
+from ._codec import TensorMeta, decode_tree, unit_buffer
 from ._format import manifest_key
 from ._restore import MemoryPiece, RestorePlan, Source, plan_restore
 from ._units import apply_units, restore_rng
@@ -161,8 +161,7 @@ class RestoreMixin:
             if src.level == "persist":
                 storage_names.append(name)
                 continue
-            data = bytearray(int(src.meta["unit_nbytes"]))
-            view = memoryview(data)
+            data, view = unit_buffer(int(src.meta["unit_nbytes"]))
             for p in src.pieces:
                 target = view[p.start: p.end]
                 if p.rank == self.rank:
