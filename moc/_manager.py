@@ -131,6 +131,8 @@ class CheckpointManager(RestoreMixin):
         self._last_persisted_step: int | None = None
         self._stall_total = 0.0
         self._stall_last = 0.0
+        self._step_call_last = 0.0    # synchronous part of a checkpoint inside step()
+        self._step_call_total = 0.0
         self._stalls = 0
         self._persist_failures = 0
         self._last_error: str | None = None
@@ -238,7 +240,9 @@ class CheckpointManager(RestoreMixin):
         if due:
             t0 = time.perf_counter()
             self._checkpoint(step)
-            self._save_overhead = time.perf_counter() - t0 + self._stall_last
+            self._step_call_last = time.perf_counter() - t0
+            self._step_call_total += self._step_call_last
+            self._save_overhead = self._step_call_last + self._stall_last
             self._tune()
         elif step % max(1, self.interval // 4) == 0:
             self._maybe_persist("retry")
@@ -669,6 +673,8 @@ class CheckpointManager(RestoreMixin):
                 "persist_in_flight": busy, "persist_failures": self._persist_failures, "last_error": self._last_error,
                 "k_snapshot": self.k_snapshot, "k_persist": self.k_persist, "interval": self.interval,
                 "stall_seconds_last": self._stall_last, "stall_seconds_total": self._stall_total, "stalls": self._stalls,
+                "step_call_seconds_last": self._step_call_last, "step_call_seconds_total": self._step_call_total,
+                "blocked_seconds_total": self._stall_total + self._step_call_total,
                 "snapshot_seconds": self._snapshot_seconds, "buffer_bytes": self.pool.allocated_bytes(),
                 "plt": self.plt_tracker.value(), "plt_snapshot": self.plt_tracker.value("snapshot"),
                 "plt_persist": self.plt_tracker.value("persist"), "recoveries": self._recoveries,
