@@ -59,8 +59,9 @@ def train(directory: str, steps: int, report: bool) -> None:
             print(f"step {step:3d} loss {loss.item():.3f}{mark}", flush=True)
             time.sleep(0.03)  # pace the demo so the kill lands mid-run
         if report:
-            print(f"\nfinished step {steps - 1}; PLT {ckpt.plt():.3%}; training waited for snapshots "
-                  f"{st['stalls']} times, {1000 * st['stall_seconds_total']:.1f} ms in all", flush=True)
+            print(f"\nfinished step {steps - 1}; PLT {ckpt.plt():.3%}; checkpointing blocked the training loop "
+                  f"{1000 * st['blocked_seconds_total']:.1f} ms in all (waits at optimizer.step: {st['stalls']})",
+                  flush=True)
 
 
 def describe_restore(ckpt: CheckpointManager) -> None:
