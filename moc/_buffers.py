@@ -102,15 +102,6 @@ def read_headers(directory: str) -> list[dict[str, Any]]:
     return out
 
 
-def map_existing(directory: str, index: int) -> torch.Tensor | None:
-    path = os.path.join(directory, f"buf{index}.bin")
-    try:
-        size = os.path.getsize(path)
-    except OSError:
-        return None
-    return torch.from_file(path, shared=False, size=size, dtype=torch.uint8) if size else None
-
-
 class BufferPool:
     """Three buffers and the rules for picking one to fill."""
 
