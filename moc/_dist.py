@@ -80,7 +80,7 @@ class Comm:
     def exchange(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
         """One uneven all-to-all of uint8 bytes (training-thread group)."""
         if not self.distributed:
-            return send.clone()
+            return send
         recv = torch.empty(sum(recv_splits), dtype=torch.uint8)
         dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
         return recv

@@ -87,6 +87,10 @@ class CheckpointManager(RestoreMixin):
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise ValueError(f"extra_state[{name!r}] must have state_dict() and load_state_dict()")
         self.layout: UnitLayout = discover_units(model, expert_pattern or cfg.expert_pattern)
+        params = {n for n, _ in model.named_parameters()}
+        # Module units holding buffers (running stats...) are copied synchronously in step().
+        self._units_with_buffers = {spec.name for spec in self.layout.modules()
+                                    if any(k not in params for k in spec.keys)}
         self.comm = Comm.create(process_group, cfg.coordination_timeout)
         self.rank, self.world = self.comm.rank, self.comm.world
 
@@ -346,13 +350,9 @@ class CheckpointManager(RestoreMixin):
                 continue
             plan, spec = plans[sh.unit]
             entries.append((sh.unit, plan, sh.start, sh.end, spec, sh.rank == self.rank))
-            if spec is not None and spec.kind == "module" and self._has_buffers(spec):
+            if sh.unit in self._units_with_buffers:
                 sync_entries.add(sh.unit)
         return entries, sync_entries, persist_units
-
-    def _has_buffers(self, spec) -> bool:
-        params = {n for n, _ in self.model.named_parameters()}
-        return any(k not in params for k in spec.keys)
 
     def _extra_tree(self, step: int) -> dict[str, Any]:
         extra: dict[str, Any] = {"step": step, "rng": capture_rng(), "rank": self.rank, "world": self.world}

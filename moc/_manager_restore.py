@@ -14,7 +14,7 @@ import xxhash
 from ._buffers import read_headers
 from ._codec import TensorMeta, decode_tree, unit_buffer
 from ._format import manifest_key
-from ._restore import MemoryPiece, RestorePlan, Source, plan_restore
+from ._restore import MemoryPiece, RestorePlan, plan_restore
 from ._units import apply_units, restore_rng
 
 __all__ = ["RestoreMixin"]
@@ -145,7 +145,7 @@ class RestoreMixin:
         # ``moves`` is sorted by destination, so the send buffer is grouped by destination
         # and each source's pieces arrive in the same global order, as all_to_all_single wants.
         send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=torch.uint8)
-        received = self.comm.exchange(send, send_splits, recv_splits) if self.world > 1 else send
+        received = self.comm.exchange(send, send_splits, recv_splits)
         recv_offsets: dict[int, int] = {}
         pos = 0
         for q in range(self.world):
@@ -218,5 +218,4 @@ class RestoreMixin:
                 tracker.saved["persist"][layer][e] = min(tracker.saved["persist"][layer][e], src.cum)
             if self.cfg.dynamic_k:
                 self._apply_dynamic_k()
-        self._stale_sources: dict[str, Source] = {n: s for n, s in plan.sources.items() if s.version < plan.step}
         self.last_restore = plan

@@ -195,6 +195,15 @@ class Method:
     def after(self) -> None: ...
     def teardown(self) -> None: ...
 
+    def rotate(self) -> None:
+        """Record the size of the checkpoint directory just written and delete the one
+        before it (``cur``/``prev`` are set by methods that write one directory each)."""
+        os.sync()  # written-back dirty pages must not spill into the next (baseline) window
+        self.sizes.append(dir_bytes(self.cur))
+        if self.prev is not None:
+            shutil.rmtree(self.prev, ignore_errors=True)
+        self.prev = self.cur
+
 
 class TorchSave(Method):
     name = "torch.save (blocking)"
@@ -275,11 +284,7 @@ class DCPAsync(Method):
         self.extra_blocked.append(self.waited)
 
     def after(self) -> None:
-        os.sync()  # written-back dirty pages must not spill into the next (baseline) window
-        self.sizes.append(dir_bytes(self.cur))
-        if self.prev is not None:
-            shutil.rmtree(self.prev, ignore_errors=True)
-        self.prev = self.cur
+        self.rotate()
 
     def teardown(self) -> None:
         if self.hook is not None:
@@ -312,11 +317,7 @@ class TorchSnapshot(Method):
             self.pending = None
 
     def after(self) -> None:
-        os.sync()  # written-back dirty pages must not spill into the next (baseline) window
-        self.sizes.append(dir_bytes(self.cur))
-        if self.prev is not None:
-            shutil.rmtree(self.prev, ignore_errors=True)
-        self.prev = self.cur
+        self.rotate()
 
     def teardown(self) -> None:
         if self.prev is not None:
