@@ -25,6 +25,7 @@ class Comm:
     world: int = 1
     group: Any = None          # coordination from the training thread
     persist_group: Any = None  # coordination from the persist thread
+    snapshot_group: Any = None  # remote snapshot copies from the snapshot thread
 
     @staticmethod
     def create(process_group: Any, timeout: timedelta) -> "Comm":
@@ -32,11 +33,13 @@ class Comm:
             return Comm()
         pg = process_group if process_group is not None else dist.group.WORLD
         ranks = dist.get_process_group_ranks(pg)
-        # Two private gloo groups: one per thread that talks, so the training thread's
-        # decisions and the persist thread's commit never interleave on one group.
+        # Private gloo groups, one per thread that talks (training thread, persist thread,
+        # snapshot thread), so their collectives never interleave on one group.
         group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
         persist_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
-        return Comm(rank=dist.get_rank(pg), world=len(ranks), group=group, persist_group=persist_group)
+        snapshot_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        return Comm(rank=dist.get_rank(pg), world=len(ranks), group=group, persist_group=persist_group,
+                    snapshot_group=snapshot_group)
 
     @property
     def distributed(self) -> bool:
@@ -77,12 +80,15 @@ class Comm:
             dist.all_reduce(t, group=self.group)
         return t
 
-    def exchange(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
-        """One uneven all-to-all of uint8 bytes (training-thread group)."""
+    def exchange(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], *,
+                 snapshot: bool = False) -> torch.Tensor:
+        """One uneven all-to-all of uint8 bytes (training-thread group, or the snapshot
+        thread's with ``snapshot=True``)."""
         if not self.distributed:
             return send
         recv = torch.empty(sum(recv_splits), dtype=torch.uint8)
-        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
+        group = self.snapshot_group if snapshot else self.group
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
         return recv
 
     def barrier(self) -> None:
@@ -91,7 +97,7 @@ class Comm:
 
     def destroy(self) -> None:
         if self.distributed and dist.is_initialized():
-            for g in (self.group, self.persist_group):
+            for g in (self.group, self.persist_group, self.snapshot_group):
                 try:
                     dist.destroy_process_group(g)
                 except Exception:  # noqa: BLE001 - the default group may already be gone

@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -33,7 +34,7 @@ import xxhash
 
 from storage_backends import open_store
 
-from ._buffers import PERSIST, READY, BufferPool, SnapshotBuffer, read_headers
+from ._buffers import FREE, PERSIST, READY, SNAPSHOT, BufferPool, SnapshotBuffer, read_headers
 from ._ckpt_store import CheckpointStore
 from ._codec import TensorMeta, TreePlan, decode_tree, plan_tree
 from ._config import MoCConfig
@@ -45,7 +46,7 @@ from ._selection import load_aware_selection
 from ._sharding import plan_shares
 from ._units import UnitLayout, capture_rng, capture_unit, discover_units, optimizer_groups
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "Handover"]
 
 log = logging.getLogger("moc")
 
@@ -57,6 +58,14 @@ def _expert_count(names: list[str]) -> dict[str, int]:
             layer, e = name[len("expert/"):].rsplit("/", 1)
             counts[layer] = max(counts.get(layer, 0), int(e) + 1)
     return dict(sorted(counts.items()))
+
+
+@dataclass
+class Handover:
+    """What a retired manager passes to its successor: the buffers and its bookkeeping."""
+
+    pool: BufferPool
+    state: dict[str, Any]
 
 
 class CheckpointManager(RestoreMixin):
@@ -72,11 +81,19 @@ class CheckpointManager(RestoreMixin):
             ``torch.distributed`` is initialised, else a single process).
         extra_state: objects with ``state_dict()``/``load_state_dict()`` saved alongside
             (data loaders, schedulers, ...).
+        memory_key: name of this process's snapshot folder under the snapshot directory
+            (default ``rank<r>``). An elastic runtime whose ranks get renumbered passes a
+            name that stays with the node (``worker0``), so snapshots are found again.
+        handover: what :meth:`detach` returned on the manager this one replaces (same
+            process, new process group after a reconfiguration): its buffers are kept and
+            the bookkeeping (run id, counters, PLT, K) continues. Ranks without one (a
+            joining process) take the bookkeeping from the lowest rank that has one.
     """
 
     def __init__(self, cfg: MoCConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  process_group: Any = None, expert_pattern: str | None = None,
-                 extra_state: Mapping[str, Any] | None = None) -> None:
+                 extra_state: Mapping[str, Any] | None = None, memory_key: str | None = None,
+                 handover: "Handover | None" = None) -> None:
         if not isinstance(cfg, MoCConfig):
             raise TypeError(f"cfg must be a MoCConfig, got {type(cfg).__name__}")
         self.cfg = cfg
@@ -116,8 +133,13 @@ class CheckpointManager(RestoreMixin):
         run_key = hashlib.sha1(self.store.store.url.encode()).hexdigest()[:12]
         base_dir = cfg.snapshot_dir or (f"/dev/shm/moc-{run_key}" if os.path.isdir("/dev/shm")
                                         else os.path.join(tempfile.gettempdir(), f"moc-{run_key}"))
-        self.snapshot_dir = os.path.join(base_dir, f"rank{self.rank}")
-        self.pool = BufferPool(self.snapshot_dir)
+        if memory_key is not None and (not memory_key or "/" in memory_key or memory_key.startswith(".")):
+            raise ValueError(f"memory_key must be a plain folder name, got {memory_key!r}")
+        self.snapshot_dir = os.path.join(base_dir, memory_key or f"rank{self.rank}")
+        if handover is not None and handover.pool.directory == self.snapshot_dir:
+            self.pool = handover.pool
+        else:
+            self.pool = BufferPool(self.snapshot_dir)
         self.run_id = self.comm.broadcast_json(uuid.uuid4().hex[:16])  # one id for the whole job
 
         self._lock = threading.Lock()
@@ -148,6 +170,7 @@ class CheckpointManager(RestoreMixin):
         self._save_overhead: float | None = None
         self._recoveries = 0
         self._started = time.time()
+        self._adopt(handover)
 
         self._attach_lazarus_layers()
         self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step) if optimizer is not None else None
@@ -163,6 +186,66 @@ class CheckpointManager(RestoreMixin):
         if not 1 <= int(value) <= e_min:
             raise ValueError(f"MoCConfig.{field} must be in [1, {e_min}] (experts per MoE layer), got {value}")
         return int(value)
+
+    # -- reconfiguration -----------------------------------------------------------------
+    def _export_state(self) -> dict[str, Any]:
+        with self._lock:
+            return {"run_id": self.run_id, "k_snapshot": self.k_snapshot, "k_persist": self.k_persist,
+                    "interval": self.interval, "checkpoints": self._checkpoints,
+                    "persist_rounds": self._persist_rounds, "has_base": self._has_base,
+                    "first_done": self._first_done, "last_persisted_step": self._last_persisted_step,
+                    "last_snapshot_step": self._last_snapshot_step, "recoveries": self._recoveries,
+                    "persist_failures": self._persist_failures, "plt": self.plt_tracker.state()}
+
+    def _adopt(self, handover: "Handover | None") -> None:
+        """Continue the bookkeeping of the manager(s) this one replaces (collective)."""
+        states = self.comm.gather_json(handover.state if handover is not None else None)
+        state = next((s for s in states if s is not None), None)
+        if state is None:
+            return
+        self.run_id = state["run_id"]
+        self.k_snapshot, self.k_persist = int(state["k_snapshot"]), int(state["k_persist"])
+        self.interval = int(state["interval"])
+        self._checkpoints, self._persist_rounds = int(state["checkpoints"]), int(state["persist_rounds"])
+        self._has_base, self._first_done = bool(state["has_base"]), bool(state["first_done"])
+        self._last_persisted_step = state["last_persisted_step"]
+        self._last_snapshot_step = state["last_snapshot_step"]
+        self._recoveries = int(state["recoveries"])
+        self._persist_failures = int(state["persist_failures"])
+        self.plt_tracker.load_state(state["plt"])
+
+    def detach(self) -> "Handover":
+        """Retire this manager because its process group is broken or being replaced,
+        keeping the snapshot buffers (node memory) and the bookkeeping for the manager
+        built on the next process group (pass the result as ``handover=``).
+
+        Local only: waits for the background snapshot and persist jobs (their collectives
+        fail fast on a dead peer, or after ``coordination_timeout``), commits nothing new.
+        """
+        self._wait_snapshot()
+        fut = self._persist
+        if fut is not None:
+            try:
+                fut.result(timeout=self.cfg.coordination_timeout.total_seconds() + 5.0)
+            except Exception as exc:  # noqa: BLE001 - the group is gone; the snapshot stays in memory
+                log.warning("rank %d: in-flight persist abandoned at reconfiguration: %s", self.rank, exc)
+            self._persist = None
+        with self._lock:
+            for b in self.pool.buffers:
+                if b.state == PERSIST:
+                    b.state = READY
+                elif b.state == SNAPSHOT:
+                    b.invalidate()
+                    b.state = FREE
+        state = self._export_state()
+        self._closed = True
+        if self._hook is not None:
+            self._hook.remove()
+        if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+        self._snap_exec.shutdown(wait=False)
+        self._persist_exec.shutdown(wait=False)
+        return Handover(pool=self.pool, state=state)
 
     # -- context manager -----------------------------------------------------------------
     def __enter__(self) -> "CheckpointManager":
@@ -258,8 +341,9 @@ class CheckpointManager(RestoreMixin):
         # expert; afterwards every persist_every-th snapshot also goes to storage.
         designated = not self._has_base or self._checkpoints % self.cfg.persist_every == 0
         selection = self._select(not self._has_base, designated)
-        entries, sync_entries, persist_units = self._plan(step, selection)
-        needed = sum(e[3] - e[2] for e in entries)
+        entries, sync_entries, persist_units, remote, remote_meta = self._plan(step, selection)
+        incoming = [r for r in remote if r[4] == self.rank]
+        needed = sum(e[3] - e[2] for e in entries) + sum(r[2] - r[1] for r in incoming)
         buf = self.pool.acquire()
         buf.ensure(needed)
         with self._lock:
@@ -274,12 +358,17 @@ class CheckpointManager(RestoreMixin):
         for entry in entries:
             placed.append((entry, offset))
             offset += entry[3] - entry[2]
+        landing = []  # where remote copies received from other ranks go in the buffer
+        for r in incoming:
+            landing.append((r, offset))
+            offset += r[2] - r[1]
         # Small, non-parameter state (extra state, module buffers) is copied now: the next
         # forward may change it before the background copy would get to it.
         for entry, off in placed:
             if entry[0] in sync_entries:
                 entry[1].copy_range(entry[2], entry[3], buf.data[off: off + entry[3] - entry[2]])
-        self._snapshot = self._snap_exec.submit(self._fill, buf, placed, sync_entries, persist_units, header)
+        self._snapshot = self._snap_exec.submit(self._fill, buf, placed, sync_entries, persist_units, header,
+                                                remote, landing, remote_meta)
         self._first_done = True
         self._checkpoints += 1
         if designated:
@@ -340,19 +429,47 @@ class CheckpointManager(RestoreMixin):
         persist_units |= set(modules)
         entries = []
         sync_entries = {extra_name}
+        # (unit, start, end, src, dst): share copies sent over the network, in one global order.
+        remote: list[tuple[str, int, int, int, int]] = []
+        copy_load = [0] * self.world
         for sh in shares:
             holders = sorted(self.holders[sh.unit])
-            # The owner persists the share; the next holders (cyclically) keep extra
-            # in-memory copies from their own replicas, so losing one node loses no share.
+            # The owner snapshots (and persists) the share. The other copies go first to
+            # ranks that do NOT hold the unit: a copy on a co-holder dies with the replicas
+            # it would replace (an expert is lost only when all its holders are), while a
+            # copy elsewhere survives them. Co-holders (copied from their own replica, no
+            # network) fill up when there are not enough other ranks.
+            extra = self.cfg.snapshot_copies - 1
+            others = sorted((r for r in range(self.world) if r not in holders),
+                            key=lambda r: (copy_load[r], (r - sh.rank) % self.world))[:extra]
+            for r in others:
+                copy_load[r] += sh.end - sh.start
+                remote.append((sh.unit, sh.start, sh.end, sh.rank, r))
             i = holders.index(sh.rank)
-            copies = {holders[(i + j) % len(holders)] for j in range(min(self.cfg.snapshot_copies, len(holders)))}
+            copies = {holders[(i + j) % len(holders)] for j in range(min(1 + extra - len(others), len(holders)))}
             if self.rank not in copies:
                 continue
             plan, spec = plans[sh.unit]
             entries.append((sh.unit, plan, sh.start, sh.end, spec, sh.rank == self.rank))
             if sh.unit in self._units_with_buffers:
                 sync_entries.add(sh.unit)
-        return entries, sync_entries, persist_units
+        remote_meta: dict[str, Any] = {}
+        if remote:
+            # Receivers hold no replica, so the senders describe the units they send.
+            mine = {u for (u, _, _, src, _) in remote if src == self.rank}
+            described = self.comm.gather_json({u: self._unit_meta(plans[u][0], plans[u][1]) for u in sorted(mine)})
+            wanted = {u for (u, _, _, _, dst) in remote if dst == self.rank}
+            for d in described:
+                remote_meta.update({u: m for u, m in d.items() if u in wanted})
+        return entries, sync_entries, persist_units, remote, remote_meta
+
+    @staticmethod
+    def _unit_meta(plan: TreePlan, spec: Any) -> dict[str, Any]:
+        return {
+            "kind": "extra" if spec is None else spec.kind, "layer": getattr(spec, "layer", None),
+            "expert": getattr(spec, "expert", None), "unit_nbytes": plan.nbytes, "skeleton": plan.skeleton,
+            "tensors": [t.to_json() for t in plan.tensors], "itemsize": plan.itemsize,
+        }
 
     def _extra_tree(self, step: int) -> dict[str, Any]:
         extra: dict[str, Any] = {"step": step, "rng": capture_rng(), "rank": self.rank, "world": self.world}
@@ -367,24 +484,30 @@ class CheckpointManager(RestoreMixin):
                 "checkpoints": self._checkpoints + 1, "persist_rounds": self._persist_rounds + 1,
                 "world": self.world, "interval": self.interval, "recoveries": self._recoveries}
 
-    def _fill(self, buf: SnapshotBuffer, placed, sync_entries, persist_units, header) -> SnapshotBuffer:
-        """Background: copy this rank's share into the buffer, checksum it, publish."""
+    def _fill(self, buf: SnapshotBuffer, placed, sync_entries, persist_units, header,
+              remote=(), landing=(), remote_meta=None) -> SnapshotBuffer:
+        """Background: copy this rank's share into the buffer, send/receive the remote
+        copies, checksum everything, publish."""
         t0 = time.perf_counter()
         units: dict[str, Any] = {}
         pieces = []
+        where: dict[tuple[str, int], int] = {}
         for (name, plan, start, end, spec, owner), off in placed:
             n = end - start
             if name not in sync_entries:
                 plan.copy_range(start, end, buf.data[off: off + n])
-            kind = "extra" if spec is None else spec.kind
-            units[name] = {
-                "kind": kind, "layer": getattr(spec, "layer", None), "expert": getattr(spec, "expert", None),
-                "unit_nbytes": plan.nbytes, "skeleton": plan.skeleton,
-                "tensors": [t.to_json() for t in plan.tensors], "itemsize": plan.itemsize,
-            }
+            units[name] = self._unit_meta(plan, spec)
+            where[(name, start)] = off
             pieces.append({"unit": name, "start": start, "end": end, "offset": off,
                            "checksum": "xxh3:" + xxhash.xxh3_64_hexdigest(buf.view(off, n)),
-                           "persist": owner and (name in persist_units or kind == "extra")})
+                           "persist": owner and (name in persist_units or units[name]["kind"] == "extra")})
+        if remote:
+            try:
+                pieces += self._exchange_copies(buf, remote, landing, where)
+                units.update(remote_meta or {})
+            except Exception as exc:  # noqa: BLE001 - the local part of the snapshot stays valid
+                self._last_error = f"remote snapshot copies failed: {exc}"
+                log.warning("rank %d step %d: remote snapshot copies failed: %s", self.rank, header["step"], exc)
         header = dict(header, units=units, pieces=pieces)
         buf.publish(header)
         buf.step = header["step"]
@@ -394,6 +517,32 @@ class CheckpointManager(RestoreMixin):
             self._last_snapshot_step = header["step"]
         self._snapshot_seconds = time.perf_counter() - t0
         return buf
+
+    def _exchange_copies(self, buf: SnapshotBuffer, remote, landing, where) -> list[dict[str, Any]]:
+        """Send the shares this rank owns to their remote copy holders and land the
+        copies it holds for others, with one all-to-all on the snapshot thread's group."""
+        send_parts, send_splits, recv_splits = [], [0] * self.world, [0] * self.world
+        for unit, start, end, src, dst in remote:   # one global order on every rank
+            if src == self.rank:
+                off = where[(unit, start)]
+                send_parts.append(buf.data[off: off + end - start])
+                send_splits[dst] += end - start
+            if dst == self.rank:
+                recv_splits[src] += end - start
+        send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=torch.uint8)
+        received = self.comm.exchange(send, send_splits, recv_splits, snapshot=True)
+        starts, pos = {}, 0
+        for q in range(self.world):
+            starts[q] = pos
+            pos += recv_splits[q]
+        pieces = []
+        for (unit, start, end, src, _), off in landing:
+            n = end - start
+            buf.data[off: off + n].copy_(received[starts[src]: starts[src] + n])
+            starts[src] += n
+            pieces.append({"unit": unit, "start": start, "end": end, "offset": off,
+                           "checksum": "xxh3:" + xxhash.xxh3_64_hexdigest(buf.view(off, n)), "persist": False})
+        return pieces
 
     # -- the stall point -----------------------------------------------------------------
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:

@@ -14,8 +14,8 @@ import xxhash
 from ._buffers import read_headers
 from ._codec import TensorMeta, decode_tree, unit_buffer
 from ._format import manifest_key
-from ._restore import MemoryPiece, RestorePlan, plan_restore
-from ._units import apply_units, restore_rng
+from ._restore import MemoryPiece, RestorePlan, plan_restore, plan_units
+from ._units import apply_partial, apply_units, restore_rng
 
 __all__ = ["RestoreMixin"]
 
@@ -26,8 +26,63 @@ class RestoreMixin:
     """``restore()`` and its helpers (mixed into CheckpointManager)."""
 
     def snapshot_headers(self) -> list[dict[str, Any]]:
-        """Published snapshots in this rank's shared-memory directory (newest last)."""
-        return sorted(read_headers(self.snapshot_dir), key=lambda h: h["step"])
+        """Published snapshots in this rank's shared-memory directory (newest last).
+
+        ``rank`` is this process's current rank: it serves these buffers now, whatever
+        rank wrote them (ranks are renumbered when an elastic job reconfigures)."""
+        return sorted((dict(h, rank=self.rank) for h in read_headers(self.snapshot_dir)), key=lambda h: h["step"])
+
+    def restore_units(self, names: list[str]) -> dict[str, dict[str, Any]]:
+        """Replace the named units (typically experts that lost every replica) with their
+        newest saved version, from any rank's memory first, else storage; the rest of the
+        live state is untouched and the step does not move back.
+
+        Collective: every rank calls it with the same ``names``. Tokens routed to each
+        restored expert since its version are booked as lost (PLT, by level). Returns
+        ``unit -> {"level": "snapshot" | "persist" | None, "version": step | None,
+        "lost_tokens": int}``; level None means no saved version exists anywhere (the unit
+        keeps its current values).
+        """
+        names = sorted(set(names))
+        self._wait_snapshot()
+        self._sync_routing()
+        manifest = self.store.latest_manifest()
+        local = [h for h in self.snapshot_headers() if h.get("run") == self.run_id]
+        everyone = [h for hs in self.comm.gather_json(local) for h in hs]
+        manifest_dict = None
+        if manifest is not None:
+            manifest_dict = {"step": manifest.step, "plt": manifest.plt, "meta": manifest.meta,
+                             "units": {n: {"step": r.step} for n, r in manifest.units.items()}}
+        plan = plan_units(everyone, manifest_dict, names)
+        trees = self._gather_units(plan, manifest)
+        mine = {n: t for n, t in trees.items() if n in plan.sources and n in self.layout.units}
+        apply_partial(self.model, self.optimizer, mine.values())
+        out: dict[str, dict[str, Any]] = {}
+        with self._lock:
+            tracker = self.plt_tracker
+            for name in names:
+                src = plan.sources.get(name)
+                lost = 0
+                if src is not None and name.startswith("expert/") and src.cum is not None:
+                    layer, e = name[len("expert/"):].rsplit("/", 1)
+                    e = int(e)
+                    lost = max(0, tracker.cum[layer][e] - src.cum)
+                    if lost:
+                        tracker.book_loss(src.level, layer, lost)
+                    # The live expert now equals that version; tokens from here on are unsaved.
+                    tracker.mark_saved("snapshot", layer, [e])
+                    tracker.mark_saved("persist", layer, [e])
+                out[name] = {"level": None if src is None else src.level,
+                             "version": None if src is None else src.version, "lost_tokens": lost}
+            if self.cfg.dynamic_k:
+                self._apply_dynamic_k()
+        self._recoveries += 1
+        gone = [n for n, v in out.items() if v["level"] is None]
+        if gone:
+            log.error("rank %d: no saved version of %s anywhere; they keep their current values", self.rank, gone[:5])
+        log.info("rank %d: restored %d lost units (%s), PLT now %.4f%%", self.rank, len(names),
+                 ", ".join(f"{n}<-{v['level']}@{v['version']}" for n, v in list(out.items())[:4]), 100 * self.plt())
+        return out
 
     def restore(self) -> int:
         """Load the newest consistent state; return the next step to run (0 if none).

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-__all__ = ["Source", "RestorePlan", "plan_restore", "MemoryPiece"]
+__all__ = ["Source", "RestorePlan", "plan_restore", "plan_units", "MemoryPiece"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,54 @@ def plan_restore(
     ...}), ``plt`` and ``meta``; ``module_units``: non-expert units the model needs.
     Returns None when there is nothing to restore.
     """
+    covers, unit_meta, headers = _memory_covers(snapshots)
+    storage_step = int(manifest["step"]) if manifest is not None else None
+    mem_steps = sorted({s for (_, s) in covers}, reverse=True)
+    restore_step, from_memory = storage_step, False
+    for s in mem_steps:
+        if storage_step is not None and s <= storage_step:
+            break
+        if all((m, s) in covers for m in module_units):
+            restore_step, from_memory = s, True
+            break
+    if restore_step is None:
+        return None
+
+    stored_units = manifest["units"] if manifest is not None and storage_step <= restore_step else {}
+    names = set(stored_units) | {n for (n, s) in covers if s <= restore_step}
+    sources = _newest_sources(sorted(names), covers, unit_meta, stored_units, restore_step)
+    missing = [m for m in module_units if m not in sources or sources[m].version != restore_step]
+    if missing:
+        raise RuntimeError(f"restore step {restore_step}: non-expert units {missing[:5]} have no version at that step")
+    _attach_counters(sources, headers, manifest)
+    if from_memory:
+        h = headers[restore_step]
+        plt, meta = dict(h.get("plt") or {}), dict(h.get("meta") or {})
+    else:
+        plt, meta = dict(manifest.get("plt") or {}), dict(manifest.get("meta") or {})
+    return RestorePlan(restore_step, from_memory, sources, plt, meta)
+
+
+def plan_units(
+    snapshots: Sequence[Mapping[str, Any]],
+    manifest: Mapping[str, Any] | None,
+    names: Sequence[str],
+) -> RestorePlan:
+    """The newest saved version of each named unit, from memory (any surviving rank) or
+    storage, with no common restore step: for an elastic job that keeps its live state
+    and only replaces units it lost (experts whose every replica died). Units with no
+    saved version anywhere are absent from ``sources``."""
+    covers, unit_meta, headers = _memory_covers(snapshots)
+    stored_units = manifest["units"] if manifest is not None else {}
+    sources = _newest_sources(sorted(set(names)), covers, unit_meta, stored_units, None)
+    _attach_counters(sources, headers, manifest)
+    step = max((src.version for src in sources.values()), default=-1)
+    return RestorePlan(step, any(s.level == "snapshot" for s in sources.values()), sources, {}, {})
+
+
+def _memory_covers(snapshots: Sequence[Mapping[str, Any]]):
+    """Complete in-memory copies: (unit, step) -> pieces covering it, unit metadata per
+    (unit, step), and one header per step."""
     # Pieces per (unit, step) across ranks, and unit metadata per step.
     pieces: dict[tuple[str, int], list[MemoryPiece]] = {}
     unit_meta: dict[tuple[str, int], dict[str, Any]] = {}
@@ -113,33 +161,26 @@ def plan_restore(
         c = _cover(ps, int(unit_meta[key]["unit_nbytes"]))
         if c is not None:
             covers[key] = c
+    return covers, unit_meta, headers
 
-    storage_step = int(manifest["step"]) if manifest is not None else None
-    mem_steps = sorted({s for (_, s) in covers}, reverse=True)
-    restore_step, from_memory = storage_step, False
-    for s in mem_steps:
-        if storage_step is not None and s <= storage_step:
-            break
-        if all((m, s) in covers for m in module_units):
-            restore_step, from_memory = s, True
-            break
-    if restore_step is None:
-        return None
 
+def _newest_sources(names, covers, unit_meta, stored_units, limit: int | None) -> dict[str, Source]:
+    """Per unit: the newest complete in-memory version (at or before ``limit``) unless
+    storage holds a newer one."""
     sources: dict[str, Source] = {}
-    stored_units = manifest["units"] if manifest is not None and storage_step <= restore_step else {}
-    names = set(stored_units) | {n for (n, s) in covers if s <= restore_step}
-    for name in sorted(names):
-        best_mem = max((s for (n, s) in covers if n == name and s <= restore_step), default=None)
+    for name in names:
+        best_mem = max((s for (n, s) in covers if n == name and (limit is None or s <= limit)), default=None)
         stored = stored_units.get(name)
         stored_version = int(stored["step"]) if stored is not None else None
         if best_mem is not None and (stored_version is None or best_mem >= stored_version):
             sources[name] = Source(name, best_mem, "snapshot", covers[(name, best_mem)], dict(unit_meta[(name, best_mem)]))
         elif stored is not None:
             sources[name] = Source(name, stored_version, "persist", [], dict(stored))
-    missing = [m for m in module_units if m not in sources or sources[m].version != restore_step]
-    if missing:
-        raise RuntimeError(f"restore step {restore_step}: non-expert units {missing[:5]} have no version at that step")
+    return sources
+
+
+def _attach_counters(sources: dict[str, Source], headers, manifest) -> None:
+    """Routing counter of each expert version (what PLT charges a recovery with)."""
     for src in sources.values():
         if src.unit.startswith("expert/"):
             layer, e = src.unit[len("expert/"):].rsplit("/", 1)
@@ -149,9 +190,3 @@ def plan_restore(
             else:
                 counters = (manifest.get("plt") or {}).get("saved", {}).get("persist", {})
                 src.cum = int(counters[layer][int(e)]) if layer in counters else None
-    if from_memory:
-        h = headers[restore_step]
-        plt, meta = dict(h.get("plt") or {}), dict(h.get("meta") or {})
-    else:
-        plt, meta = dict(manifest.get("plt") or {}), dict(manifest.get("meta") or {})
-    return RestorePlan(restore_step, from_memory, sources, plt, meta)

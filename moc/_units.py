@@ -155,6 +155,35 @@ def restore_rng(rng: Mapping[str, Any]) -> None:
     np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
 
 
+def apply_partial(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                  trees: Iterable[Mapping[str, Any]]) -> None:
+    """Copy some units into the model and set their parameters' optimizer state, leaving
+    every other parameter and its optimizer state as it is."""
+    current = model.state_dict(keep_vars=True)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for tree in trees:
+            for key, value in tree.get("model", {}).items():
+                if key not in current:
+                    raise KeyError(f"saved unit has {key!r}, which the model does not")
+                target = current[key]
+                if tuple(target.shape) != tuple(value.shape):
+                    raise ValueError(f"{key}: saved shape {tuple(value.shape)} != model shape {tuple(target.shape)}")
+                target.copy_(value)
+            if optimizer is None:
+                continue
+            for key in tree.get("model", {}):
+                p = params.get(key)
+                if p is not None:
+                    optimizer.state.pop(p, None)
+            for key, st in tree.get("optimizer", {}).get("state", {}).items():
+                p = params.get(key)
+                if p is not None:
+                    optimizer.state[p] = {k: (v.detach().clone().to(p.device) if isinstance(v, torch.Tensor) and v.dim() > 0
+                                              else (v.detach().clone() if isinstance(v, torch.Tensor) else v))
+                                          for k, v in st.items()}
+
+
 def apply_units(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                 trees: Iterable[Mapping[str, Any]], groups: list[dict[str, Any]] | None) -> list[str]:
     """Copy unit trees into the model (in place) and the optimizer; return missing keys."""
