@@ -525,11 +525,14 @@ class CheckpointManager(RestoreMixin):
         for unit, start, end, src, dst in remote:   # one global order on every rank
             if src == self.rank:
                 off = where[(unit, start)]
-                send_parts.append(buf.data[off: off + end - start])
+                send_parts.append((dst, buf.data[off: off + end - start]))
                 send_splits[dst] += end - start
             if dst == self.rank:
                 recv_splits[src] += end - start
-        send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=torch.uint8)
+        # all_to_all_single wants the send buffer grouped by destination rank; a stable
+        # sort keeps the global order within each destination, which is how it lands.
+        send_parts.sort(key=lambda x: x[0])
+        send = torch.cat([t for _, t in send_parts]) if send_parts else torch.empty(0, dtype=torch.uint8)
         received = self.comm.exchange(send, send_splits, recv_splits, snapshot=True)
         starts, pos = {}, 0
         for q in range(self.world):

@@ -1,0 +1,61 @@
+"""``ElasticConfig``: the training-process side of the elastic runtime."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Union
+
+from moc import MoCConfig
+
+__all__ = ["ElasticConfig"]
+
+
+@dataclass
+class ElasticConfig:
+    """Settings of :class:`~lazarus.runtime.ElasticTrainer`.
+
+    Attributes:
+        collective_timeout: timeout of every gloo/NCCL collective. A frozen peer (SIGSTOP,
+            a hung host) surfaces as an error after this long; a killed one at once.
+        rendezvous_timeout: how long joining a new generation may take (all members
+            arriving + ``init_process_group``). Must exceed ``collective_timeout``.
+        plan_timeout: how long a survivor waits for the controller's next plan after a
+            broken collective before giving up (exit status 75).
+        report_every: steps between routing-count / progress reports to the controller.
+        moc: checkpointing underneath (``None``: no checkpoints, so an expert whose every
+            replica dies cannot be recovered and the job stops with an error).
+        memory_key: name of this worker's snapshot folder in the node's memory directory
+            (stable across ranks and incarnations, so snapshots are found after a crash).
+        metrics_path: JSON-lines file where rank 0 appends one record per step and one per
+            reconfiguration (``None``: off).
+        grad_clip: max global gradient norm (``None``: no clipping).
+    """
+
+    collective_timeout: timedelta = timedelta(seconds=10)
+    rendezvous_timeout: timedelta = timedelta(seconds=30)
+    plan_timeout: timedelta = timedelta(seconds=60)
+    report_every: int = 10
+    moc: Union[MoCConfig, None] = None
+    memory_key: str = "worker0"
+    metrics_path: Union[str, None] = None
+    grad_clip: Union[float, None] = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("collective_timeout", "rendezvous_timeout", "plan_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, timedelta) or value <= timedelta(0):
+                raise ValueError(f"ElasticConfig.{name} must be a positive timedelta, got {value!r}")
+        if self.rendezvous_timeout <= self.collective_timeout:
+            raise ValueError(
+                f"ElasticConfig.rendezvous_timeout ({self.rendezvous_timeout}) must be longer than "
+                f"collective_timeout ({self.collective_timeout})"
+            )
+        if isinstance(self.report_every, bool) or not isinstance(self.report_every, int) or self.report_every < 1:
+            raise ValueError(f"ElasticConfig.report_every must be an integer >= 1, got {self.report_every!r}")
+        if self.moc is not None and not isinstance(self.moc, MoCConfig):
+            raise ValueError(f"ElasticConfig.moc must be a moc.MoCConfig or None, got {type(self.moc).__name__}")
+        if not self.memory_key or "/" in self.memory_key or self.memory_key.startswith("."):
+            raise ValueError(f"ElasticConfig.memory_key must be a plain folder name, got {self.memory_key!r}")
+        if self.grad_clip is not None and not (isinstance(self.grad_clip, (int, float)) and self.grad_clip > 0):
+            raise ValueError(f"ElasticConfig.grad_clip must be a positive number or None, got {self.grad_clip!r}")

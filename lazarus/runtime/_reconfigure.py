@@ -1,0 +1,338 @@
+"""Applying a controller plan inside a running training process.
+
+1. Retire the broken (or superseded) process group and moc manager, keeping the moc
+   buffers (node memory) and bookkeeping for the next manager.
+2. Rendezvous on the plan's store prefix: every member adds itself to a counter, then
+   ``init_process_group`` on a ``PrefixStore`` of that generation. A newer plan arriving
+   meanwhile aborts the wait (:class:`Superseded`).
+3. Inventory (one JSON all-gather): each rank's step and the experts it holds. The state
+   of the newest step wins: ranks behind it (joiners, or ranks that did not apply the
+   step that broke) receive the dense modules from a rank at that step; every expert a
+   rank must hold under the new plan and lacks comes from a surviving holder, the fetches
+   of one expert rotating over its holders; one all-to-all moves them all.
+4. Install: re-drive every MoE layer with its new placement, rebuild the optimizer (state
+   carried over by parameter), load the received units.
+5. A new moc manager on the new group (it adopts the old one's buffers and counters);
+   experts with no surviving replica come from moc: peer memory first, storage last, PLT
+   booked.
+
+Graceful changes (join, leave, rebalance) arrive as between-steps plans. When the new
+members are a subset of the current ones (a leave or a rebalance) the state moves on the
+current group first, so a leaving node can hand its experts over before it goes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lazarus.moe import Expert, moe_layers
+from lazarus.planning import Placement
+from moc import CheckpointManager
+from moc._units import apply_partial, capture_unit, discover_units
+
+from ._transfer import choose_moves, exchange_units, world_comm
+
+if TYPE_CHECKING:
+    from ._trainer import ElasticTrainer
+
+__all__ = ["Reconfigurer", "Superseded"]
+
+log = logging.getLogger("lazarus.reconfigure")
+
+
+class Superseded(Exception):
+    """A newer plan arrived while this one was being applied."""
+
+
+class Reconfigurer:
+    def __init__(self, trainer: "ElasticTrainer", *, build_model: Callable, make_optimizer: Callable) -> None:
+        self.t = trainer
+        self.build_model = build_model
+        self.make_optimizer = make_optimizer
+        self.handover = None
+        self.unrestored: set[str] = set()   # lost experts not yet restored from moc
+        self._pending_lost_mine: set[str] = set()
+        self._dense: list[nn.Parameter] | None = None
+        self._store = None
+        self._store_addr: tuple[str, int] | None = None
+
+    # -- groups ----------------------------------------------------------------------------
+    def retire_group(self) -> None:
+        """Retire the moc manager (keep its buffers) and destroy the process group."""
+        t = self.t
+        if t.ckpt is not None:
+            try:
+                self.handover = t.ckpt.detach()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("node %s: moc detach failed: %s", t.node, exc)
+            t.ckpt = None
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # noqa: BLE001 - already broken
+                log.debug("destroy_process_group: %s", exc)
+
+    def _store_client(self, host: str, port: int):
+        if self._store is None or self._store_addr != (host, port):
+            self._store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                        timeout=self.t.config.rendezvous_timeout)
+            self._store_addr = (host, port)
+        return self._store
+
+    def _rendezvous(self, plan: dict[str, Any]) -> None:
+        t = self.t
+        members = plan["members"]
+        rank, world = members.index(t.node), len(members)
+        store = self._store_client(plan["store"]["host"], int(plan["store"]["port"]))
+        prefix = plan["prefix"]
+        store.add(f"{prefix}/arrived", 1)
+        deadline = time.monotonic() + t.config.rendezvous_timeout.total_seconds()
+        while store.add(f"{prefix}/arrived", 0) < world:
+            latest = t.channel.latest_plan()
+            if latest is not None and int(latest["generation"]) > int(plan["generation"]):
+                raise Superseded()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rendezvous of generation {plan['generation']} timed out")
+            time.sleep(0.005)
+        dist.init_process_group("gloo", store=dist.PrefixStore(prefix + "/pg", store), rank=rank,
+                                world_size=world, timeout=t.config.collective_timeout)
+        t.rank, t.world, t.members, t.generation = rank, world, list(members), int(plan["generation"])
+
+    # -- the plan ----------------------------------------------------------------------------
+    def apply(self, plan: dict[str, Any], t_error: float | None) -> None:
+        t = self.t
+        t0 = time.time()
+        timings: dict[str, float] = {}
+        members = list(plan["members"])
+        leaving = list(plan.get("leaving", []))
+        in_old = (plan.get("mode") == "between_steps" and dist.is_initialized()
+                  and set(members) | set(leaving) <= set(t.members))
+        if in_old:
+            # Hand-over on the current group (leaves, rebalancing): every holder is here.
+            received, lost, newest, stats = self._migrate(plan, t.members)
+            dist.barrier()
+            timings["migrate"] = time.time() - t0
+            if t.node in leaving:
+                log.info("node %s: handed over %d units, leaving the job", t.node, stats["moved"])
+                self.retire_group()
+                t._left = True
+                return
+            same_group = members == t.members
+            if not same_group:
+                self.retire_group()
+                t1 = time.time()
+                self._rendezvous(plan)
+                timings["rendezvous"] = time.time() - t1
+            elif t.ckpt is not None:
+                self.handover = t.ckpt.detach()
+                t.ckpt = None
+            t.generation = int(plan["generation"])
+        else:
+            self.retire_group()
+            t1 = time.time()
+            self._rendezvous(plan)
+            timings["rendezvous"] = time.time() - t1
+            t1 = time.time()
+            received, lost, newest, stats = self._migrate(plan, members)
+            timings["migrate"] = time.time() - t1
+        t1 = time.time()
+        self._install(plan, received, newest)
+        timings["install"] = time.time() - t1
+        t1 = time.time()
+        sources = self._moc(lost, fresh_start=newest < 0)
+        timings["moc"] = time.time() - t1
+        stats["sources"] = dict(stats["sources"], **sources)
+        t_resumed = time.time()
+        record = {"kind": "reconfigured", "type": "reconfigured", "generation": t.generation,
+                  "reason": plan.get("reason"), "world_size": t.world, "members": members, "step": t.step,
+                  "t_error": t_error, "t_plan": plan.get("issued_at"), "detected_at": plan.get("detected_at"),
+                  "t_resumed": t_resumed, "timings": timings, "moved": stats["moved"],
+                  "dense_moves": stats["dense_moves"], "sources": stats["sources"],
+                  "lost_experts": sorted(lost), "plt": t.ckpt.plt() if t.ckpt is not None else 0.0,
+                  "fetches": plan.get("fetches"), "recovery_probability": plan.get("recovery_probability")}
+        if t.rank == 0:
+            t.channel.send({k: v for k, v in record.items() if k != "kind"})
+            t._metric(record)
+        log.info("node %s rank %d/%d gen %d (%s): resumed at step %d in %.3f s; %d experts moved, sources %s",
+                 t.node, t.rank, t.world, t.generation, plan.get("reason"), t.step, t_resumed - t0,
+                 stats["moved"], stats["sources"])
+
+    # -- inventory and migration -------------------------------------------------------------
+    def _held(self) -> dict[str, list[int]]:
+        t = self.t
+        if t.model is None:
+            return {}
+        return {name: [e for e in layer.local_experts if f"expert/{name}/{e}" not in self.unrestored]
+                for name, layer in moe_layers(t.model)}
+
+    def _migrate(self, plan: dict[str, Any], group_members: list[str]):
+        """Move units so every member of ``plan`` holds what it needs at the newest step.
+        Runs on the current group, whose ranks are ``group_members``."""
+        t = self.t
+        comm = world_comm()
+        has_state = t.model is not None
+        modules = sorted(u.name for u in discover_units(t.model).modules()) if has_state else []
+        inv = comm.gather_json({"node": t.node, "step": t.step if has_state else -1, "experts": self._held(),
+                                "modules": modules})
+        newest = max(r["step"] for r in inv)
+        stats = {"moved": 0, "dense_moves": 0, "sources": {"peer": 0}}
+        self._pending_lost_mine = set()
+        if newest < 0:
+            return {}, [], newest, stats
+        rank_of = {r["node"]: i for i, r in enumerate(inv)}
+        current = [i for i, r in enumerate(inv) if r["step"] == newest]
+        module_names = next(r["modules"] for r in inv if r["step"] == newest)
+        holders: dict[str, list[int]] = {m: list(current) for m in module_names}
+        for i, r in enumerate(inv):
+            for layer, experts in r["experts"].items():
+                for e in experts:
+                    holders.setdefault(f"expert/{layer}/{e}", []).append(i)
+        # Prefer holders at the newest step; a replica one step behind beats a checkpoint.
+        for unit, ranks in holders.items():
+            fresh = [i for i in ranks if inv[i]["step"] == newest]
+            holders[unit] = fresh or ranks
+        needs: dict[int, list[str]] = {}
+        for p, node in enumerate(plan["members"]):
+            i = rank_of[node]
+            stale = inv[i]["step"] != newest
+            want = [m for m in module_names] if stale else []
+            for layer, slots in plan["layers"].items():
+                have = set(inv[i]["experts"].get(layer, [])) if not stale else set()
+                want += [f"expert/{layer}/{e}" for e in sorted(set(slots[p])) if e not in have]
+            if want:
+                needs[i] = want
+        moves, missing = choose_moves(needs, holders)
+        lost = sorted({u for u, _ in missing if u.startswith("expert/")})
+        dense_missing = [u for u, _ in missing if not u.startswith("expert/")]
+        if dense_missing:
+            raise RuntimeError(f"no rank holds dense units {dense_missing[:3]} at step {newest}")
+        trees = {}
+        if has_state:
+            layout = discover_units(t.model)
+            state = t.model.state_dict(keep_vars=True)
+            for m in moves:
+                if m.src == comm.rank and m.unit not in trees:
+                    trees[m.unit] = capture_unit(layout.units[m.unit], t.model, t.optimizer, state=state)
+        received = exchange_units(moves, trees, comm)
+        stats["moved"] = sum(1 for m in moves if m.unit.startswith("expert/"))
+        stats["dense_moves"] = sum(1 for m in moves if not m.unit.startswith("expert/"))
+        stats["sources"]["peer"] = stats["moved"]
+        # Units this rank must get from moc (no surviving replica anywhere).
+        mine = {u for u, dst in missing if dst == comm.rank}
+        self._pending_lost_mine = mine
+        return received, lost, newest, stats
+
+    def _install(self, plan: dict[str, Any], received: dict[str, Any], newest: int) -> None:
+        t = self.t
+        me = t.rank
+        placements = {layer: Placement([list(s) for s in slots], num_experts=int(t.layout["layers"][layer]))
+                      for layer, slots in plan["layers"].items()}
+        if t.model is None:
+            t.model = self.build_model(placements)
+        else:
+            for name, layer in moe_layers(t.model):
+                new = placements[name]
+                added = sorted(set(new.nodes[me]) - set(layer.local_experts))
+                states = {}
+                for e in added:
+                    tree = received.get(f"expert/{name}/{e}")
+                    prefix = f"{name}.experts.{e}."
+                    if tree is not None:
+                        states[e] = {k[len(prefix):]: v for k, v in tree["model"].items()}
+                    else:  # restored from moc below
+                        states[e] = Expert(layer.config, e).state_dict()
+                layer.set_placement(new, expert_states=states)
+        old = t.optimizer
+        t.optimizer = self.make_optimizer(t.model)
+        if old is not None:
+            for p in t.model.parameters():
+                if p in old.state:
+                    t.optimizer.state[p] = old.state[p]
+        apply_partial(t.model, t.optimizer, received.values())
+        self.unrestored |= {u for u in self._pending_lost_mine}
+        if newest >= 0:
+            t.step = newest
+        self._dense = None
+
+    def _moc(self, lost: list[str], fresh_start: bool) -> dict[str, int]:
+        t = self.t
+        cfg = t.config.moc
+        out = {"memory": 0, "storage": 0}
+        if cfg is None:
+            if lost:
+                raise RuntimeError(f"experts {lost[:4]} lost every replica and no moc checkpoint is configured")
+            return out
+        cfg_dir = os.environ.get("LAZARUS_SNAPSHOT_DIR") or getattr(t.channel, "snapshot_dir", None)
+        if cfg_dir and cfg.snapshot_dir is None:
+            cfg.snapshot_dir = cfg_dir
+        if cfg.coordination_timeout > t.config.collective_timeout:
+            cfg.coordination_timeout = t.config.collective_timeout
+        t.ckpt = CheckpointManager(cfg, model=t.model, optimizer=t.optimizer, memory_key=t.config.memory_key,
+                                   handover=self.handover)
+        self.handover = None
+        if fresh_start:
+            t.step = t.ckpt.restore()
+            self.unrestored.clear()
+            return out
+        if lost:
+            result = t.ckpt.restore_units(lost)
+            for unit, r in result.items():
+                if r["level"] == "snapshot":
+                    out["memory"] += 1
+                elif r["level"] == "persist":
+                    out["storage"] += 1
+            self.unrestored.clear()
+        return out
+
+    # -- helpers -----------------------------------------------------------------------------
+    def dense_params(self) -> list[nn.Parameter]:
+        """Parameters outside the MoE layers (data-parallel over all ranks), in name order."""
+        if self._dense is None:
+            t = self.t
+            moe = {id(p) for _, layer in moe_layers(t.model) for p in layer.parameters()}
+            self._dense = [p for _, p in sorted(t.model.named_parameters()) if id(p) not in moe]
+        return self._dense
+
+    def digests(self, experts: bool = True) -> dict[str, str]:
+        t = self.t
+        layout = discover_units(t.model)
+        state = t.model.state_dict(keep_vars=True)
+        out = {}
+        for name, spec in layout.units.items():
+            if (spec.kind == "expert") == experts:
+                out[name] = _digest(capture_unit(spec, t.model, t.optimizer, state=state))
+        return out
+
+    def dense_digest(self) -> str:
+        h = hashlib.sha256()
+        for name, d in sorted(self.digests(experts=False).items()):
+            h.update(name.encode())
+            h.update(d.encode())
+        return h.hexdigest()[:16]
+
+
+def _digest(tree: Any) -> str:
+    h = hashlib.sha256()
+
+    def walk(x: Any, path: str) -> None:
+        if isinstance(x, dict):
+            for k in sorted(x, key=str):
+                walk(x[k], f"{path}/{k}")
+        elif isinstance(x, torch.Tensor):
+            h.update(path.encode())
+            h.update(x.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                     if x.dim() > 0 else x.detach().cpu().reshape(1).contiguous().view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(f"{path}={x!r}".encode())
+
+    walk(tree, "")
+    return h.hexdigest()[:16]

@@ -1,0 +1,302 @@
+"""``ElasticTrainer``: the training-process side of Lazarus.
+
+One trainer runs in every worker process an agent spawns. It owns the model, the
+optimizer and the moc checkpoint manager, and drives the step loop::
+
+    zero_grad -> loss_fn(model, step, rank, world) -> backward -> replica / data-parallel
+    gradient sync -> optimizer.step() -> moc step -> one tiny all-reduce (plan agreement)
+
+On the first broken collective a survivor reports it, retires its process group and moc
+manager, waits for the controller's next plan, re-forms the group on that generation's
+store prefix, and migrates state (:mod:`._reconfigure`). The failed step is discarded
+(or kept, where every survivor applied it). Planned changes (joins, graceful leaves,
+rebalancing) are agreed on at a step boundary through the per-step all-reduce.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lazarus.moe import moe_layers
+from lazarus.planning import Placement
+
+from ._elastic_config import ElasticConfig
+from ._reconfigure import Reconfigurer, Superseded
+
+__all__ = ["ElasticTrainer", "is_collective_error"]
+
+log = logging.getLogger("lazarus.trainer")
+
+LossFn = Callable[[nn.Module, int, int, int], torch.Tensor]
+BuildModel = Callable[[Mapping[str, Placement]], nn.Module]
+MakeOptimizer = Callable[[nn.Module], torch.optim.Optimizer]
+
+_COLLECTIVE = re.compile(r"gloo|nccl|connection|timed? ?out|closed|reset|peer|broken pipe|socket|store|"
+                         r"process group|destroy|abort", re.IGNORECASE)
+
+EXIT_NO_PLAN = 75
+
+
+def is_collective_error(exc: BaseException) -> bool:
+    """Does ``exc`` come from a broken collective (a dead or frozen peer) rather than a
+    bug in the training code?"""
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    return isinstance(exc, RuntimeError) and bool(_COLLECTIVE.search(str(exc)))
+
+
+class ElasticTrainer:
+    """Expert-parallel training that survives node failures without restarting.
+
+    Args:
+        config: timeouts, reporting, moc configuration.
+        layout: ``{"layers": {moe_layer_name: num_experts}, "top_k": k}`` of the model
+            (the controller plans from it before any model exists).
+        build_model: ``fn(placements) -> model`` building the model on the current process
+            group with one :class:`lazarus.planning.Placement` per MoE layer name.
+            Non-expert weights must be initialised identically on every rank (seeded).
+        make_optimizer: ``fn(model) -> optimizer``; called again after every
+            reconfiguration (the expert parameters change), so build parameter groups from
+            parameter names. Optimizer state is carried over by parameter.
+        channel: the link to this node's agent (default: ``AgentChannel.from_env()``).
+    """
+
+    def __init__(self, config: ElasticConfig, *, layout: Mapping[str, Any], build_model: BuildModel,
+                 make_optimizer: MakeOptimizer, channel: Any = None) -> None:
+        if not isinstance(config, ElasticConfig):
+            raise ValueError(f"config must be an ElasticConfig, got {type(config).__name__}")
+        layers = layout.get("layers") if isinstance(layout, Mapping) else None
+        if not isinstance(layers, Mapping) or not layers:
+            raise ValueError("layout must be {'layers': {moe_layer_name: num_experts}, 'top_k': k}")
+        if channel is None:
+            from ._channel import AgentChannel
+
+            channel = AgentChannel.from_env()
+            if channel is None:
+                raise RuntimeError("ElasticTrainer must run in a worker started by `lazarus agent` "
+                                   "(LAZARUS_AGENT_FD is not set)")
+        self.config = config
+        self.layout = {"layers": dict(layers), "top_k": int(layout.get("top_k", 1))}
+        self.channel = channel
+        self.node = str(channel.node_id)
+        self.reconf = Reconfigurer(self, build_model=build_model, make_optimizer=make_optimizer)
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.ckpt: Any = None
+        self.generation = -1
+        self.members: list[str] = []
+        self.rank, self.world = -1, 0
+        self.step = 0                    # next step to run == optimizer steps applied
+        self.losses: list[tuple[int, float]] = []
+        self._routing: dict[str, torch.Tensor] = {}
+        self._metrics = None
+        self._left = False
+
+    # -- public ----------------------------------------------------------------------------
+    def run(self, loss_fn: LossFn, total_steps: int) -> None:
+        """Train until ``total_steps`` optimizer steps are applied (counted over the job's
+        life, across reconfigurations), then flush the last checkpoint and report done."""
+        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+            raise ValueError(f"total_steps must be an integer >= 1, got {total_steps!r}")
+        self.channel.hello(self.layout)
+        plan = self._wait_plan(-1)
+        self._reconfigure_loop(plan, error=None)
+        while self.step < total_steps and not self._left:
+            try:
+                loss = self._train_step(loss_fn)
+                self._after_step(loss)
+            except Exception as exc:  # noqa: BLE001 - classified below
+                if not is_collective_error(exc):
+                    raise
+                self._on_broken_collective(exc)
+        if not self._left:
+            self._finish()
+
+    def expert_digests(self) -> dict[str, str]:
+        """``unit -> hex digest`` of the weights and optimizer state of every expert this
+        rank holds (tests compare replicas across ranks)."""
+        return self.reconf.digests(experts=True)
+
+    def dense_digest(self) -> str:
+        """One digest over all non-expert weights and their optimizer state."""
+        return self.reconf.dense_digest()
+
+    # -- the step --------------------------------------------------------------------------
+    def _train_step(self, loss_fn: LossFn) -> float:
+        model, opt = self.model, self.optimizer
+        assert model is not None and opt is not None
+        step = self.step
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model, step, self.rank, self.world)
+        loss.backward()
+        self._sync_gradients()
+        if self.config.grad_clip is not None:
+            self._clip_gradients(self.config.grad_clip)
+        opt.step()
+        self.step = step + 1             # applied: from here on the step counts
+        for name, layer in moe_layers(model):
+            if layer.routing_counts is not None:
+                self._routing[name] = self._routing.get(name, torch.zeros_like(layer.routing_counts)) \
+                    + layer.routing_counts
+        if self.ckpt is not None:
+            self.ckpt.step(step)
+        return float(loss.detach())
+
+    def _sync_gradients(self) -> None:
+        """Replica gradients of every expert summed over its holders, the routers' and all
+        dense gradients averaged over ranks (one flat all-reduce)."""
+        from lazarus.moe import sync_moe_gradients
+
+        model = self.model
+        assert model is not None
+        sync_moe_gradients(model)
+        if self.world <= 1:
+            return
+        dense = self.reconf.dense_params()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in dense]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat.div_(self.world)
+        pos = 0
+        for p in dense:
+            n = p.numel()
+            p.grad = flat[pos: pos + n].view_as(p).clone()
+            pos += n
+
+    def _clip_gradients(self, max_norm: float) -> None:
+        """Clip by the norm of the whole model's gradient, each expert counted once (not
+        once per replica): the same coefficient on every rank, so replicas and dense
+        weights stay identical."""
+        model = self.model
+        assert model is not None
+        dense_sq = sum(float(p.grad.pow(2).sum()) for p in self.reconf.dense_params() if p.grad is not None)
+        expert_sq = torch.zeros(1, dtype=torch.float64)
+        grads = [p.grad for p in self.reconf.dense_params() if p.grad is not None]
+        for _, layer in moe_layers(model):
+            for p in layer.router.parameters():
+                if p.grad is not None:
+                    dense_sq += float(p.grad.pow(2).sum())
+                    grads.append(p.grad)
+            for e in layer.local_experts:
+                share = 1.0 / len(layer._holders[e])
+                for p in layer.experts[str(e)].parameters():
+                    if p.grad is not None:
+                        expert_sq += float(p.grad.double().pow(2).sum()) * share
+                        grads.append(p.grad)
+        if self.world > 1:
+            dist.all_reduce(expert_sq)
+        total = (dense_sq + float(expert_sq.item())) ** 0.5
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+
+    def _after_step(self, loss: float) -> None:
+        step = self.step - 1
+        self.losses.append((step, loss))
+        if self.rank == 0:
+            self._metric({"kind": "step", "t": time.time(), "step": step, "loss": loss, "world": self.world,
+                          "generation": self.generation})
+        if self.step % self.config.report_every == 0:
+            self.channel.send({"type": "progress", "step": self.step, "generation": self.generation,
+                               "loss": loss, "world_size": self.world, "t": time.time()})
+            if self.rank == 0 and self._routing:
+                self.channel.send({"type": "routing", "step": self.step,
+                                   "layers": {k: [int(x) for x in v.tolist()] for k, v in self._routing.items()}})
+            self._routing = {}
+        # Plan agreement: the newest generation any rank has heard of (between-steps plans).
+        latest = self.channel.latest_plan()
+        pending = int(latest["generation"]) if latest and int(latest["generation"]) > self.generation else 0
+        flag = torch.tensor([pending], dtype=torch.int64)
+        if self.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        target = int(flag.item())
+        if target > self.generation:
+            plan = self._wait_plan(self.generation, at_least=target)
+            self._reconfigure_loop(plan, error=None)
+
+    # -- failures and reconfiguration --------------------------------------------------------
+    def _on_broken_collective(self, exc: BaseException) -> None:
+        t_error = time.time()
+        log.warning("node %s rank %d step %d gen %d: collective failed: %s", self.node, self.rank, self.step,
+                    self.generation, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+        try:
+            self.channel.send({"type": "collective_error", "generation": self.generation,
+                               "step": self.step, "error": str(exc)[:300]})
+        except Exception:  # noqa: BLE001 - the agent link has its own watchdog
+            pass
+        self.reconf.retire_group()
+        plan = self._wait_plan(self.generation)
+        self._reconfigure_loop(plan, error=t_error)
+
+    def _reconfigure_loop(self, plan: dict[str, Any], error: float | None) -> None:
+        """Apply ``plan``; if it breaks (another failure meanwhile), wait for the next."""
+        while True:
+            try:
+                self.reconf.apply(plan, t_error=error)
+                return
+            except Superseded:
+                log.info("node %s: plan %d superseded", self.node, plan["generation"])
+            except Exception as exc:  # noqa: BLE001
+                if not is_collective_error(exc):
+                    raise
+                log.warning("node %s: reconfiguration to generation %d failed: %s", self.node,
+                            plan["generation"], str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+                self.reconf.retire_group()
+            if error is None:
+                error = time.time()
+            plan = self._wait_plan(plan["generation"])
+
+    def _wait_plan(self, newer_than: int, at_least: int | None = None) -> dict[str, Any]:
+        deadline = time.monotonic() + self.config.plan_timeout.total_seconds()
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                log.error("node %s: no plan newer than generation %d within %s; exiting", self.node, newer_than,
+                          self.config.plan_timeout)
+                os._exit(EXIT_NO_PLAN)
+            try:
+                plan = self.channel.wait_plan(newer_than, timeout=remaining)
+            except TimeoutError:
+                continue
+            if at_least is not None and int(plan["generation"]) < at_least:
+                newer_than = int(plan["generation"])
+                continue
+            if self.node not in plan["members"] and self.node not in plan.get("leaving", []):
+                # Not (or no longer) part of the job: wait to be included.
+                newer_than = int(plan["generation"])
+                deadline = time.monotonic() + self.config.plan_timeout.total_seconds()
+                continue
+            return plan
+
+    def _finish(self) -> None:
+        if self.ckpt is not None:
+            try:
+                self.ckpt.close()
+            except Exception as exc:  # noqa: BLE001 - training is done; report and go on
+                log.error("node %s: final checkpoint failed: %s", self.node, exc)
+        self.channel.send({"type": "done", "step": self.step})
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- metrics -----------------------------------------------------------------------------
+    def _metric(self, record: dict[str, Any]) -> None:
+        path = self.config.metrics_path
+        if not path:
+            return
+        if self._metrics is None:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._metrics = open(path, "a", buffering=1)
+        self._metrics.write(json.dumps(record) + "\n")

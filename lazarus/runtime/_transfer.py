@@ -1,0 +1,105 @@
+"""Moving unit states (an expert's weights + optimizer state, a dense module) between
+ranks after a reconfiguration: one JSON all-gather describing what is sent, one uneven
+``all_to_all_single`` of raw bytes. Pickle-free, like everything that crosses the wire.
+
+Units are moc's (``expert/<layer>/<e>``, ``module/<name>``), captured with
+:func:`moc._units.capture_unit`, so the same trees moc checkpoints are what peers send.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from moc._codec import TensorMeta, decode_tree, plan_tree, unit_buffer
+from moc._dist import Comm
+
+__all__ = ["Move", "choose_moves", "exchange_units", "world_comm"]
+
+
+@dataclass(frozen=True)
+class Move:
+    """Send unit ``unit`` from rank ``src`` to rank ``dst``."""
+
+    unit: str
+    src: int
+    dst: int
+
+
+def world_comm() -> Comm:
+    """JSON collectives on the default process group (the current generation's)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return Comm()
+    return Comm(rank=dist.get_rank(), world=dist.get_world_size(), group=dist.group.WORLD)
+
+
+def choose_moves(needs: Mapping[int, Sequence[str]], holders: Mapping[str, Sequence[int]]) -> tuple[list[Move], list[tuple[str, int]]]:
+    """Sources for every (unit, destination) need: the holders of a unit take turns
+    (fewest sends of this unit first, then fewest sends overall, then lowest rank), so one
+    expert's fetches are spread over all its owners. Returns ``(moves, missing)`` where
+    ``missing`` lists needs no rank can serve. Deterministic: every rank derives the same
+    answer from the same inputs."""
+    moves: list[Move] = []
+    missing: list[tuple[str, int]] = []
+    per_unit: dict[tuple[str, int], int] = {}
+    total: dict[int, int] = {}
+    for dst in sorted(needs):
+        for unit in sorted(set(needs[dst])):
+            owners = [r for r in holders.get(unit, ()) if r != dst]
+            if not owners:
+                missing.append((unit, dst))
+                continue
+            src = min(owners, key=lambda r: (per_unit.get((unit, r), 0), total.get(r, 0), r))
+            per_unit[(unit, src)] = per_unit.get((unit, src), 0) + 1
+            total[src] = total.get(src, 0) + 1
+            moves.append(Move(unit, src, dst))
+    return moves, missing
+
+
+def exchange_units(moves: Sequence[Move], trees: Mapping[str, Any], comm: Comm | None = None) -> dict[str, Any]:
+    """Run ``moves`` (identical list on every rank; collective). ``trees`` holds the state
+    trees of the units this rank sends; returns the trees this rank receives."""
+    comm = comm or world_comm()
+    rank, world = comm.rank, comm.world
+    if not moves:
+        return {}
+    plans = {m.unit: plan_tree(trees[m.unit]) for m in moves if m.src == rank}
+    described: dict[str, Any] = {}
+    for d in comm.gather_json({u: {"skeleton": p.skeleton, "tensors": [t.to_json() for t in p.tensors],
+                                   "nbytes": p.nbytes} for u, p in sorted(plans.items())}):
+        described.update(d)
+    send_parts: list[torch.Tensor] = []
+    send_splits, recv_splits = [0] * world, [0] * world
+    if any(a.dst > b.dst for a, b in zip(moves, moves[1:])):
+        raise ValueError("moves must be sorted by destination rank (all_to_all_single layout)")
+    for m in moves:
+        n = int(described[m.unit]["nbytes"])
+        if m.src == rank:
+            buf = torch.empty(n, dtype=torch.uint8)
+            plans[m.unit].copy_range(0, n, buf)
+            send_parts.append(buf)
+            send_splits[m.dst] += n
+        if m.dst == rank:
+            recv_splits[m.src] += n
+    send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=torch.uint8)
+    if sum(send_splits) != send.numel():
+        raise RuntimeError("transfer bookkeeping error: send buffer does not match its splits")
+    received = comm.exchange(send, send_splits, recv_splits)
+    starts, pos = {}, 0
+    for q in range(world):
+        starts[q] = pos
+        pos += recv_splits[q]
+    out: dict[str, Any] = {}
+    for m in moves:
+        if m.dst != rank:
+            continue
+        meta = described[m.unit]
+        n = int(meta["nbytes"])
+        data, view = unit_buffer(n)
+        view[:] = memoryview(received[starts[m.src]: starts[m.src] + n].numpy())
+        starts[m.src] += n
+        out[m.unit] = decode_tree(meta["skeleton"], [TensorMeta.from_json(t) for t in meta["tensors"]], data)
+    return out
