@@ -124,6 +124,11 @@ class ElasticTrainer:
         if not self._left:
             self._finish()
 
+    @property
+    def left(self) -> bool:
+        """This node left the job gracefully (a between-steps plan without it)."""
+        return self._left
+
     def expert_digests(self) -> dict[str, str]:
         """``unit -> hex digest`` of the weights and optimizer state of every expert this
         rank holds (tests compare replicas across ranks)."""

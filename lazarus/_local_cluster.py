@@ -1,0 +1,209 @@
+"""A Lazarus job on one machine: a controller and N agents as real processes.
+
+Used by ``make demo`` (:mod:`lazarus.demo`) and the fault-injection tests. Each "node" is
+an agent process started in its own session, so ``kill_node`` takes down the agent and
+its worker together (SIGKILL to the process group), like a machine that vanishes;
+``freeze_node`` stops them (SIGSTOP), like a hung host; ``kill_worker`` kills only the
+training process; ``leave`` sends the agent SIGTERM, like a spot-preemption notice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+__all__ = ["LocalCluster"]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+class LocalCluster:
+    """Controller + agents on 127.0.0.1 with ephemeral ports.
+
+    Args:
+        workdir: logs, events, metrics, secret and node memory go here.
+        worker_args: arguments after ``python -m lazarus.examples.train_elastic`` (or a
+            full command via ``worker_command``).
+        controller_args: extra ``lazarus controller`` options (``--slots 4`` ...).
+        agent_args: extra ``lazarus agent`` options.
+    """
+
+    def __init__(self, workdir: str | os.PathLike, *, worker_args: Sequence[str] = (),
+                 worker_command: Sequence[str] | None = None, controller_args: Sequence[str] = (),
+                 agent_args: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
+        self.dir = Path(workdir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.events_path = self.dir / "events.jsonl"
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self.secret_path = self.dir / "secret"
+        self.secret_path.write_text(secrets.token_hex(32))
+        os.chmod(self.secret_path, 0o600)
+        self.worker_command = list(worker_command) if worker_command else [
+            sys.executable, "-m", "lazarus.examples.train_elastic", "--metrics", str(self.metrics_path),
+            *worker_args]
+        self.controller_args = list(controller_args)
+        self.agent_args = list(agent_args)
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        self.controller: subprocess.Popen | None = None
+        self.address = ""
+        self.agents: dict[str, subprocess.Popen] = {}
+        self.kill_times: dict[str, float] = {}
+
+    # -- processes -------------------------------------------------------------------------
+    def start_controller(self, timeout: float = 60.0) -> str:
+        log = open(self.dir / "controller.log", "w")
+        self.controller = subprocess.Popen(
+            [sys.executable, "-m", "lazarus.cli", "controller", "--port", "0", "--store-port", "0",
+             "--secret-file", str(self.secret_path), "--events", str(self.events_path), *self.controller_args],
+            stdout=subprocess.PIPE, stderr=log, env=self.env, start_new_session=True, text=True)
+        deadline = time.monotonic() + timeout
+        assert self.controller.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.controller.stdout.readline()
+            if not line:
+                if self.controller.poll() is not None:
+                    raise RuntimeError(f"controller exited ({self.controller.returncode}); see {self.dir}/controller.log")
+                continue
+            if "listening on" in line:
+                self.address = line.split("listening on", 1)[1].split(",")[0].strip()
+                return self.address
+        raise TimeoutError("controller did not start")
+
+    def add_node(self, node: str, *, extra_worker_args: Sequence[str] = ()) -> subprocess.Popen:
+        mem = self.dir / "memory" / node
+        log = open(self.dir / f"node-{node}.log", "a")
+        cmd = [sys.executable, "-m", "lazarus.cli", "agent", "--controller", self.address,
+               "--secret-file", str(self.secret_path), "--node-id", node, "--snapshot-dir", str(mem),
+               *self.agent_args, "--", *self.worker_command, *extra_worker_args]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        self.agents[node] = proc
+        return proc
+
+    def start(self, nodes: Sequence[str]) -> None:
+        self.start_controller()
+        for n in nodes:
+            self.add_node(n)
+
+    def kill_node(self, node: str) -> float:
+        """SIGKILL the agent and its worker (the whole node)."""
+        t = time.time()
+        self.kill_times[node] = t
+        os.killpg(self.agents[node].pid, signal.SIGKILL)
+        self.agents[node].wait(timeout=10)
+        return t
+
+    def kill_worker(self, node: str) -> float:
+        """SIGKILL only the node's training process (the agent stays)."""
+        kids = _children(self.agents[node].pid)
+        if not kids:
+            raise RuntimeError(f"node {node} has no worker process")
+        t = time.time()
+        for pid in kids:
+            os.kill(pid, signal.SIGKILL)
+        return t
+
+    def freeze_node(self, node: str) -> float:
+        t = time.time()
+        os.killpg(self.agents[node].pid, signal.SIGSTOP)
+        return t
+
+    def thaw_node(self, node: str) -> None:
+        os.killpg(self.agents[node].pid, signal.SIGCONT)
+
+    def leave(self, node: str) -> float:
+        t = time.time()
+        self.agents[node].send_signal(signal.SIGTERM)
+        return t
+
+    def wait(self, timeout: float) -> int:
+        """Wait for the controller to exit (it does when the job is done)."""
+        assert self.controller is not None
+        return self.controller.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        procs = list(self.agents.values()) + ([self.controller] if self.controller else [])
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGCONT)
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # -- observations --------------------------------------------------------------------
+    @staticmethod
+    def _jsonl(path: Path) -> list[dict[str, Any]]:
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a line being written
+        return out
+
+    def events(self) -> list[dict[str, Any]]:
+        return self._jsonl(self.events_path)
+
+    def metrics(self) -> list[dict[str, Any]]:
+        return self._jsonl(self.metrics_path)
+
+    def steps(self) -> list[dict[str, Any]]:
+        return [m for m in self.metrics() if m.get("kind") == "step"]
+
+    def current_step(self) -> int:
+        s = self.steps()
+        return max((m["step"] for m in s), default=-1)
+
+    def wait_for(self, predicate: Callable[[], Any], timeout: float, what: str, poll: float = 0.05) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            if self.controller is not None and self.controller.poll() is not None:
+                raise RuntimeError(f"controller exited ({self.controller.returncode}) while waiting for {what}")
+            time.sleep(poll)
+        raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}; see {self.dir}")
+
+    def wait_step(self, step: int, timeout: float = 120.0) -> int:
+        return self.wait_for(lambda: self.current_step() >= step and self.current_step(), timeout, f"step {step}")
+
+    def latest_plan(self) -> dict[str, Any] | None:
+        plans = [e for e in self.events() if e.get("event") == "plan"]
+        return plans[-1] if plans else None
+
+    def reconfigurations(self) -> list[dict[str, Any]]:
+        return [m for m in self.metrics() if m.get("kind") == "reconfigured"]
