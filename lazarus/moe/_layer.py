@@ -146,8 +146,11 @@ class MoELayer(nn.Module):
         """
         new = self._check_placement(placement)
         old = self._slots
-        added = sorted(set(new[self.rank]) - set(old[self.rank]))
-        removed = sorted(set(old[self.rank]) - set(new[self.rank]))
+        # What this process holds now, not ``old[self.rank]``: after a process-group
+        # rebuild the rank number may have changed while the modules stayed.
+        held = set(self.local_experts)
+        added = sorted(set(new[self.rank]) - held)
+        removed = sorted(held - set(new[self.rank]))
         ref = self.router.weight
         if expert_states is None:
             flats = {e: torch.nn.utils.parameters_to_vector(self.experts[str(e)].parameters()).detach()
