@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: test demo bench bench-store bench-placement bench-dispatch bench-moc install clean
+.PHONY: test demo demo-moc bench bench-store bench-placement bench-dispatch bench-moc bench-simulate install clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -23,9 +23,12 @@ test: $(STAMP)
 	$(VPY) -m pytest -q
 
 demo: $(STAMP)
+	$(VPY) -m lazarus.demo --dir runs/lazarus-demo
+
+demo-moc: $(STAMP)
 	$(VPY) -m moc.demo --dir runs/demo
 
-bench: bench-store bench-placement bench-dispatch bench-moc
+bench: bench-store bench-placement bench-dispatch bench-moc bench-simulate
 
 bench-store: $(STAMP)
 	$(VPY) benchmarks/store/main.py
@@ -39,6 +42,9 @@ bench-dispatch: $(STAMP)
 bench-moc: $(STAMP)
 	$(VPY) -m pip install --quiet -e ".[dev,bench]"
 	$(VPY) benchmarks/moc_overhead/main.py
+
+bench-simulate: $(STAMP)
+	$(VPY) benchmarks/simulate/main.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

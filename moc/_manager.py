@@ -26,6 +26,8 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
+from datetime import timedelta
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -163,6 +165,7 @@ class CheckpointManager(RestoreMixin):
         self._persist_failures = 0
         self._last_error: str | None = None
         self._closed = False
+        self._abandoned = False   # detached: background jobs must not touch the buffers
         self._sigterm = False
         self._step_times: list[float] = []
         self._last_step_wall: float | None = None
@@ -214,24 +217,36 @@ class CheckpointManager(RestoreMixin):
         self._persist_failures = int(state["persist_failures"])
         self.plt_tracker.load_state(state["plt"])
 
-    def detach(self) -> "Handover":
+    def detach(self, grace: timedelta = timedelta(milliseconds=500)) -> "Handover":
         """Retire this manager because its process group is broken or being replaced,
         keeping the snapshot buffers (node memory) and the bookkeeping for the manager
         built on the next process group (pass the result as ``handover=``).
 
-        Local only: waits for the background snapshot and persist jobs (their collectives
-        fail fast on a dead peer, or after ``coordination_timeout``), commits nothing new.
+        Local only, commits nothing new. Background snapshot/persist jobs get ``grace`` to
+        finish; one still blocked in a collective (gloo peers that are alive but have left
+        the group only time out) is abandoned: it can no longer publish a snapshot or
+        write into a buffer, and its persist is never committed by anyone.
         """
-        self._wait_snapshot()
-        fut = self._persist
-        if fut is not None:
+        with self._lock:
+            self._abandoned = True
+        for name in ("_snapshot", "_persist"):
+            fut = getattr(self, name)
+            if fut is None:
+                continue
             try:
-                fut.result(timeout=self.cfg.coordination_timeout.total_seconds() + 5.0)
+                fut.result(timeout=grace.total_seconds())
+            except FuturesTimeout:
+                log.warning("rank %d: background %s still blocked at reconfiguration; abandoned", self.rank,
+                            name.strip("_"))
             except Exception as exc:  # noqa: BLE001 - the group is gone; the snapshot stays in memory
-                log.warning("rank %d: in-flight persist abandoned at reconfiguration: %s", self.rank, exc)
-            self._persist = None
+                log.warning("rank %d: in-flight %s abandoned at reconfiguration: %s", self.rank, name.strip("_"), exc)
+            setattr(self, name, None)
         with self._lock:
             for b in self.pool.buffers:
+                # Its shares were planned for this group: a successor on another group must
+                # not persist them (pieces of lost ranks would be missing). They stay in
+                # memory as recovery sources.
+                b.persisted = True
                 if b.state == PERSIST:
                     b.state = READY
                 elif b.state == SNAPSHOT:
@@ -420,11 +435,21 @@ class CheckpointManager(RestoreMixin):
         plans[extra_name] = (plan_tree(self._extra_tree(step)), None)
         sizes = self.comm.gather_json({n: p.nbytes for n, (p, _) in plans.items()})
         size_of: dict[str, int] = {}
+        disagree: set[str] = set()
         for d in sizes:
-            size_of.update(d)
+            for n, nb in d.items():
+                if n in size_of and size_of[n] != nb:
+                    disagree.add(n)
+                size_of[n] = nb
+        if disagree:
+            # Replicas of one unit must serialise identically, or split shares would not
+            # tile it; keep such units whole on their first holder.
+            log.error("rank %d step %d: holders disagree on the size of %s; not splitting them",
+                      self.rank, step, sorted(disagree)[:4])
         experts = {n: s for n, s in size_of.items() if n.startswith("expert/")}
         modules = {n: s for n, s in size_of.items() if not n.startswith("expert/")}
-        shares = plan_shares(experts, modules, self.holders, self.world, self.cfg.sharding)
+        holders = {n: (sorted(r)[:1] if n in disagree else r) for n, r in self.holders.items()}
+        shares = plan_shares(experts, modules, holders, self.world, self.cfg.sharding)
         persist_units = {f"expert/{l}/{e}" for l, (_, p) in selection.items() for e in p}
         persist_units |= set(modules)
         entries = []
@@ -509,10 +534,12 @@ class CheckpointManager(RestoreMixin):
                 self._last_error = f"remote snapshot copies failed: {exc}"
                 log.warning("rank %d step %d: remote snapshot copies failed: %s", self.rank, header["step"], exc)
         header = dict(header, units=units, pieces=pieces)
-        buf.publish(header)
-        buf.step = header["step"]
-        buf.header = header
         with self._lock:
+            if self._abandoned:
+                raise RuntimeError("snapshot abandoned: the manager was detached")
+            buf.publish(header)
+            buf.step = header["step"]
+            buf.header = header
             buf.state = READY
             self._last_snapshot_step = header["step"]
         self._snapshot_seconds = time.perf_counter() - t0
@@ -539,12 +566,15 @@ class CheckpointManager(RestoreMixin):
             starts[q] = pos
             pos += recv_splits[q]
         pieces = []
-        for (unit, start, end, src, _), off in landing:
-            n = end - start
-            buf.data[off: off + n].copy_(received[starts[src]: starts[src] + n])
-            starts[src] += n
-            pieces.append({"unit": unit, "start": start, "end": end, "offset": off,
-                           "checksum": "xxh3:" + xxhash.xxh3_64_hexdigest(buf.view(off, n)), "persist": False})
+        with self._lock:
+            if self._abandoned:  # the buffer may belong to the successor now
+                raise RuntimeError("snapshot abandoned: the manager was detached")
+            for (unit, start, end, src, _), off in landing:
+                n = end - start
+                buf.data[off: off + n].copy_(received[starts[src]: starts[src] + n])
+                starts[src] += n
+                pieces.append({"unit": unit, "start": start, "end": end, "offset": off,
+                               "checksum": "xxh3:" + xxhash.xxh3_64_hexdigest(buf.view(off, n)), "persist": False})
         return pieces
 
     # -- the stall point -----------------------------------------------------------------
@@ -632,7 +662,7 @@ class CheckpointManager(RestoreMixin):
             error = f"snapshot of step {step} is not available"
         results = self.comm.gather_json({"ok": ok, "error": error, "units": units}, persist=True)
         committed = False
-        if self.rank == 0:
+        if self.rank == 0 and not self._abandoned:
             if all(r["ok"] for r in results):
                 try:
                     self._commit(step, results, buf.header)  # type: ignore[union-attr]
@@ -643,6 +673,8 @@ class CheckpointManager(RestoreMixin):
                 error = "; ".join(f"rank {i}: {r['error']}" for i, r in enumerate(results) if not r["ok"])
         outcome = self.comm.broadcast_json({"committed": committed, "error": error}, persist=True)
         with self._lock:
+            if self._abandoned:
+                return bool(outcome["committed"])
             if buf is not None:
                 buf.state = READY
             if outcome["committed"]:
@@ -684,6 +716,15 @@ class CheckpointManager(RestoreMixin):
             for name, u in r["units"].items():
                 entry = merged.setdefault(name, dict(u, chunks=[]))
                 entry["chunks"].append(ChunkRecord.from_json(u["chunk"]))
+        for name, u in merged.items():
+            pos = 0
+            for c in sorted(u["chunks"], key=lambda c: c.offset):
+                if c.offset != pos:
+                    break
+                pos += c.nbytes
+            if pos != int(u["unit_nbytes"]):
+                raise RuntimeError(f"step {step}: the ranks' chunks of {name} cover {pos} of its "
+                                   f"{u['unit_nbytes']} bytes; not committing an incomplete checkpoint")
         records = [
             UnitRecord(name=name, kind=u["kind"], step=step, nbytes=int(u["unit_nbytes"]), skeleton=u["skeleton"],
                        tensors=u["tensors"], chunks=sorted(u["chunks"], key=lambda c: c.offset),

@@ -166,3 +166,19 @@ def test_lost_experts_recovered_from_storage_when_no_memory_copy_survives(tmp_pa
         assert set(lost) <= set(rec["lost_experts"])
         assert rec["sources"]["storage"] == len(rec["lost_experts"]) and rec["sources"]["memory"] == 0
         _finish(c, tmp_path, [n for n in NODES if n not in victims])
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_spot_notice_hands_experts_over_and_leaves(tmp_path: Path) -> None:
+    with _cluster(tmp_path) as c:
+        c.start(NODES)
+        c.wait_step(15, timeout=180)
+        c.leave("n1")
+        c.wait_for(lambda: [r for r in c.reconfigurations() if r["reason"] == "leave"], 60, "the graceful leave")
+        rec = [r for r in c.reconfigurations() if r["reason"] == "leave"][0]
+        assert rec["world_size"] == 3 and "n1" not in rec["members"]
+        assert rec["lost_experts"] == [] and rec["sources"]["memory"] == 0 and rec["sources"]["storage"] == 0
+        assert c.agents["n1"].wait(timeout=60) == 0          # the agent exits cleanly
+        assert not _failure_reconfigs(c)                    # no step was discarded
+        _finish(c, tmp_path, ["n0", "n2", "n3"])
+        _survivors_not_restarted(c, ["n0", "n2", "n3"])

@@ -70,8 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s worker {node} %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
-    from lazarus.runtime._elastic_config import ElasticConfig
-    from lazarus.runtime._trainer import ElasticTrainer
+    from lazarus.runtime import ElasticConfig, ElasticTrainer
 
     gpt = GPTConfig(d_model=args.d_model, n_layers=args.layers, moe_every=args.moe_every, num_experts=args.experts,
                     top_k=args.top_k, d_hidden=args.d_hidden, seq_len=args.seq_len, tie_head=False, seed=args.seed)

@@ -23,6 +23,7 @@ current group first, so a leaving node can hand its experts over before it goes.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import os
@@ -39,6 +40,7 @@ from lazarus.planning import Placement
 from moc import CheckpointManager
 from moc._units import apply_partial, capture_unit, discover_units
 
+from ._abort import SocketTracker
 from ._transfer import choose_moves, exchange_units, world_comm
 
 if TYPE_CHECKING:
@@ -64,22 +66,28 @@ class Reconfigurer:
         self._dense: list[nn.Parameter] | None = None
         self._store = None
         self._store_addr: tuple[str, int] | None = None
+        self.sockets = SocketTracker()
 
     # -- groups ----------------------------------------------------------------------------
     def retire_group(self) -> None:
         """Retire the moc manager (keep its buffers) and destroy the process group."""
         t = self.t
+        # Shut the group's sockets down first: every peer's pending operation (training
+        # thread, or moc's snapshot/persist threads) fails at once instead of waiting out
+        # its timeout, and so do this process's own background threads.
+        self.sockets.shutdown_all()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # noqa: BLE001 - already broken
+                log.debug("destroy_process_group: %s", exc)
+        gc.collect()  # drop the last references so the group's sockets close now
         if t.ckpt is not None:
             try:
                 self.handover = t.ckpt.detach()
             except Exception as exc:  # noqa: BLE001
                 log.warning("node %s: moc detach failed: %s", t.node, exc)
             t.ckpt = None
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as exc:  # noqa: BLE001 - already broken
-                log.debug("destroy_process_group: %s", exc)
 
     def _store_client(self, host: str, port: int):
         if self._store is None or self._store_addr != (host, port):
@@ -103,8 +111,9 @@ class Reconfigurer:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rendezvous of generation {plan['generation']} timed out")
             time.sleep(0.005)
-        dist.init_process_group("gloo", store=dist.PrefixStore(prefix + "/pg", store), rank=rank,
-                                world_size=world, timeout=t.config.collective_timeout)
+        with self.sockets.track():
+            dist.init_process_group("gloo", store=dist.PrefixStore(prefix + "/pg", store), rank=rank,
+                                    world_size=world, timeout=t.config.collective_timeout)
         t.rank, t.world, t.members, t.generation = rank, world, list(members), int(plan["generation"])
 
     # -- the plan ----------------------------------------------------------------------------
@@ -276,8 +285,9 @@ class Reconfigurer:
             cfg.snapshot_dir = cfg_dir
         if cfg.coordination_timeout > t.config.collective_timeout:
             cfg.coordination_timeout = t.config.collective_timeout
-        t.ckpt = CheckpointManager(cfg, model=t.model, optimizer=t.optimizer, memory_key=t.config.memory_key,
-                                   handover=self.handover)
+        with self.sockets.track():   # moc's own gloo groups
+            t.ckpt = CheckpointManager(cfg, model=t.model, optimizer=t.optimizer, memory_key=t.config.memory_key,
+                                       handover=self.handover)
         self.handover = None
         if fresh_start:
             t.step = t.ckpt.restore()

@@ -114,13 +114,19 @@ class ElasticTrainer:
         plan = self._wait_plan(-1)
         self._reconfigure_loop(plan, error=None)
         while self.step < total_steps and not self._left:
+            failure = None
             try:
                 loss = self._train_step(loss_fn)
                 self._after_step(loss)
             except Exception as exc:  # noqa: BLE001 - classified below
                 if not is_collective_error(exc):
                     raise
-                self._on_broken_collective(exc)
+                failure = f"{type(exc).__name__}: {exc}"
+            # Handled outside the except block: the traceback's frames hold the broken
+            # process group, and its sockets must close when we destroy it so that the
+            # other survivors fail fast instead of waiting out their timeout.
+            if failure is not None:
+                self._on_broken_collective(failure)
         if not self._left:
             self._finish()
 
@@ -233,13 +239,13 @@ class ElasticTrainer:
             self._reconfigure_loop(plan, error=None)
 
     # -- failures and reconfiguration --------------------------------------------------------
-    def _on_broken_collective(self, exc: BaseException) -> None:
+    def _on_broken_collective(self, error: str) -> None:
         t_error = time.time()
         log.warning("node %s rank %d step %d gen %d: collective failed: %s", self.node, self.rank, self.step,
-                    self.generation, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+                    self.generation, error.splitlines()[0][:200])
         try:
             self.channel.send({"type": "collective_error", "generation": self.generation,
-                               "step": self.step, "error": str(exc)[:300]})
+                               "step": self.step, "error": error[:300]})
         except Exception:  # noqa: BLE001 - the agent link has its own watchdog
             pass
         self.reconf.retire_group()
@@ -249,6 +255,7 @@ class ElasticTrainer:
     def _reconfigure_loop(self, plan: dict[str, Any], error: float | None) -> None:
         """Apply ``plan``; if it breaks (another failure meanwhile), wait for the next."""
         while True:
+            broken = False
             try:
                 self.reconf.apply(plan, t_error=error)
                 return
@@ -259,6 +266,8 @@ class ElasticTrainer:
                     raise
                 log.warning("node %s: reconfiguration to generation %d failed: %s", self.node,
                             plan["generation"], str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+                broken = True
+            if broken:  # outside the except block, see run()
                 self.reconf.retire_group()
             if error is None:
                 error = time.time()

@@ -1,0 +1,186 @@
+"""``make demo``: a Lazarus job on 4 worker nodes (processes on this machine) that loses a
+node its peers can absorb, then a node holding the only replica of some expert (moc
+fallback), then gains a node; training never restarts.
+
+Prints a per-event table (detection time, reconfiguration time, experts moved, where
+they came from, PLT), the training loss, and writes a PNG of throughput and node count
+over time. Rerun: ``python -m lazarus.demo --dir runs/lazarus-demo``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from ._local_cluster import LocalCluster
+
+
+def _singleton_holder(plan: dict[str, Any]) -> tuple[str, list[str]]:
+    """The member holding the most experts that have no other replica."""
+    best, best_units = None, []
+    for i, node in enumerate(plan["members"]):
+        units = []
+        for layer, slots in plan["layers"].items():
+            for e in set(slots[i]):
+                if sum(1 for s in slots if e in s) == 1:
+                    units.append(f"{layer}/{e}")
+        if len(units) > len(best_units):
+            best, best_units = node, units
+    if best is None:
+        raise RuntimeError("no expert has a single replica; cannot stage the moc-fallback event")
+    return best, best_units
+
+
+def run(workdir: Path, steps: int, quick: bool) -> int:
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    worker = ["--steps", str(steps), "--storage", str(workdir / "store"), "--interval", "10", "--k-snapshot", "2",
+              "--k-persist", "1", "--persist-every", "2", "--collective-timeout", "5s", "--report-every", "10",
+              "--digests", str(workdir / "digest-{node}.json")]
+    if quick:
+        worker += ["--layers", "2", "--d-model", "32", "--d-hidden", "64", "--batch-size", "8", "--seq-len", "32"]
+    controller = ["--slots", "4", "--min-replicas", "2", "--expected-nodes", "4", "--heartbeat-timeout", "2s",
+                  "--join-window", "1s"]
+    marks = [steps // 5, 2 * steps // 5, 3 * steps // 5]
+    t_start = time.time()
+    timeline: list[dict[str, Any]] = []
+    with LocalCluster(workdir / "job", worker_args=worker, controller_args=controller,
+                      agent_args=["--heartbeat-interval", "250ms"]) as c:
+        print(f"lazarus demo: controller + 4 agents, training {steps} steps of a byte-level MoE GPT on the "
+              f"Python stdlib sources (logs in {c.dir})", flush=True)
+        c.start(["n0", "n1", "n2", "n3"])
+        c.wait_step(marks[0], timeout=240)
+        victim = "n3"
+        timeline.append({"event": f"SIGKILL node {victim} (peers hold replicas)", "node": victim,
+                         "step": c.current_step(), "t": c.kill_node(victim)})
+        print(f"  step {timeline[-1]['step']}: {timeline[-1]['event']}", flush=True)
+        c.wait_for(lambda: len(c.reconfigurations()) >= 2, 60, "recovery from the first failure")
+        c.wait_step(marks[1], timeout=240)
+        victim, singles = _singleton_holder(c.latest_plan())
+        timeline.append({"event": f"SIGKILL node {victim} (only replica of {len(singles)} experts)", "node": victim,
+                         "step": c.current_step(), "t": c.kill_node(victim)})
+        print(f"  step {timeline[-1]['step']}: {timeline[-1]['event']}", flush=True)
+        c.wait_for(lambda: len(c.reconfigurations()) >= 3, 60, "recovery from the second failure")
+        c.wait_step(marks[2], timeout=240)
+        timeline.append({"event": "node n4 joins", "node": "n4", "step": c.current_step(), "t": time.time()})
+        c.add_node("n4")
+        print(f"  step {timeline[-1]['step']}: {timeline[-1]['event']}", flush=True)
+        rc = c.wait(timeout=600)
+        events, metrics = c.events(), c.metrics()
+    elapsed = time.time() - t_start
+    _report(workdir, timeline, events, metrics, elapsed)
+    return 0 if rc == 0 else 1
+
+
+def _report(workdir: Path, timeline: list[dict], events: list[dict], metrics: list[dict], elapsed: float) -> None:
+    recs = [m for m in metrics if m.get("kind") == "reconfigured" and m.get("reason") != "start"]
+    steps = sorted((m for m in metrics if m.get("kind") == "step"), key=lambda m: m["t"])
+    rows = []
+    for ev in timeline:
+        if ev["node"] == "n4":
+            seen = next((e["t"] for e in events if e.get("event") == "worker_ready" and e.get("node") == "n4"), None)
+            rec = next((r for r in recs if r["reason"] == "join"), None)
+            detected = seen
+        else:
+            detected = next((e["t"] for e in events if e.get("event") == "node_failed" and e.get("node") == ev["node"]
+                             and e["t"] >= ev["t"]), None)
+            rec = next((r for r in recs if r["reason"] in ("failure", "collective_error") and r["t_resumed"] > ev["t"]),
+                       None)
+        detect_s = (detected - ev["t"]) if detected else None
+        reconf_s = (rec["t_resumed"] - detected) if rec and detected else None
+        src = rec["sources"] if rec else {}
+        rows.append([ev["event"], ev["step"], _f(detect_s), _f(reconf_s), _f(rec["t_resumed"] - ev["t"]) if rec else "-",
+                     rec["moved"] if rec else "-",
+                     f"peer {src.get('peer', 0)} / memory {src.get('memory', 0)} / storage {src.get('storage', 0)}",
+                     f"{100 * rec['plt']:.2f}%" if rec else "-", rec["world_size"] if rec else "-"])
+    head = ["event", "step", "detect s", "reconf s", "kill->train s", "experts moved", "source (experts)", "PLT",
+            "nodes"]
+    print()
+    print(_table(head, rows))
+    print()
+    losses = [(m["step"], m["loss"]) for m in steps]
+    if losses:
+        marks = sorted({0, *range(0, losses[-1][0] + 1, max(1, losses[-1][0] // 6)), losses[-1][0]})
+        by_step = dict(losses)
+        print("loss: " + "  ".join(f"step {s}: {by_step[s]:.3f}" for s in marks if s in by_step))
+    plans = [e for e in events if e.get("event") == "plan" and e.get("reason") != "start"]
+    for p in plans:
+        rp = p.get("recovery_probability") or {}
+        print(f"plan gen {p['generation']} ({p['reason']}, {len(p['members'])} nodes): fetches greedy "
+              f"{p['fetches']['greedy']} vs identity {p['fetches']['identity']}; recovery probability under one "
+              f"more failure {min(rp.values()) if rp else float('nan'):.3f}")
+    png = workdir / "lazarus_demo.png"
+    try:
+        _plot(png, steps, timeline)
+        print(f"wrote {png}")
+    except ImportError:
+        print("matplotlib missing: no plot")
+    (workdir / "summary.json").write_text(json.dumps({"rows": rows, "elapsed_s": elapsed}, indent=1))
+    print(f"demo finished in {elapsed:.0f} s")
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _table(head: list[str], rows: list[list[Any]]) -> str:
+    cells = [head] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _plot(path: Path, steps: list[dict], timeline: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = steps[0]["t"]
+    ts = [m["t"] - t0 for m in steps]
+    window = 10
+    rate_t, rate = [], []
+    for i in range(window, len(steps)):
+        dt = steps[i]["t"] - steps[i - window]["t"]
+        if dt > 0:
+            rate_t.append(ts[i])
+            rate.append(window / dt)
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(8, 7), sharex=True)
+    ax1.plot(rate_t, rate, color="tab:blue")
+    ax1.set_ylabel("steps / s")
+    ax2.step(ts, [m["world"] for m in steps], where="post", color="tab:green")
+    ax2.set_ylabel("nodes training")
+    ax2.set_ylim(0, 5)
+    ax3.plot(ts, [m["loss"] for m in steps], color="tab:red", lw=0.8)
+    ax3.set_ylabel("loss")
+    ax3.set_xlabel("seconds since the first step")
+    for ev in timeline:
+        for ax in (ax1, ax2, ax3):
+            ax.axvline(ev["t"] - t0, color="gray", ls="--", lw=0.8)
+        ax1.annotate(ev["event"].split(" (")[0], (ev["t"] - t0, ax1.get_ylim()[1]), fontsize=7, rotation=90,
+                     va="top", ha="right")
+    ax1.set_title("Lazarus on 4 CPU nodes: throughput, membership and loss")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lazarus.demo", description=__doc__.split("\n")[0])
+    p.add_argument("--dir", default="runs/lazarus-demo", help="work directory (recreated)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--quick", action="store_true", help="a smaller model (for smoke tests)")
+    args = p.parse_args(argv)
+    if args.steps < 50:
+        p.error("--steps must be >= 50 (three events are staged along the run)")
+    return run(Path(args.dir), args.steps, args.quick)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

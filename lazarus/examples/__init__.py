@@ -1,0 +1,43 @@
+"""Examples for the elastic runtime: a byte-level MoE GPT on the stdlib source corpus.
+
+* :mod:`lazarus.examples.corpus` -- :class:`ByteCorpus`, the offline corpus and its
+  deterministic, rank-sliced data stream;
+* :mod:`lazarus.examples.moe_gpt` -- :class:`MoEGPT` on :class:`lazarus.moe.MoELayer`,
+  its optimizer, gradient sync and routing-skew helpers
+  (``python -m lazarus.examples.moe_gpt --steps 100`` trains it single-process).
+
+Names are imported lazily, so running a submodule with ``-m`` does not import it twice.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ByteCorpus": "corpus",
+    "GPTConfig": "moe_gpt",
+    "MoEGPT": "moe_gpt",
+    "evaluate": "moe_gpt",
+    "make_optimizer": "moe_gpt",
+    "moe_layer_names": "moe_gpt",
+    "param_group_of": "moe_gpt",
+    "routing_skew": "moe_gpt",
+    "single_process_placement": "moe_gpt",
+    "sync_gradients": "moe_gpt",
+    "train_step": "moe_gpt",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,62 @@
+"""Lazarus runtime: the control plane of elastic expert-parallel training.
+
+* :class:`Controller` (one per job) — membership, failure detection (disconnects, missed
+  heartbeats, worker exits, collective errors), replica allocation + MRO placement +
+  migration planning, plans to the agents, and the rendezvous ``TCPStore``.
+* :class:`Agent` (one per node) — registers, heartbeats, runs and watches the worker,
+  relays plans down and reports up, turns SIGTERM into a graceful leave.
+* :class:`AgentChannel` — the worker's end of the agent connection (inside the trainer).
+* :class:`ElasticTrainer` (+ :class:`ElasticConfig`) — the training process: step loop,
+  in-process reconfiguration on a broken collective, peer transfers, moc fallback.
+* ``_wire`` — length-prefixed, HMAC-SHA256-authenticated JSON frames (no pickle).
+
+The trainer names load lazily, so the controller and agents never import torch's
+training stack.
+
+CLI: ``lazarus controller`` and ``lazarus agent`` (see ``lazarus <cmd> --help``).
+"""
+
+from ._agent import Agent
+from ._channel import AgentChannel
+from ._config import AgentConfig, ControllerConfig, parse_duration
+from ._controller import Controller
+from ._wire import (
+    BadMacError,
+    ConnectionClosed,
+    FrameTooLargeError,
+    MalformedMessageError,
+    ProtocolError,
+)
+
+_LAZY = {
+    "ElasticTrainer": ("._trainer", "ElasticTrainer"),
+    "ElasticConfig": ("._elastic_config", "ElasticConfig"),
+    "is_collective_error": ("._trainer", "is_collective_error"),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module, __name__), attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "Agent",
+    "AgentChannel",
+    "AgentConfig",
+    "BadMacError",
+    "ConnectionClosed",
+    "Controller",
+    "ControllerConfig",
+    "ElasticConfig",
+    "ElasticTrainer",
+    "FrameTooLargeError",
+    "MalformedMessageError",
+    "ProtocolError",
+    "is_collective_error",
+    "parse_duration",
+]

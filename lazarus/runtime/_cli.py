@@ -1,0 +1,223 @@
+"""``lazarus controller`` and ``lazarus agent`` subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from ._config import AgentConfig, ControllerConfig, parse_duration, parse_host_port
+
+__all__ = ["register_agent", "register_controller"]
+
+
+def _duration(name: str):
+    def parse(text: str):
+        try:
+            return parse_duration(text, name)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = "duration"
+    return parse
+
+
+def _read_secret(path: str | None, option: str = "--secret-file") -> bytes:
+    """The secret from ``path`` (surrounding whitespace stripped) or env LAZARUS_SECRET."""
+    if path:
+        try:
+            data = Path(path).read_bytes().strip()
+        except OSError as exc:
+            raise ValueError(f"{option}: cannot read {path}: {exc.strerror}") from None
+        where = f"{option} {path}"
+    else:
+        env = os.environ.get("LAZARUS_SECRET")
+        if env is None:
+            raise ValueError(f"{option} PATH or the environment variable LAZARUS_SECRET is required")
+        data = env.strip().encode("utf-8")
+        where = "LAZARUS_SECRET"
+    if len(data) < 16:
+        raise ValueError(f"{where}: the secret must be at least 16 bytes, got {len(data)}")
+    return data
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+
+
+def _config_error(exc: ValueError, options: dict[str, str]) -> ValueError:
+    """Name the CLI option in a config error (``heartbeat_timeout must ...`` -> ``--heartbeat-timeout``)."""
+    text = str(exc)
+    for field, opt in options.items():
+        if text.startswith(field + " "):
+            return ValueError(f"{opt}: {text}")
+    return exc
+
+
+# ----------------------------------------------------------------------------- controller
+
+
+def register_controller(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "controller",
+        help="run the job's controller (membership, failure detection, plans, rendezvous store)",
+        description=(
+            "Run the Lazarus controller: agents register with it, it detects node failures "
+            "(disconnects, missed heartbeats, worker exits, collective errors), computes "
+            "replica allocations and MRO placements, sends plans to the agents, and hosts the "
+            "TCPStore the workers rendezvous on. Durations accept 500ms, 3s, 2m."
+        ),
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=29400, help="control port (default 29400; 0 = any)")
+    p.add_argument("--store-port", type=int, default=29401, help="TCPStore port (default 29401; 0 = any)")
+    p.add_argument("--advertise-host", default=None,
+                   help="store address written into plans (default: --host, or the hostname for 0.0.0.0)")
+    p.add_argument("--secret-file", metavar="PATH", default=None,
+                   help="file holding the shared secret (>= 16 bytes); default: env LAZARUS_SECRET")
+    p.add_argument("--slots", type=int, default=2, help="expert replica slots per node c (default 2)")
+    p.add_argument("--min-replicas", type=int, default=2, help="fault-tolerance threshold f (default 2)")
+    p.add_argument("--heartbeat-timeout", type=_duration("--heartbeat-timeout"), default="3s",
+                   help="silence before a node is declared dead (default 3s)")
+    p.add_argument("--failure-grace", type=_duration("--failure-grace"), default="200ms",
+                   help="window coalescing simultaneous failures (default 200ms)")
+    p.add_argument("--join-window", type=_duration("--join-window"), default="2s",
+                   help="joins are batched this long (default 2s)")
+    p.add_argument("--handshake-timeout", type=_duration("--handshake-timeout"), default="5s",
+                   help="first frame must arrive within this (default 5s)")
+    p.add_argument("--max-message-bytes", type=int, default=1 << 20, help="largest message body (default 1 MiB)")
+    p.add_argument("--expected-nodes", type=int, default=None,
+                   help="wait for this many ready nodes before the first plan")
+    p.add_argument("--min-nodes", type=int, default=1, help="fewest members a plan may have (default 1)")
+    p.add_argument("--rebalance-every", type=int, default=0, help="steps between rebalance checks (0 = off)")
+    p.add_argument("--rebalance-min-gain", type=float, default=0.05,
+                   help="relative max-load improvement needed to rebalance (default 0.05)")
+    p.add_argument("--events", metavar="FILE", default=None, help="append JSON-lines events here")
+    p.add_argument("--keep-running", action="store_true", help="do not exit when the job is done")
+    p.add_argument("-v", "--verbose", action="store_true", help="log every event to stderr")
+    p.set_defaults(handler=_run_controller)
+
+
+_CONTROLLER_OPTIONS = {
+    "host": "--host", "port": "--port", "store_port": "--store-port", "slots_per_node": "--slots",
+    "min_replicas": "--min-replicas", "heartbeat_timeout": "--heartbeat-timeout",
+    "failure_grace": "--failure-grace", "join_window": "--join-window",
+    "handshake_timeout": "--handshake-timeout", "max_message_bytes": "--max-message-bytes",
+    "expected_nodes": "--expected-nodes", "min_nodes": "--min-nodes",
+    "rebalance_every": "--rebalance-every", "rebalance_min_gain": "--rebalance-min-gain",
+    "secret": "--secret-file",
+}
+
+
+def _run_controller(args: argparse.Namespace) -> int:
+    from ._controller import Controller
+
+    secret = _read_secret(args.secret_file)
+    try:
+        cfg = ControllerConfig(
+            secret=secret, host=args.host, port=args.port, store_port=args.store_port,
+            slots_per_node=args.slots, min_replicas=args.min_replicas,
+            heartbeat_timeout=args.heartbeat_timeout, failure_grace=args.failure_grace,
+            join_window=args.join_window, handshake_timeout=args.handshake_timeout,
+            max_message_bytes=args.max_message_bytes, expected_nodes=args.expected_nodes,
+            min_nodes=args.min_nodes, rebalance_every=args.rebalance_every,
+            rebalance_min_gain=args.rebalance_min_gain, events_path=args.events,
+            exit_when_done=not args.keep_running, advertise_host=args.advertise_host,
+        )
+    except ValueError as exc:
+        raise _config_error(exc, _CONTROLLER_OPTIONS) from None
+    _setup_logging(args.verbose)
+
+    def ready(c: Controller) -> None:
+        print(f"lazarus controller: listening on {cfg.host}:{c.port}, store on {cfg.host}:{c.store_port}",
+              flush=True)
+
+    try:
+        return Controller(cfg, on_ready=ready).run()
+    except OSError as exc:
+        text = str(exc)
+        if text.startswith("store_port: "):
+            raise ValueError("--store-port: " + text[len("store_port: "):]) from None
+        raise ValueError(f"--port: cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or text}") from None
+
+
+# ----------------------------------------------------------------------------- agent
+
+
+def register_agent(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "agent",
+        help="run a node agent that registers with the controller and runs the worker",
+        description=(
+            "Run a Lazarus node agent: it registers with the controller, heartbeats, starts "
+            "WORKER_COMMAND (after --) with a channel to the agent, relays plans and reports, "
+            "and restarts a crashed worker as a new member. SIGTERM = graceful leave."
+        ),
+    )
+    p.add_argument("--controller", required=True, metavar="HOST:PORT", help="controller address")
+    p.add_argument("--secret-file", metavar="PATH", default=None,
+                   help="file holding the shared secret; default: env LAZARUS_SECRET")
+    p.add_argument("--node-id", default=None, help="unique node name (default hostname-pid)")
+    p.add_argument("--slots", type=int, default=None, help="replica slots of this node (default: controller's)")
+    p.add_argument("--heartbeat-interval", type=_duration("--heartbeat-interval"), default="500ms",
+                   help="time between heartbeats (default 500ms)")
+    p.add_argument("--snapshot-dir", default=None,
+                   help="node-memory directory (default /dev/shm/lazarus-<job>/<node-id>)")
+    p.add_argument("--job", default="job", help="job name used in the default snapshot dir")
+    p.add_argument("--no-respawn", action="store_true", help="do not restart a crashed worker")
+    p.add_argument("--respawn-delay", type=_duration("--respawn-delay"), default="1s",
+                   help="pause before restarting a crashed worker (default 1s)")
+    p.add_argument("--connect-timeout", type=_duration("--connect-timeout"), default="30s",
+                   help="give up reaching the controller after this (default 30s)")
+    p.add_argument("--leave-timeout", type=_duration("--leave-timeout"), default="60s",
+                   help="after SIGTERM, wait this long for the hand-over (default 60s)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment variable for the worker (repeatable)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
+    p.add_argument("worker_command", nargs=argparse.REMAINDER, metavar="-- WORKER_COMMAND ...",
+                   help="the training command to run")
+    p.set_defaults(handler=_run_agent)
+
+
+_AGENT_OPTIONS = {
+    "node_id": "--node-id", "slots": "--slots", "heartbeat_interval": "--heartbeat-interval",
+    "respawn_delay": "--respawn-delay", "connect_timeout": "--connect-timeout",
+    "leave_timeout": "--leave-timeout", "job": "--job", "controller_port": "--controller",
+    "controller_host": "--controller", "worker_command": "WORKER_COMMAND",
+}
+
+
+def _run_agent(args: argparse.Namespace) -> int:
+    from ._agent import Agent
+
+    cmd = list(args.worker_command)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise ValueError("WORKER_COMMAND is missing: give it after --, e.g. -- python train.py")
+    host, port = parse_host_port(args.controller, "--controller")
+    env = {}
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--env must be KEY=VALUE, got {item!r}")
+        env[key] = value
+    secret = _read_secret(args.secret_file)
+    kwargs = {}
+    if args.node_id is not None:
+        kwargs["node_id"] = args.node_id
+    try:
+        cfg = AgentConfig(
+            secret=secret, worker_command=cmd, controller_host=host, controller_port=port,
+            slots=args.slots, heartbeat_interval=args.heartbeat_interval,
+            snapshot_dir=args.snapshot_dir, job=args.job, respawn=not args.no_respawn,
+            respawn_delay=args.respawn_delay, connect_timeout=args.connect_timeout,
+            leave_timeout=args.leave_timeout, env=env, **kwargs,
+        )
+    except ValueError as exc:
+        raise _config_error(exc, _AGENT_OPTIONS) from None
+    _setup_logging(args.verbose)
+    return Agent(cfg).run()

@@ -1,0 +1,228 @@
+"""Configuration of the controller and the agents, validated at construction.
+
+Every timeout is a :class:`datetime.timedelta`; :func:`parse_duration` turns the CLI's
+``500ms`` / ``3s`` / ``2m`` / ``1h`` spellings into one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import tempfile
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+from ._wire import DEFAULT_MAX_MESSAGE_BYTES
+
+__all__ = ["AgentConfig", "ControllerConfig", "parse_duration", "parse_host_port"]
+
+MIN_SECRET_BYTES = 16
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration(text: str, name: str = "duration") -> timedelta:
+    """``"500ms"`` -> 0.5 s, ``"3s"``, ``"2m"``, ``"1h"``; a bare number means seconds."""
+    m = _DURATION.match(str(text))
+    if not m:
+        raise ValueError(f"{name} must be a duration like 500ms, 3s or 2m, got {text!r}")
+    return timedelta(seconds=float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def parse_host_port(text: str, name: str = "address") -> tuple[str, int]:
+    """``"host:port"`` (``"[v6]:port"`` for IPv6) -> ``(host, port)``."""
+    host, sep, port = str(text).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{name} must be HOST:PORT with a port in [1, 65535], got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def _check_td(name: str, value: object, *, positive: bool = True, lo: timedelta | None = None) -> None:
+    if not isinstance(value, timedelta):
+        raise ValueError(f"{name} must be a datetime.timedelta, got {type(value).__name__}")
+    low = lo if lo is not None else timedelta(0)
+    if value < low or (positive and value <= timedelta(0)):
+        bound = f">= {low.total_seconds()}s" if lo is not None else ("> 0s" if positive else ">= 0s")
+        raise ValueError(f"{name} must be {bound}, got {value.total_seconds()}s")
+
+
+def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be an integer {rng}, got {value!r}")
+
+
+def _check_secret(value: object) -> bytes:
+    if isinstance(value, str):
+        value = value.encode("utf-8")
+    if not isinstance(value, (bytes, bytearray)) or len(value) < MIN_SECRET_BYTES:
+        n = len(value) if isinstance(value, (bytes, bytearray)) else "no"
+        raise ValueError(f"secret must be at least {MIN_SECRET_BYTES} bytes, got {n} bytes")
+    return bytes(value)
+
+
+@dataclass
+class ControllerConfig:
+    """Settings of :class:`~lazarus.runtime.Controller`.
+
+    Attributes:
+        host: address the controller and the store bind to (127.0.0.1 by default; use the
+            node's cluster address or ``0.0.0.0`` for several hosts).
+        port: control port (0 = ephemeral; read ``Controller.port`` after start).
+        store_port: port of the rendezvous ``TCPStore`` (0 = ephemeral).
+        secret: shared HMAC key, >= 16 bytes.
+        slots_per_node: c, expert replica slots per node.
+        min_replicas: f, the fault-tolerance threshold (lowered when slots are short).
+        heartbeat_timeout: silence after which a node is declared dead.
+        failure_grace: failures (and collective errors) within this window are coalesced
+            into one plan.
+        join_window: joins are batched for this long before a between-steps plan.
+        handshake_timeout: a connection must send its first frame within this time.
+        max_message_bytes: largest accepted message body.
+        rebalance_every: steps between rebalance checks (0 = off).
+        rebalance_min_gain: relative drop of the predicted max per-replica load needed to
+            issue a rebalance plan, in [0, 1].
+        min_nodes: fewest members a plan may have.
+        expected_nodes: wait for this many ready nodes before the first plan (None: start
+            ``join_window`` after the first ready node).
+        events_path: JSON-lines event log (None: log lines only).
+        exit_when_done: stop serving once every member's worker reported ``done``.
+        advertise_host: store address written into plans (default: ``host``, or the
+            machine's hostname when ``host`` is a wildcard address).
+        store_timeout: timeout of the hosted TCPStore's operations.
+        routing_window: routing reports summed into the load estimate.
+    """
+
+    secret: bytes
+    host: str = "127.0.0.1"
+    port: int = 29400
+    store_port: int = 29401
+    slots_per_node: int = 2
+    min_replicas: int = 2
+    heartbeat_timeout: timedelta = timedelta(seconds=3)
+    failure_grace: timedelta = timedelta(milliseconds=200)
+    join_window: timedelta = timedelta(seconds=2)
+    handshake_timeout: timedelta = timedelta(seconds=5)
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    rebalance_every: int = 0
+    rebalance_min_gain: float = 0.05
+    min_nodes: int = 1
+    expected_nodes: int | None = None
+    events_path: str | os.PathLike[str] | None = None
+    exit_when_done: bool = True
+    advertise_host: str | None = None
+    store_timeout: timedelta = timedelta(minutes=5)
+    routing_window: int = 8
+
+    def __post_init__(self) -> None:
+        self.secret = _check_secret(self.secret)
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host must be a non-empty address string, got {self.host!r}")
+        _check_int("port", self.port, 0, 65535)
+        _check_int("store_port", self.store_port, 0, 65535)
+        if self.port and self.port == self.store_port:
+            raise ValueError(f"store_port must differ from port, both are {self.port}")
+        _check_int("slots_per_node", self.slots_per_node, 1)
+        _check_int("min_replicas", self.min_replicas, 1)
+        _check_td("heartbeat_timeout", self.heartbeat_timeout, lo=timedelta(milliseconds=50))
+        _check_td("failure_grace", self.failure_grace, positive=False)
+        _check_td("join_window", self.join_window, positive=False)
+        _check_td("handshake_timeout", self.handshake_timeout)
+        _check_td("store_timeout", self.store_timeout)
+        _check_int("max_message_bytes", self.max_message_bytes, 256, 1 << 30)
+        _check_int("rebalance_every", self.rebalance_every, 0)
+        if isinstance(self.rebalance_min_gain, bool) or not isinstance(self.rebalance_min_gain, (int, float)) \
+                or not 0.0 <= self.rebalance_min_gain <= 1.0:
+            raise ValueError(f"rebalance_min_gain must be a number in [0, 1], got {self.rebalance_min_gain!r}")
+        _check_int("min_nodes", self.min_nodes, 1)
+        if self.expected_nodes is not None:
+            _check_int("expected_nodes", self.expected_nodes, max(1, self.min_nodes))
+        _check_int("routing_window", self.routing_window, 1)
+
+    @property
+    def store_host(self) -> str:
+        """The store address workers connect to."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.host in ("0.0.0.0", "::", ""):
+            return socket.gethostname()
+        return self.host
+
+
+def _default_node_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass
+class AgentConfig:
+    """Settings of :class:`~lazarus.runtime.Agent`.
+
+    Attributes:
+        secret: the controller's shared secret (>= 16 bytes).
+        worker_command: argv of the training process (started once per incarnation).
+        controller_host / controller_port: where the controller listens.
+        node_id: unique name of this node (default ``hostname-pid``).
+        slots: replica slots this node offers (None: the controller's ``slots_per_node``).
+        heartbeat_interval: time between heartbeats (well below the controller's timeout).
+        snapshot_dir: node-memory directory for the workers' snapshots (default
+            ``/dev/shm/lazarus-<job>/<node_id>``); created at start, removed on a normal exit.
+        job: job name used in the default snapshot_dir.
+        respawn: restart a worker that exits abnormally (the new incarnation rejoins).
+        respawn_delay: pause before a respawn.
+        env: extra environment variables for the worker.
+        connect_timeout: give up connecting to the controller after this long.
+        leave_timeout: after SIGTERM, how long to wait for the hand-over before giving up.
+        stop_timeout: how long a stopped worker may take to exit before it is killed.
+        max_message_bytes: largest accepted message body.
+    """
+
+    secret: bytes
+    worker_command: list[str]
+    controller_host: str = "127.0.0.1"
+    controller_port: int = 29400
+    node_id: str = field(default_factory=_default_node_id)
+    slots: int | None = None
+    heartbeat_interval: timedelta = timedelta(milliseconds=500)
+    snapshot_dir: str | os.PathLike[str] | None = None
+    job: str = "job"
+    respawn: bool = True
+    respawn_delay: timedelta = timedelta(seconds=1)
+    env: dict[str, str] = field(default_factory=dict)
+    connect_timeout: timedelta = timedelta(seconds=30)
+    leave_timeout: timedelta = timedelta(seconds=60)
+    stop_timeout: timedelta = timedelta(seconds=10)
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+    def __post_init__(self) -> None:
+        self.secret = _check_secret(self.secret)
+        if isinstance(self.worker_command, str) or not self.worker_command \
+                or not all(isinstance(a, str) for a in self.worker_command):
+            raise ValueError("worker_command must be a non-empty list of strings (the worker's argv)")
+        self.worker_command = list(self.worker_command)
+        if not isinstance(self.controller_host, str) or not self.controller_host:
+            raise ValueError(f"controller_host must be a non-empty address, got {self.controller_host!r}")
+        _check_int("controller_port", self.controller_port, 1, 65535)
+        if not isinstance(self.node_id, str) or not re.fullmatch(r"[A-Za-z0-9_.:@-]{1,128}", self.node_id):
+            raise ValueError(
+                f"node_id must be 1-128 characters from [A-Za-z0-9_.:@-], got {self.node_id!r}"
+            )
+        if self.slots is not None:
+            _check_int("slots", self.slots, 1)
+        _check_td("heartbeat_interval", self.heartbeat_interval, lo=timedelta(milliseconds=10))
+        _check_td("respawn_delay", self.respawn_delay, positive=False)
+        _check_td("connect_timeout", self.connect_timeout)
+        _check_td("leave_timeout", self.leave_timeout)
+        _check_td("stop_timeout", self.stop_timeout)
+        _check_int("max_message_bytes", self.max_message_bytes, 256, 1 << 30)
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", str(self.job)):
+            raise ValueError(f"job must be 1-64 characters from [A-Za-z0-9_.-], got {self.job!r}")
+        if not isinstance(self.env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()
+        ):
+            raise ValueError("env must be a dict of str -> str")
+        if self.snapshot_dir is None:
+            base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+            self.snapshot_dir = str(base / f"lazarus-{self.job}" / self.node_id)
+        self.snapshot_dir = str(self.snapshot_dir)

@@ -1,0 +1,176 @@
+"""Wire format shared by the controller, the agents and the worker channel.
+
+One frame is::
+
+    +-------------------+---------------------------+---------------------------+
+    | L: 4 bytes, BE u32 | HMAC-SHA256(secret, body) | body: UTF-8 JSON object   |
+    |                    | (32 bytes)                | with a string "type"      |
+    +-------------------+---------------------------+---------------------------+
+
+``L`` counts the MAC and the body. The announced length is checked against the
+receiver's limit *before* the body is read, so a peer cannot make us buffer more than
+``max_bytes``. The MAC is checked (constant time) before the JSON is parsed. Nothing is
+ever unpickled.
+
+Both asyncio helpers (controller, agent) and blocking-socket helpers (the worker-side
+channel, which lives in a training process that has no event loop) are provided.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import socket
+import struct
+from typing import Any
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "MAC_BYTES",
+    "PLAN_MAX_MESSAGE_BYTES",
+    "BadMacError",
+    "ConnectionClosed",
+    "FrameTooLargeError",
+    "MalformedMessageError",
+    "ProtocolError",
+    "decode_payload",
+    "encode_frame",
+    "read_frame",
+    "recv_frame",
+    "send_frame",
+    "write_frame",
+]
+
+_HEADER = struct.Struct(">I")
+MAC_BYTES = 32
+#: Default limit on a frame's body (the JSON text), in bytes.
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
+#: Limit for frames coming *down* from the controller (plans of large clusters can exceed
+#: 1 MiB; they are authenticated before being parsed, and only the controller sends them).
+PLAN_MAX_MESSAGE_BYTES = 1 << 28
+
+
+class ProtocolError(ValueError):
+    """A frame that breaks the protocol; the connection it came on must be closed."""
+
+
+class BadMacError(ProtocolError):
+    """The frame's HMAC does not match its body (wrong secret or tampering)."""
+
+
+class FrameTooLargeError(ProtocolError):
+    """The announced frame length exceeds the receiver's ``max_message_bytes``."""
+
+
+class MalformedMessageError(ProtocolError):
+    """Authenticated but unusable: not UTF-8 JSON, not an object, or no string "type"."""
+
+
+class ConnectionClosed(ConnectionError):
+    """The peer closed the connection (``mid_frame``: inside a frame, i.e. abruptly)."""
+
+    def __init__(self, message: str = "connection closed", *, mid_frame: bool = False) -> None:
+        super().__init__(message)
+        self.mid_frame = mid_frame
+
+
+def _mac(secret: bytes, body: bytes) -> bytes:
+    return hmac.new(secret, body, hashlib.sha256).digest()
+
+
+def encode_frame(secret: bytes, msg: dict[str, Any]) -> bytes:
+    """Serialise ``msg`` into one complete frame (header, MAC, body)."""
+    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+        raise MalformedMessageError("a message must be a dict with a string 'type'")
+    body = json.dumps(msg, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return _HEADER.pack(MAC_BYTES + len(body)) + _mac(secret, body) + body
+
+
+def _check_length(length: int, max_bytes: int) -> None:
+    if length > MAC_BYTES + max_bytes:
+        raise FrameTooLargeError(
+            f"frame announces {length} bytes, more than the limit of {max_bytes} + {MAC_BYTES}"
+        )
+    if length < MAC_BYTES + 2:  # the smallest JSON object is "{}"
+        raise MalformedMessageError(f"frame of {length} bytes is too short for a MAC and a body")
+
+
+def decode_payload(secret: bytes, payload: bytes) -> dict[str, Any]:
+    """Check the MAC of ``payload`` (MAC + body) and parse the body into a message."""
+    mac, body = payload[:MAC_BYTES], payload[MAC_BYTES:]
+    if not hmac.compare_digest(mac, _mac(secret, body)):
+        raise BadMacError("HMAC mismatch (wrong secret?)")
+    try:
+        msg = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MalformedMessageError(f"body is not UTF-8 JSON: {exc}") from None
+    if not isinstance(msg, dict):
+        raise MalformedMessageError(f"body must be a JSON object, got {type(msg).__name__}")
+    if not isinstance(msg.get("type"), str):
+        raise MalformedMessageError("message has no string field 'type'")
+    return msg
+
+
+# ----------------------------------------------------------------------------- asyncio
+
+
+async def read_frame(
+    reader: asyncio.StreamReader, secret: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> dict[str, Any]:
+    """Read one frame. Raises :class:`ProtocolError` subclasses or :class:`ConnectionClosed`."""
+    try:
+        header = await reader.readexactly(_HEADER.size)
+    except asyncio.IncompleteReadError as exc:
+        raise ConnectionClosed("connection closed", mid_frame=bool(exc.partial)) from None
+    except ConnectionError as exc:  # reset by peer
+        raise ConnectionClosed(f"connection lost: {exc}", mid_frame=False) from None
+    (length,) = _HEADER.unpack(header)
+    _check_length(length, max_bytes)
+    try:
+        payload = await reader.readexactly(length)
+    except asyncio.IncompleteReadError:
+        raise ConnectionClosed("connection closed inside a frame", mid_frame=True) from None
+    except ConnectionError as exc:
+        raise ConnectionClosed(f"connection lost inside a frame: {exc}", mid_frame=True) from None
+    return decode_payload(secret, payload)
+
+
+async def write_frame(writer: asyncio.StreamWriter, secret: bytes, msg: dict[str, Any]) -> None:
+    """Write one frame and wait for the transport buffer to drain.
+
+    The frame goes out in a single ``write`` call, so concurrent writers never interleave.
+    """
+    writer.write(encode_frame(secret, msg))
+    await writer.drain()
+
+
+# ----------------------------------------------------------------------------- blocking
+
+
+def _recv_exactly(sock: socket.socket, n: int, started: bool) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        try:
+            chunk = sock.recv(n - len(buf))
+        except ConnectionError as exc:
+            raise ConnectionClosed(f"connection lost: {exc}", mid_frame=started or bool(buf)) from None
+        if not chunk:
+            raise ConnectionClosed("connection closed", mid_frame=started or bool(buf))
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_frame(
+    sock: socket.socket, secret: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> dict[str, Any]:
+    """Blocking :func:`read_frame` for a plain socket."""
+    (length,) = _HEADER.unpack(_recv_exactly(sock, _HEADER.size, False))
+    _check_length(length, max_bytes)
+    return decode_payload(secret, _recv_exactly(sock, length, True))
+
+
+def send_frame(sock: socket.socket, secret: bytes, msg: dict[str, Any]) -> None:
+    """Blocking :func:`write_frame` (callers serialise concurrent senders)."""
+    sock.sendall(encode_frame(secret, msg))

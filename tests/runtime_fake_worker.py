@@ -1,0 +1,69 @@
+"""A stand-in worker for control-plane tests: it obeys plans and reports, it does not train.
+
+Started by ``lazarus agent ... -- python tests/runtime_fake_worker.py``. It says hello with
+a small model (``FAKE_LAYERS`` layers x ``FAKE_EXPERTS`` experts), then every
+``FAKE_STEP_S`` seconds counts a step and reports ``progress`` (rank 0 also ``routing``).
+On a new plan it replies ``reconfigured``; if it is in the plan's ``leaving`` list it exits
+0 after that. After ``FAKE_STEPS`` steps (0 = never) it reports ``done`` and waits for
+``stop``. Writing ``collective_error`` into the file ``$FAKE_CONTROL_DIR/<node>`` makes it
+report a collective error once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lazarus.runtime import AgentChannel  # noqa: E402
+
+
+def main() -> int:
+    ch = AgentChannel.from_env()
+    if ch is None:
+        print("runtime_fake_worker: LAZARUS_AGENT_FD is not set", file=sys.stderr)
+        return 2
+    layers = int(os.environ.get("FAKE_LAYERS", "2"))
+    experts = int(os.environ.get("FAKE_EXPERTS", "4"))
+    step_s = float(os.environ.get("FAKE_STEP_S", "0.05"))
+    total = int(os.environ.get("FAKE_STEPS", "0"))
+    control = os.environ.get("FAKE_CONTROL_DIR")
+    names = [f"layers.{i}.moe" for i in range(layers)]
+    ch.hello({"layers": {n: experts for n in names}, "top_k": 2})
+    gen, step, done_sent = 0, 0, False
+    while not ch.stop_requested:
+        plan = ch.latest_plan()
+        if plan is not None and plan["generation"] > gen:
+            gen = plan["generation"]
+            leaving = ch.node_id in plan.get("leaving", [])
+            ch.send({"type": "reconfigured", "generation": gen, "t_resumed": time.time(),
+                     "timings": {"fake": 0.0}, "moved": 0,
+                     "sources": {"peer": 0, "memory": 0, "storage": 0}, "plt": 0.0,
+                     "lost_experts": [], "node": ch.node_id})
+            if leaving:
+                return 0
+        members = plan["members"] if plan is not None else []
+        if ch.node_id in members:
+            step += 1
+            if members[0] == ch.node_id:
+                ch.send({"type": "progress", "step": step, "generation": gen, "loss": 1.0 / step,
+                         "world_size": len(members), "t": time.time()})
+                skew = [[(e + 1) ** 3 * 10 for e in range(experts)] for _ in names]
+                ch.send({"type": "routing", "step": step, "layers": dict(zip(names, skew))})
+            if total and step >= total and not done_sent:
+                ch.send({"type": "done", "step": step})
+                done_sent = True
+        if control:
+            f = Path(control) / ch.node_id
+            if f.exists() and f.read_text().strip() == "collective_error":
+                f.unlink()
+                ch.send({"type": "collective_error", "generation": gen, "error": "fake: peer gone"})
+        time.sleep(step_s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
