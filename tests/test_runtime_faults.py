@@ -182,3 +182,17 @@ def test_sigterm_spot_notice_hands_experts_over_and_leaves(tmp_path: Path) -> No
         assert not _failure_reconfigs(c)                    # no step was discarded
         _finish(c, tmp_path, ["n0", "n2", "n3"])
         _survivors_not_restarted(c, ["n0", "n2", "n3"])
+
+
+@pytest.mark.timeout(300)
+def test_rebalance_from_routing_history_between_steps(tmp_path: Path) -> None:
+    with _cluster(tmp_path, extra_controller=("--slots", "3", "--rebalance-every", "20", "--rebalance-min-gain", "0.01")) as c:
+        c.start(NODES)
+        c.wait_for(lambda: [r for r in c.reconfigurations() if r["reason"] == "rebalance"], 180, "a rebalance")
+        rec = [r for r in c.reconfigurations() if r["reason"] == "rebalance"][0]
+        assert rec["world_size"] == 4 and rec["moved"] > 0 and rec["lost_experts"] == []
+        plan = next(e for e in c.events() if e.get("event") == "plan" and e.get("reason") == "rebalance")
+        assert plan["mode"] == "between_steps"
+        assert not _failure_reconfigs(c)
+        _finish(c, tmp_path, NODES)
+        _survivors_not_restarted(c, NODES)
