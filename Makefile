@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: test demo demo-moc bench bench-store bench-placement bench-dispatch bench-moc bench-simulate install clean
+.PHONY: test demo demo-moc bench bench-store bench-placement bench-dispatch bench-moc bench-simulate bench-runtime install clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -28,7 +28,7 @@ demo: $(STAMP)
 demo-moc: $(STAMP)
 	$(VPY) -m moc.demo --dir runs/demo
 
-bench: bench-store bench-placement bench-dispatch bench-moc bench-simulate
+bench: bench-store bench-placement bench-dispatch bench-moc bench-simulate bench-runtime
 
 bench-store: $(STAMP)
 	$(VPY) benchmarks/store/main.py
@@ -42,6 +42,9 @@ bench-dispatch: $(STAMP)
 bench-moc: $(STAMP)
 	$(VPY) -m pip install --quiet -e ".[dev,bench]"
 	$(VPY) benchmarks/moc_overhead/main.py
+
+bench-runtime: $(STAMP)
+	$(VPY) benchmarks/runtime/main.py
 
 bench-simulate: $(STAMP)
 	$(VPY) benchmarks/simulate/main.py

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from typing import Any, Callable, Mapping
 
@@ -103,6 +104,9 @@ class ElasticTrainer:
         self._routing: dict[str, torch.Tensor] = {}
         self._metrics = None
         self._left = False
+        self._training = threading.Event()   # set while the step loop runs on a healthy group
+        self._watch_lock = threading.Lock()
+        self._stop_watch = threading.Event()
 
     # -- public ----------------------------------------------------------------------------
     def run(self, loss_fn: LossFn, total_steps: int) -> None:
@@ -113,6 +117,30 @@ class ElasticTrainer:
         self.channel.hello(self.layout)
         plan = self._wait_plan(-1)
         self._reconfigure_loop(plan, error=None)
+        watcher = threading.Thread(target=self._watch_plans, name=f"lazarus-watch-{self.node}", daemon=True)
+        watcher.start()
+        try:
+            self._loop(loss_fn, total_steps)
+        finally:
+            self._stop_watch.set()
+
+    def _watch_plans(self) -> None:
+        """A failure plan arriving while this rank trains means the group is dead, even if
+        no collective here has failed yet (a frozen peer keeps its sockets open, so a
+        collective with it would only fail after ``collective_timeout``): shut the group's
+        sockets, so the blocked collective fails now and recovery starts."""
+        while not self._stop_watch.wait(0.05):
+            plan = self.channel.latest_plan()
+            if plan is None or plan.get("mode") != "immediate" or int(plan["generation"]) <= self.generation:
+                continue
+            with self._watch_lock:
+                if self._training.is_set() and int(plan["generation"]) > self.generation:
+                    n = self.reconf.sockets.shutdown_all()
+                    log.warning("node %s: plan %d (%s) arrived while training on generation %d; interrupted %d "
+                                "connections", self.node, plan["generation"], plan.get("reason"), self.generation, n)
+                    self._training.clear()
+
+    def _loop(self, loss_fn: LossFn, total_steps: int) -> None:
         while self.step < total_steps and not self._left:
             failure = None
             try:
@@ -240,6 +268,8 @@ class ElasticTrainer:
 
     # -- failures and reconfiguration --------------------------------------------------------
     def _on_broken_collective(self, error: str) -> None:
+        with self._watch_lock:
+            self._training.clear()
         t_error = time.time()
         log.warning("node %s rank %d step %d gen %d: collective failed: %s", self.node, self.rank, self.step,
                     self.generation, error.splitlines()[0][:200])
@@ -254,6 +284,15 @@ class ElasticTrainer:
 
     def _reconfigure_loop(self, plan: dict[str, Any], error: float | None) -> None:
         """Apply ``plan``; if it breaks (another failure meanwhile), wait for the next."""
+        with self._watch_lock:
+            self._training.clear()
+        try:
+            self._reconfigure_loop_inner(plan, error)
+        finally:
+            with self._watch_lock:
+                self._training.set()
+
+    def _reconfigure_loop_inner(self, plan: dict[str, Any], error: float | None) -> None:
         while True:
             broken = False
             try:
