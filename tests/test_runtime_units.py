@@ -1,0 +1,101 @@
+"""Pure pieces of the elastic runtime: transfer planning, moc's per-unit restore plan,
+the hard abort of a group's sockets, failure classification, configuration checks."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from datetime import timedelta
+
+import pytest
+
+from lazarus.runtime import ElasticConfig, is_collective_error
+from lazarus.runtime._abort import SocketTracker
+from lazarus.runtime._transfer import Move, choose_moves
+from moc import MoCConfig
+from moc._restore import plan_units
+
+
+def test_fetches_of_one_expert_rotate_over_its_holders() -> None:
+    needs = {3: ["expert/l/0"], 4: ["expert/l/0"], 5: ["expert/l/0"], 6: ["expert/l/0", "expert/l/1"]}
+    holders = {"expert/l/0": [0, 1, 2], "expert/l/1": [0]}
+    moves, missing = choose_moves(needs, holders)
+    srcs = [m.src for m in moves if m.unit == "expert/l/0"]
+    assert len(srcs) == 4 and len(set(srcs[:3])) == 3   # the first three fetches use three owners
+    assert Move("expert/l/1", 0, 6) in moves
+    assert missing == []
+    assert [m.dst for m in moves] == sorted(m.dst for m in moves)   # all_to_all layout
+
+
+def test_needs_without_a_holder_are_missing() -> None:
+    moves, missing = choose_moves({1: ["expert/l/0", "expert/l/1"]}, {"expert/l/0": [0], "expert/l/1": [1]})
+    assert moves == [Move("expert/l/0", 0, 1)]
+    assert missing == [("expert/l/1", 1)]              # only the destination itself "holds" it
+
+
+def _header(rank: int, step: int, units: dict[str, int], cum: int = 0) -> dict:
+    return {"rank": rank, "step": step, "buffer": 0,
+            "units": {u: {"unit_nbytes": n, "skeleton": {}, "tensors": []} for u, n in units.items()},
+            "pieces": [{"unit": u, "start": 0, "end": n, "offset": 0, "checksum": ""} for u, n in units.items()],
+            "plt": {"cum": {"l": [cum, cum]}}, "meta": {}}
+
+
+def test_plan_units_takes_the_newest_version_from_memory_or_storage() -> None:
+    snapshots = [_header(0, 30, {"expert/l/0": 8}, cum=300), _header(1, 10, {"expert/l/1": 8}, cum=100)]
+    manifest = {"step": 20, "units": {"expert/l/0": {"step": 20}, "expert/l/1": {"step": 20}},
+                "plt": {"saved": {"persist": {"l": [200, 200]}}}, "meta": {}}
+    plan = plan_units(snapshots, manifest, ["expert/l/0", "expert/l/1", "expert/l/9"])
+    assert plan.sources["expert/l/0"].level == "snapshot" and plan.sources["expert/l/0"].version == 30
+    assert plan.sources["expert/l/0"].cum == 300
+    assert plan.sources["expert/l/1"].level == "persist" and plan.sources["expert/l/1"].version == 20
+    assert plan.sources["expert/l/1"].cum == 200
+    assert "expert/l/9" not in plan.sources
+    # A memory copy split over two ranks counts only when its pieces cover the whole unit.
+    half = _header(2, 40, {"expert/l/1": 8})
+    half["pieces"][0]["end"] = 4
+    assert plan_units(snapshots + [half], manifest, ["expert/l/1"]).sources["expert/l/1"].version == 20
+
+
+@pytest.mark.timeout(20)
+def test_socket_tracker_interrupts_a_blocked_peer_but_leaves_listeners_alone() -> None:
+    tracker = SocketTracker()
+    with tracker.track():
+        listener = socket.create_server(("127.0.0.1", 0))
+        ours = socket.create_connection(listener.getsockname())
+        theirs, _ = listener.accept()
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(theirs.recv(10)))
+    reader.start()                  # the "peer" blocks in a receive
+    assert tracker.shutdown_all() >= 1
+    reader.join(timeout=5)
+    assert not reader.is_alive() and got == [b""]       # EOF at once, not a timeout
+    late = socket.create_connection(listener.getsockname())   # the listener still accepts
+    late.close()
+    for s in (listener, ours, theirs):
+        s.close()
+
+
+def test_collective_errors_are_told_apart_from_bugs() -> None:
+    assert is_collective_error(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
+    assert is_collective_error(RuntimeError("Timed out waiting 5000ms for recv operation to complete"))
+    assert is_collective_error(ConnectionResetError())
+    assert not is_collective_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x2)"))
+    assert not is_collective_error(ValueError("bad value"))
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"collective_timeout": timedelta(0)}, "collective_timeout"),
+    ({"collective_timeout": timedelta(seconds=30), "rendezvous_timeout": timedelta(seconds=10)}, "rendezvous_timeout"),
+    ({"report_every": 0}, "report_every"),
+    ({"memory_key": "a/b"}, "memory_key"),
+    ({"grad_clip": -1.0}, "grad_clip"),
+    ({"moc": {"storage": "x"}}, "moc"),
+])
+def test_elastic_config_names_the_bad_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        ElasticConfig(**kwargs)
+
+
+def test_elastic_config_accepts_a_moc_config() -> None:
+    cfg = ElasticConfig(moc=MoCConfig(storage="memory://x"), collective_timeout=timedelta(seconds=2))
+    assert cfg.rendezvous_timeout > cfg.collective_timeout
