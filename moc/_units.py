@@ -155,6 +155,20 @@ def restore_rng(rng: Mapping[str, Any]) -> None:
     np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
 
 
+def _copy_model(current: Mapping[str, torch.Tensor], tree: Mapping[str, Any]) -> list[str]:
+    """Copy a unit tree's tensors into the model's (in place); return the keys copied."""
+    keys = []
+    for key, value in tree.get("model", {}).items():
+        if key not in current:
+            raise KeyError(f"checkpoint has {key!r}, which the model does not")
+        target = current[key]
+        if tuple(target.shape) != tuple(value.shape):
+            raise ValueError(f"{key}: checkpoint shape {tuple(value.shape)} != model shape {tuple(target.shape)}")
+        target.copy_(value)
+        keys.append(key)
+    return keys
+
+
 def apply_partial(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                   trees: Iterable[Mapping[str, Any]]) -> None:
     """Copy some units into the model and set their parameters' optimizer state, leaving
@@ -163,13 +177,7 @@ def apply_partial(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     params = dict(model.named_parameters())
     with torch.no_grad():
         for tree in trees:
-            for key, value in tree.get("model", {}).items():
-                if key not in current:
-                    raise KeyError(f"saved unit has {key!r}, which the model does not")
-                target = current[key]
-                if tuple(target.shape) != tuple(value.shape):
-                    raise ValueError(f"{key}: saved shape {tuple(value.shape)} != model shape {tuple(target.shape)}")
-                target.copy_(value)
+            _copy_model(current, tree)
             if optimizer is None:
                 continue
             for key in tree.get("model", {}):
@@ -192,14 +200,7 @@ def apply_units(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     opt_by_name: dict[str, dict[str, Any]] = {}
     with torch.no_grad():
         for tree in trees:
-            for key, value in tree.get("model", {}).items():
-                if key not in current:
-                    raise KeyError(f"checkpoint has {key!r}, which the model does not")
-                target = current[key]
-                if tuple(target.shape) != tuple(value.shape):
-                    raise ValueError(f"{key}: checkpoint shape {tuple(value.shape)} != model shape {tuple(target.shape)}")
-                target.copy_(value)
-                seen.add(key)
+            seen.update(_copy_model(current, tree))
             opt_by_name.update(tree.get("optimizer", {}).get("state", {}))
     if optimizer is not None and groups is not None:
         names = _param_names(model)

@@ -131,16 +131,22 @@ def _group_holding_same_experts(plan: dict) -> tuple[list[str], list[str]]:
     raise AssertionError(f"no expert with exactly two holders in {slots}")
 
 
+def _kill_every_holder_of_an_expert(c: LocalCluster) -> tuple[list[str], list[str], dict]:
+    """Start, then SIGKILL at once the two nodes holding every replica of some expert;
+    returns (victims, lost expert units, the reconfiguration record)."""
+    c.start(NODES)
+    c.wait_step(17, timeout=180)
+    victims, lost = _group_holding_same_experts(c.latest_plan())
+    for v in victims:
+        c.kill_node(v)
+    c.wait_for(lambda: _failure_reconfigs(c), 60, "reconfiguration after losing two nodes")
+    return victims, lost, _failure_reconfigs(c)[-1]
+
+
 @pytest.mark.timeout(300)
 def test_two_nodes_at_once_lose_every_replica_recovered_from_peer_memory(tmp_path: Path) -> None:
     with _cluster(tmp_path) as c:
-        c.start(NODES)
-        c.wait_step(17, timeout=180)
-        victims, lost = _group_holding_same_experts(c.latest_plan())
-        for v in victims:
-            c.kill_node(v)
-        c.wait_for(lambda: _failure_reconfigs(c), 60, "reconfiguration after losing two nodes")
-        rec = _failure_reconfigs(c)[-1]
+        victims, lost, rec = _kill_every_holder_of_an_expert(c)
         survivors = [n for n in NODES if n not in victims]
         assert rec["world_size"] == 2 and sorted(rec["members"]) == sorted(survivors)
         assert set(lost) <= set(rec["lost_experts"])
@@ -156,13 +162,7 @@ def test_two_nodes_at_once_lose_every_replica_recovered_from_peer_memory(tmp_pat
 @pytest.mark.timeout(300)
 def test_lost_experts_recovered_from_storage_when_no_memory_copy_survives(tmp_path: Path) -> None:
     with _cluster(tmp_path, copies=1) as c:   # one in-memory copy: it dies with its node
-        c.start(NODES)
-        c.wait_step(17, timeout=180)
-        victims, lost = _group_holding_same_experts(c.latest_plan())
-        for v in victims:
-            c.kill_node(v)
-        c.wait_for(lambda: _failure_reconfigs(c), 60, "reconfiguration after losing two nodes")
-        rec = _failure_reconfigs(c)[-1]
+        victims, lost, rec = _kill_every_holder_of_an_expert(c)
         assert set(lost) <= set(rec["lost_experts"])
         assert rec["sources"]["storage"] == len(rec["lost_experts"]) and rec["sources"]["memory"] == 0
         _finish(c, tmp_path, [n for n in NODES if n not in victims])
