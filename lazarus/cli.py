@@ -206,8 +206,29 @@ def _format_plan(out: dict[str, Any]) -> str:
 Registrar = Callable[[argparse._SubParsersAction], None]
 
 #: name -> registrar; each registrar adds one subparser with ``handler`` set.
+def _register_simulate(sub: argparse._SubParsersAction) -> None:
+    from lazarus.sim._cli import register
+
+    register(sub)
+
+
+def _register_controller(sub: argparse._SubParsersAction) -> None:
+    from lazarus.runtime._cli import register_controller
+
+    register_controller(sub)
+
+
+def _register_agent(sub: argparse._SubParsersAction) -> None:
+    from lazarus.runtime._cli import register_agent
+
+    register_agent(sub)
+
+
 SUBCOMMANDS: dict[str, Registrar] = {
     "plan": _register_plan,
+    "controller": _register_controller,
+    "agent": _register_agent,
+    "simulate": _register_simulate,
 }
 
 

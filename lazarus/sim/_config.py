@@ -1,0 +1,188 @@
+"""Validated configuration of the simulator: model, performance model, checkpointing.
+
+Every time is in seconds and every field holding one says so (``*_s``); bandwidths are
+in GB/s (10^9 bytes per second, ``*_gbps``). Invalid values raise ``ValueError`` naming the
+field and the allowed range at construction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+SYSTEMS = ("ds", "dsft", "lazarus")
+CHECKPOINT_MODES = ("full", "pec", "two-level")
+
+
+def _positive(obj: object, *names: str, allow_zero: bool = False) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{type(obj).__name__}.{name} must be a finite number, got {v!r}")
+        if v < 0 or (v == 0 and not allow_zero):
+            lo = ">= 0" if allow_zero else "> 0"
+            raise ValueError(f"{type(obj).__name__}.{name} must be {lo}, got {v!r}")
+
+
+def _integer(obj: object, name: str, lo: int) -> None:
+    v = getattr(obj, name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{type(obj).__name__}.{name} must be an integer >= {lo}, got {v!r}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """An MoE model and how one node runs it.
+
+    ``step_s`` is the time of one training step on ``ref_nodes`` nodes with perfectly
+    balanced experts; each node processes ``samples_per_node_step`` samples per step (weak
+    scaling: the global batch grows with the nodes in use).
+    """
+
+    name: str
+    num_experts: int
+    moe_layers: int
+    expert_params: float  # parameters of ONE expert of one layer
+    non_expert_params: float  # all non-expert parameters of the model
+    bytes_per_param: float  # weights + optimizer state (B_w + B_o)
+    gpus_per_node: int
+    slots_per_node: int  # expert replica slots per node (c)
+    samples_per_node_step: float
+    step_s: float
+    ref_nodes: int
+    expert_fraction: float  # share of a balanced step spent in expert FFNs (scales with skew)
+    comm_per_doubling: float = 0.0  # extra step time per doubling of nodes over ref_nodes
+    top_k: int = 1
+    sim_layers: int = 0  # MoE layers simulated for placement/skew (0 = all)
+
+    def __post_init__(self) -> None:
+        for name, lo in (("num_experts", 1), ("moe_layers", 1), ("gpus_per_node", 1),
+                         ("slots_per_node", 1), ("ref_nodes", 1), ("top_k", 1), ("sim_layers", 0)):
+            _integer(self, name, lo)
+        _positive(self, "expert_params", "bytes_per_param", "samples_per_node_step", "step_s")
+        _positive(self, "non_expert_params", "comm_per_doubling", allow_zero=True)
+        if not 0.0 <= self.expert_fraction <= 1.0:
+            raise ValueError(f"ModelSpec.expert_fraction must be in [0, 1], got {self.expert_fraction!r}")
+
+    @property
+    def layers_simulated(self) -> int:
+        return self.moe_layers if self.sim_layers == 0 else min(self.sim_layers, self.moe_layers)
+
+    @property
+    def expert_bytes(self) -> float:
+        """Bytes of one expert's weights + optimizer state (one layer)."""
+        return self.expert_params * self.bytes_per_param
+
+    def state_bytes(self, k: int | None = None) -> float:
+        """(P_ne + P_e*K/E) * (B_w + B_o): the MoC checkpoint size formula (K=None: full)."""
+        k = self.num_experts if k is None else k
+        p_e = self.expert_params * self.num_experts * self.moe_layers
+        return (self.non_expert_params + p_e * k / self.num_experts) * self.bytes_per_param
+
+
+@dataclass(frozen=True)
+class PerfParams:
+    """Costs of the fault-tolerance machinery (sources: ``_params.DEFAULT_PERF``)."""
+
+    detect_s: float = 15.0
+    restart_s: float = 60.0
+    reconfig_s: float = 10.0
+    rebalance_s: float = 2.0
+    transfer_gbps: float = 2.36
+    storage_write_gbps: float = 1.25
+    storage_read_gbps: float = 1.25
+    memory_read_gbps: float = 2.14
+    snapshot_gbps: float = 12.0
+    fb_fraction: float = 0.66
+    ckpt_call_s: float = 0.010
+    dispatch_overhead: float = 0.03
+    join_window_s: float = 120.0
+    ds_interval_steps: int = 50
+    ft_interval_steps: int = 250
+    lazarus_interval_steps: int = 250
+    moc_interval_divisor: int = 5
+    rebalance_every_steps: int = 200
+    skew_epoch_steps: int = 200
+    min_replicas: int = 2
+    k_persist: int = 1
+    persist_every: int = 4
+    plt_threshold: float = 0.0375
+    dynamic_k: bool = True
+
+    def __post_init__(self) -> None:
+        _positive(self, "transfer_gbps", "storage_write_gbps", "storage_read_gbps",
+                  "memory_read_gbps", "snapshot_gbps")
+        _positive(self, "detect_s", "restart_s", "reconfig_s", "rebalance_s", "ckpt_call_s",
+                  "dispatch_overhead", "join_window_s", "plt_threshold", allow_zero=True)
+        for name in ("ds_interval_steps", "ft_interval_steps", "lazarus_interval_steps",
+                     "moc_interval_divisor", "rebalance_every_steps", "skew_epoch_steps",
+                     "min_replicas", "k_persist", "persist_every"):
+            _integer(self, name, 1)
+        if not 0.0 <= self.fb_fraction <= 1.0:
+            raise ValueError(f"PerfParams.fb_fraction must be in [0, 1], got {self.fb_fraction!r}")
+        if not isinstance(self.dynamic_k, bool):
+            raise ValueError(f"PerfParams.dynamic_k must be true or false, got {self.dynamic_k!r}")
+
+    def with_overrides(self, values: dict[str, Any]) -> PerfParams:
+        """A copy with ``values`` applied; unknown keys raise ``ValueError`` naming them."""
+        known = {f.name for f in fields(self)}
+        bad = sorted(set(values) - known)
+        if bad:
+            raise ValueError(f"unknown performance parameter(s) {bad}; allowed: {sorted(known)}")
+        return replace(self, **values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class SkewSpec:
+    """Synthetic routing skew: Zipf(``zipf_s``) over a seeded per-layer expert ranking,
+    re-drawn every ``PerfParams.skew_epoch_steps`` steps with log-normal noise ``drift``."""
+
+    zipf_s: float = 1.0
+    drift: float = 0.3
+
+    def __post_init__(self) -> None:
+        _positive(self, "zipf_s", "drift", allow_zero=True)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One scenario: a model on up to ``nodes`` nodes, systems to compare, stop rule."""
+
+    model: ModelSpec
+    nodes: int
+    perf: PerfParams = field(default_factory=PerfParams)
+    systems: tuple[str, ...] = SYSTEMS
+    checkpoint: str = "full"
+    duration_s: float | None = None
+    target_samples: float | None = None
+    horizon_s: float | None = None
+    seed: int = 0
+    skew: SkewSpec = field(default_factory=SkewSpec)
+
+    def __post_init__(self) -> None:
+        _integer(self, "nodes", 1)
+        _integer(self, "seed", 0)
+        if not self.systems or any(s not in SYSTEMS for s in self.systems):
+            raise ValueError(f"SimConfig.systems must be a non-empty subset of {list(SYSTEMS)}, got {list(self.systems)}")
+        if self.checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"SimConfig.checkpoint must be one of {list(CHECKPOINT_MODES)}, got {self.checkpoint!r}")
+        if (self.duration_s is None) == (self.target_samples is None):
+            raise ValueError("SimConfig: give exactly one of duration_s or target_samples")
+        for name in ("duration_s", "target_samples", "horizon_s"):
+            if getattr(self, name) is not None:
+                _positive(self, name)
+        if self.perf.min_replicas > self.nodes:
+            raise ValueError(f"PerfParams.min_replicas must be <= nodes ({self.nodes}), got {self.perf.min_replicas}")
+        if self.perf.k_persist > self.model.num_experts:
+            raise ValueError(f"PerfParams.k_persist must be in [1, {self.model.num_experts}] (num_experts), got {self.perf.k_persist}")
+
+    @property
+    def end_s(self) -> float:
+        """Simulated time after which the run stops (duration, or the JCT horizon)."""
+        if self.duration_s is not None:
+            return float(self.duration_s)
+        return float(self.horizon_s) if self.horizon_s is not None else math.inf
