@@ -35,6 +35,8 @@ def _cluster(tmp_path: Path, *, copies: int = 2, extra_controller: tuple[str, ..
 
 def _finish(c: LocalCluster, tmp_path: Path, alive: list[str], steps: int = STEPS) -> dict:
     assert c.wait(timeout=240) == 0, (tmp_path / "job" / "controller.log").read_text()[-3000:]
+    for node in alive:   # an agent exits after its worker, which writes its digests last
+        c.agents[node].wait(timeout=60)
     digests = {}
     for node in alive:
         path = tmp_path / f"digest-{node}.json"

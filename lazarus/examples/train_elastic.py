@@ -95,11 +95,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.digests and not trainer.left:
         import json
 
-        with open(args.digests.replace("{node}", node), "w") as f:
+        path = args.digests.replace("{node}", node)
+        with open(path + ".tmp", "w") as f:
             json.dump({"node": node, "step": trainer.step, "rank": trainer.rank, "world": trainer.world,
                        "generation": trainer.generation, "experts": trainer.expert_digests(),
                        "dense": trainer.dense_digest(), "losses": trainer.losses,
                        "seconds": time.time() - t0}, f)
+        os.replace(path + ".tmp", path)
     return 0
 
 
