@@ -15,6 +15,8 @@ Plan ordering rules:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import asyncio
 import logging
 import time
@@ -60,7 +62,7 @@ def _req(msg: dict[str, Any], name: str, kind: type | tuple[type, ...], optional
     return v
 
 
-class Membership:
+class Membership(ABC):
     """Cluster view + planning; mixed into :class:`~lazarus.runtime.Controller`."""
 
     config: ControllerConfig
@@ -107,11 +109,13 @@ class Membership:
         """The newest plan message."""
         return self._plan
 
-    def _event(self, name: str, level: int = logging.INFO, **fields: Any) -> None:  # pragma: no cover
-        raise NotImplementedError
+    @abstractmethod
+    def _event(self, name: str, level: int = logging.INFO, **fields: Any) -> None:
+        ...
 
-    def _send(self, node_id: str, msg: dict[str, Any]) -> bool:  # pragma: no cover
-        raise NotImplementedError
+    @abstractmethod
+    def _send(self, node_id: str, msg: dict[str, Any]) -> bool:
+        ...
 
     def _on_worker_ready(self, node: _Node, msg: dict[str, Any]) -> None:
         inc = _req(msg, "incarnation", int)

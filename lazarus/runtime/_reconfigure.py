@@ -28,7 +28,6 @@ import hashlib
 import logging
 import os
 import time
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import json
 import math
 import random
@@ -11,7 +13,7 @@ from pathlib import Path
 from ._config import SkewSpec
 
 
-class Routing:
+class Routing(ABC):
     """``loads(step)[l][e]``: relative tokens routed to expert ``e`` of simulated layer ``l``."""
 
     def __init__(self, num_experts: int, layers: int, epoch_steps: int) -> None:
@@ -31,8 +33,9 @@ class Routing:
     def epoch_of(self, step: int) -> int:
         return max(0, step) // self.epoch_steps
 
-    def _make(self, epoch: int) -> list[list[float]]:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def _make(self, epoch: int) -> list[list[float]]:
+        ...
 
 
 class ZipfRouting(Routing):

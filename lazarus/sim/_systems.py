@@ -8,6 +8,8 @@ Lazarus uses the real planner: ``allocate_replicas`` + ``place_mro`` per layer, 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import math
 from dataclasses import dataclass
 
@@ -48,7 +50,7 @@ def _ordered(alive: list[str], prefer: list[str]) -> list[str]:
     return [n for n in prefer if n in set(alive)] + [n for n in alive if n not in keep]
 
 
-class System:
+class System(ABC):
     """Common state: the nodes in use and the routing loads."""
 
     name = ""
@@ -60,20 +62,25 @@ class System:
         self._imb: dict[int, float] = {}
         self.version = 0
 
+    @abstractmethod
     def interval_steps(self) -> int:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def configure(self, alive: list[str], step: int) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def imbalance(self, step: int) -> float:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def on_remove(self, gone: set[str], alive: list[str], step: int) -> Decision:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def on_join(self, alive: list[str], step: int) -> Decision:
-        raise NotImplementedError
+        ...
 
     def rebalance(self, step: int) -> float:
         return 0.0
