@@ -8,13 +8,15 @@ header is removed first. A torn snapshot is therefore never read.
 
 States cycle SNAPSHOT (being filled) -> PERSIST (being written to storage) -> RECOVERY
 (the newest complete copy, kept for fast restore); a buffer not needed by either of those
-roles is FREE. Memory is allocated once (and again only if a snapshot outgrows it).
+roles is FREE. A buffer grows when a snapshot outgrows it and shrinks when it is more than
+twice the size its next snapshot needs (the first, full checkpoint's buffer, typically).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,11 @@ __all__ = ["SnapshotBuffer", "BufferPool", "FREE", "SNAPSHOT", "READY", "PERSIST
 
 FREE, SNAPSHOT, READY, PERSIST = "free", "snapshot", "ready", "persist"
 HEADER_VERSION = 1
+SHRINK_MIN = 1 << 20  # buffers below this are never shrunk (resizing costs more)
+
+
+def _pages(n: int) -> int:
+    return -(-max(n, 4096) // 4096) * 4096
 
 
 def _checksum_header(body: dict[str, Any]) -> str:
@@ -42,6 +49,9 @@ class SnapshotBuffer:
     step: int | None = None
     persisted: bool = False
     header: dict[str, Any] = field(default_factory=dict)
+    _map: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8), repr=False)
+    _mapped: int = 0
+    _shrinking: threading.Thread | None = field(default=None, repr=False)
 
     @property
     def path(self) -> str:
@@ -52,14 +62,42 @@ class SnapshotBuffer:
         return os.path.join(self.directory, f"buf{self.index}.json")
 
     def ensure(self, nbytes: int) -> None:
-        """Make the buffer at least ``nbytes`` long (allocates only when it must grow)."""
-        if nbytes <= self.capacity:
+        """Make the buffer at least ``nbytes`` long.
+
+        It grows when it must, and shrinks when it is more than twice what is needed: the
+        first checkpoint holds every unit, later partial ones a fraction of that, and
+        without shrinking all three buffers would stay the size of the full state. A
+        shrunk buffer keeps 25% headroom so that snapshots of slightly different sizes do
+        not resize it again. Shrinking truncates the file in a background thread (freeing
+        a GB of tmpfs pages takes ~0.1-0.2 s) and keeps the mapping, so growing back up to
+        the mapped size is another truncate, not a new map.
+        """
+        if nbytes <= self.capacity <= max(2 * nbytes, SHRINK_MIN):
             return
-        capacity = max(nbytes, 4096)
-        with open(self.path, "wb") as f:
-            f.truncate(capacity)
-        self.data = torch.from_file(self.path, shared=True, size=capacity, dtype=torch.uint8)
+        self._settle()
+        if nbytes > self.capacity:
+            capacity = _pages(nbytes)
+            if capacity <= self._mapped:
+                os.truncate(self.path, capacity)
+            else:
+                with open(self.path, "wb") as f:
+                    f.truncate(capacity)
+                self._map = torch.from_file(self.path, shared=True, size=capacity, dtype=torch.uint8)
+                self._mapped = capacity
+        else:
+            capacity = _pages(nbytes + nbytes // 4)
+            # Nothing touches the map past ``capacity`` from here on (the kernel drops
+            # those pages from it), so the truncate can run while the snapshot fills.
+            self._shrinking = threading.Thread(target=os.truncate, args=(self.path, capacity),
+                                               name="moc-buffer-shrink", daemon=True)
+            self._shrinking.start()
         self.capacity = capacity
+        self.data = self._map[:capacity]
+
+    def _settle(self) -> None:
+        if self._shrinking is not None:
+            self._shrinking.join()
+            self._shrinking = None
 
     def invalidate(self) -> None:
         """Withdraw the published snapshot before the bytes get overwritten."""
@@ -136,8 +174,9 @@ class BufferPool:
     def remove_files(self) -> None:
         for b in self.buffers:
             b.invalidate()
-            b.data = torch.empty(0, dtype=torch.uint8)
-            b.capacity = 0
+            b._settle()
+            b.data = b._map = torch.empty(0, dtype=torch.uint8)
+            b.capacity = b._mapped = 0
             try:
                 os.remove(b.path)
             except FileNotFoundError:

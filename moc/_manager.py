@@ -653,9 +653,20 @@ class CheckpointManager(RestoreMixin, ElasticMixin):
         return int(min(max(1, round(seconds / max(step_time, 1e-9))), 100_000))
 
     # -- waiting, flushing, closing ------------------------------------------------------
-    def wait(self) -> None:
-        """Block until the newest snapshot is in storage; raise if it cannot be written."""
+    def wait(self, *, flush: bool = True) -> None:
+        """Block until the newest snapshot is in storage; raise if it cannot be written.
+
+        ``flush=False`` only waits for work already under way: the snapshot copy in
+        flight and the persist in flight (a memory-only snapshot stays memory-only). That
+        form is local to this rank; the flushing form is collective under
+        torch.distributed (every rank decides the flush together)."""
         self._wait_snapshot()
+        if not flush:
+            fut = self._persist
+            if fut is not None:
+                fut.result(timeout=self.cfg.persist_timeout.total_seconds())
+                self._reap_persist()
+            return
         deadline = time.monotonic() + self.cfg.persist_timeout.total_seconds()
         while True:
             fut = self._persist
@@ -698,12 +709,7 @@ class CheckpointManager(RestoreMixin, ElasticMixin):
         if self._closed:
             return
         try:
-            if flush:
-                self.wait()
-            else:
-                self._wait_snapshot()
-                if self._persist is not None:
-                    self._persist.result(timeout=self.cfg.persist_timeout.total_seconds())
+            self.wait(flush=flush)
         except Exception:
             if raise_errors:
                 raise

@@ -5,7 +5,6 @@ dynamic-K applied afterwards."""
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
@@ -15,7 +14,8 @@ from ._buffers import read_headers
 from ._codec import TensorMeta, decode_tree, unit_buffer
 from ._format import manifest_key
 from ._restore import MemoryPiece, RestorePlan, plan_restore, plan_units
-from ._units import apply_partial, apply_units, restore_rng
+from ._snapshot_reader import SnapshotMaps
+from ._units import apply_partial, apply_units, own_tree, restore_rng
 
 __all__ = ["RestoreMixin"]
 
@@ -54,8 +54,9 @@ class RestoreMixin:
             manifest_dict = {"step": manifest.step, "plt": manifest.plt, "meta": manifest.meta,
                              "units": {n: {"step": r.step} for n, r in manifest.units.items()}}
         plan = plan_units(everyone, manifest_dict, names)
-        trees = self._gather_units(plan, manifest)
-        mine = {n: t for n, t in trees.items() if n in plan.sources and n in self.layout.units}
+        trees, borrowed = self._gather_units(plan, manifest)
+        mine = self._owned({n: t for n, t in trees.items() if n in plan.sources and n in self.layout.units}, borrowed)
+        del trees
         apply_partial(self.model, self.optimizer, mine.values())
         out: dict[str, dict[str, Any]] = {}
         with self._lock:
@@ -108,7 +109,7 @@ class RestoreMixin:
             log.info("rank %d: nothing to restore from %s; starting at step 0", self.rank, self.store.store.url)
             return 0
 
-        trees = self._gather_units(plan, manifest)
+        trees = self._owned(*self._gather_units(plan, manifest))
         extra_name = f"extra/rank{self.rank}"
         if extra_name not in trees:
             fallback = next((n for n in sorted(trees) if n.startswith("extra/")), None)
@@ -155,9 +156,11 @@ class RestoreMixin:
                 needs[r].append(name)
         return {r: sorted(v) for r, v in needs.items()}
 
-    def _gather_units(self, plan: RestorePlan, manifest) -> dict[str, Any]:
+    def _gather_units(self, plan: RestorePlan, manifest) -> tuple[dict[str, Any], set[str]]:
         """Trees of the units this rank holds: memory pieces moved with one all-to-all,
-        storage units read directly."""
+        storage units read directly. Also returns the names of the trees decoded straight
+        from this rank's snapshot maps: they alias the snapshot files (no staging copy)
+        and go through :meth:`_owned` before anything keeps them."""
         needs = self._needs()
         # (dest, unit, piece) in one global order that every rank derives identically.
         moves: list[tuple[int, str, MemoryPiece]] = []
@@ -166,41 +169,22 @@ class RestoreMixin:
                 src = plan.sources.get(name)
                 if src is not None and src.level == "snapshot":
                     moves.extend((dest, name, p) for p in src.pieces)
-        files: dict[int, Any] = {}
-
-        def read_local(p: MemoryPiece, out: memoryview) -> None:
-            """Plain reads of the buffer file (tmpfs: one memcpy, no page-fault storm)."""
-            if p.buffer not in files:
-                try:
-                    files[p.buffer] = open(os.path.join(self.snapshot_dir, f"buf{p.buffer}.bin"), "rb", buffering=0)
-                except FileNotFoundError:
-                    raise RuntimeError(f"snapshot buffer {p.buffer} of rank {self.rank} is gone") from None
-            f = files[p.buffer]
-            f.seek(p.offset)
-            done = 0
-            while done < len(out):
-                n = f.readinto(out[done:])
-                if not n:
-                    raise RuntimeError(f"snapshot buffer {p.buffer} of rank {self.rank} is truncated")
-                done += n
-
-        def local_bytes(p: MemoryPiece) -> torch.Tensor:
-            out = torch.empty(p.end - p.start, dtype=torch.uint8)
-            read_local(p, memoryview(out.numpy()))
-            return out
+        maps = SnapshotMaps(self.snapshot_dir, self.rank, [p for _, _, p in moves if p.rank == self.rank])
 
         send_parts, send_splits = [], [0] * self.world
         recv_splits = [0] * self.world
         for dest, _, p in moves:
             if p.rank == self.rank and dest != self.rank:
-                send_parts.append(local_bytes(p))
+                send_parts.append(maps.piece(p))
                 send_splits[dest] += p.end - p.start
             if dest == self.rank and p.rank != self.rank:
                 recv_splits[p.rank] += p.end - p.start
         # ``moves`` is sorted by destination, so the send buffer is grouped by destination
         # and each source's pieces arrive in the same global order, as all_to_all_single wants.
         send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=torch.uint8)
+        del send_parts
         received = self.comm.exchange(send, send_splits, recv_splits)
+        del send
         recv_offsets: dict[int, int] = {}
         pos = 0
         for q in range(self.world):
@@ -208,6 +192,7 @@ class RestoreMixin:
             pos += recv_splits[q]
 
         trees: dict[str, Any] = {}
+        borrowed: set[str] = set()
         storage_names = []
         for name in needs[self.rank]:
             src = plan.sources.get(name)
@@ -216,22 +201,29 @@ class RestoreMixin:
             if src.level == "persist":
                 storage_names.append(name)
                 continue
-            data, view = unit_buffer(int(src.meta["unit_nbytes"]))
+            parts = []
             for p in src.pieces:
-                target = view[p.start: p.end]
                 if p.rank == self.rank:
-                    read_local(p, target)
+                    part = maps.piece(p)
                 else:
                     # Pieces from rank q arrive in the global move order.
                     lo = recv_offsets[p.rank]
-                    target[:] = memoryview(received[lo: lo + (p.end - p.start)].numpy())
+                    part = received[lo: lo + (p.end - p.start)]
                     recv_offsets[p.rank] += p.end - p.start
-                if p.checksum and "xxh3:" + xxhash.xxh3_64_hexdigest(target) != p.checksum:
+                if p.checksum and "xxh3:" + xxhash.xxh3_64_hexdigest(memoryview(part.numpy())) != p.checksum:
                     raise RuntimeError(f"snapshot piece of {name} (step {p.step}, rank {p.rank}) failed its checksum")
+                parts.append((p, part))
+            if len(parts) == 1:
+                data = parts[0][1]              # one piece: decode in place, no copy
+                if parts[0][0].rank == self.rank:
+                    borrowed.add(name)
+            else:
+                data, _ = unit_buffer(int(src.meta["unit_nbytes"]))
+                for p, part in parts:
+                    data[p.start: p.end].copy_(part)
             tensors = [TensorMeta.from_json(t) for t in src.meta["tensors"]]
             trees[name] = decode_tree(src.meta["skeleton"], tensors, data)
-        for f in files.values():
-            f.close()
+        maps.close()
         if storage_names:
             loaded = self.store.load(manifest.step, names=storage_names)
             trees.update(loaded.units)
@@ -239,7 +231,15 @@ class RestoreMixin:
                 src = plan.sources[unit]
                 src.version = used
                 log.warning("rank %d: %s restored from step %d (step %d unreadable)", self.rank, unit, used, bad)
-        return trees
+        return trees, borrowed
+
+    def _owned(self, trees: dict[str, Any], borrowed: set[str]) -> dict[str, Any]:
+        """``trees`` with every tree that aliases a snapshot map made independent of it
+        (model tensors excepted: they are only copied from)."""
+        if not borrowed & set(trees):
+            return trees
+        params = dict(self.model.named_parameters())
+        return {n: (own_tree(t, params, self.optimizer) if n in borrowed else t) for n, t in trees.items()}
 
     # -- bookkeeping ---------------------------------------------------------------------
     def _after_restore(self, plan: RestorePlan, manifest) -> None:

@@ -148,7 +148,9 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(rng: Mapping[str, Any]) -> None:
-    torch.set_rng_state(rng["torch"])
+    # A fresh tensor: the generator reads the state from the start of the storage, so a
+    # view at an offset (decoded from a shared buffer) would be misread.
+    torch.set_rng_state(rng["torch"].clone())
     version, internal, gauss = rng["python"]
     random.setstate((version, tuple(internal), gauss))
     n = rng["numpy"]
@@ -167,6 +169,51 @@ def _copy_model(current: Mapping[str, torch.Tensor], tree: Mapping[str, Any]) ->
         target.copy_(value)
         keys.append(key)
     return keys
+
+
+def _clone_all(node: Any) -> Any:
+    if isinstance(node, torch.Tensor):
+        return node.clone()
+    if isinstance(node, dict):
+        return {k: _clone_all(v) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return type(node)(_clone_all(v) for v in node)
+    return node
+
+
+def _owned(live: Any, value: Any) -> Any:
+    """``value`` in memory of its own: copied into ``live`` when that is a tensor of the
+    same shape, dtype and device (its pages are already mapped, unlike a fresh clone's)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if (isinstance(live, torch.Tensor) and live.shape == value.shape and live.dtype == value.dtype
+            and live.device == value.device and live.data_ptr() != value.data_ptr()):
+        with torch.no_grad():
+            live.copy_(value)
+        return live
+    return value.clone()
+
+
+def own_tree(tree: Mapping[str, Any], params: Mapping[str, torch.nn.Parameter],
+             optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """``tree`` made independent of the buffer it was decoded from, for what a restore
+    keeps: model tensors stay views (they are copied into the model), optimizer-state
+    tensors land in the optimizer's current state tensors where those match (no fresh
+    allocation) and are cloned otherwise, everything else is cloned."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if key == "model":
+            out[key] = value
+        elif key == "optimizer" and isinstance(value, Mapping):
+            state = {}
+            for name, st in value.get("state", {}).items():
+                p = params.get(name)
+                live = optimizer.state.get(p, {}) if optimizer is not None and p is not None else {}
+                state[name] = {k: _owned(live.get(k), v) for k, v in st.items()}
+            out[key] = {k: (state if k == "state" else _clone_all(v)) for k, v in value.items()}
+        else:
+            out[key] = _clone_all(value)
+    return out
 
 
 def apply_partial(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import resource
+import time
 from datetime import timedelta
 
 import pytest
@@ -43,7 +44,7 @@ def test_k_larger_than_experts_and_pattern_matching_nothing(tmp_path):
                           model=model, optimizer=opt)
 
 
-def run(tmp_path, steps, *, seed=0, ckpt_kw=None, crash_after=None, optimizer="adamw"):
+def run(tmp_path, steps, *, seed=0, ckpt_kw=None, crash_after=None, optimizer="adamw", flush=True):
     """Train; return (model, opt, clones at checkpoint steps)."""
     model, opt, task = make(seed, optimizer=optimizer)
     clones = {}
@@ -53,7 +54,7 @@ def run(tmp_path, steps, *, seed=0, ckpt_kw=None, crash_after=None, optimizer="a
         train_step(model, opt, task, step, ckpt)
         if step % ckpt.interval == 0:
             clones[step] = clone_state(model, opt)
-    ckpt.close(keep_snapshots=True)
+    ckpt.close(keep_snapshots=True, flush=flush)
     return model, opt, clones, ckpt
 
 
@@ -78,6 +79,40 @@ def test_restore_is_exact_for_every_unit(tmp_path):
                 assert torch.equal(torch.as_tensor(opt_state[key][k]), torch.as_tensor(v)), (key, k)
     versions = sorted({s.version for n, s in plan.sources.items() if n.startswith("expert/")})
     assert versions[-1] == 20 and versions[0] < 20  # partial: some experts are older
+    ckpt.close()
+
+
+@pytest.mark.parametrize("live_state", [False, True])
+def test_memory_restore_keeps_nothing_that_aliases_the_snapshot_files(tmp_path, live_state):
+    """A memory restore decodes straight from the mapped snapshot files; what it leaves in
+    the model and optimizer must be its own copy: scribbling over every snapshot file and
+    then refilling the buffers must not change the restored state."""
+    _, _, clones, _ = run(tmp_path, 12, ckpt_kw={"k_snapshot": None, "persist_every": 3}, flush=False)
+    model, opt, task = make(seed=99)
+    if live_state:  # the optimizer already has state tensors the restore can fill in place
+        train_step(model, opt, task, 0)
+    ckpt = CheckpointManager(cfg_for(tmp_path, k_snapshot=None, persist_every=3), model=model, optimizer=opt)
+    assert ckpt.restore() == 11 and ckpt.last_restore.from_memory  # step 10: memory only
+    restored = clone_state(model, opt)
+    for key, value in clones[10]["model"].items():
+        assert torch.equal(restored["model"][key], value), key
+    for key, st in clones[10]["optim"].items():
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(restored["optim"][key][k]), torch.as_tensor(v)), (key, k)
+    shm = tmp_path / "shm"
+    files = [f for f in shm.rglob("buf*.bin")]
+    assert files
+    for f in files:
+        with open(f, "r+b") as fh:
+            fh.write(b"\xff" * f.stat().st_size)
+    after = clone_state(model, opt)
+    for key in restored["model"]:
+        assert torch.equal(after["model"][key], restored["model"][key]), key
+    for key, st in restored["optim"].items():
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(after["optim"][key][k]), torch.as_tensor(v)), (key, k)
+    for step in range(11, 14):  # new snapshots truncate and refill the same files
+        train_step(model, opt, task, step, ckpt)
     ckpt.close()
 
 
@@ -205,6 +240,39 @@ def test_memory_flat_over_1000_steps(tmp_path):
         files = os.listdir(ckpt.snapshot_dir)
         assert len([f for f in files if f.endswith(".bin")]) == 3
     assert len(CheckpointStore(str(tmp_path / "ckpt")).steps()) <= 2
+
+
+def test_buffers_shrink_after_the_full_first_checkpoint(tmp_path):
+    """The first checkpoint holds every unit; with K=1 of 8 later snapshots need a
+    fraction of that, so no buffer may stay the size of the full state, and a memory
+    restore from the shrunk buffers is still exact."""
+    model, opt, task = make(0, dim=64, hidden=256)      # ~6 MB of state, 97% experts
+    cfg = cfg_for(tmp_path, interval=1, k_snapshot=1, k_persist=1, persist_every=4)
+    ckpt = CheckpointManager(cfg, model=model, optimizer=opt)
+    train_step(model, opt, task, 0, ckpt)
+    ckpt.wait()
+    full = ckpt.pool.allocated_bytes()
+    for step in range(1, 10):
+        train_step(model, opt, task, step, ckpt)
+    ckpt.wait(flush=False)  # the newest snapshot stays memory-only
+    st = ckpt.status()
+    assert st["last_snapshot_step"] == 9 and st["last_persisted_step"] < 9, st
+    sizes = [b.capacity for b in ckpt.pool.buffers]
+    assert max(sizes) < full / 2, (sizes, full)
+    assert ckpt.pool.allocated_bytes() < full, (sizes, full)
+    deadline = time.monotonic() + 10   # the shrinking truncate runs in the background
+    while [os.path.getsize(b.path) for b in ckpt.pool.buffers] != sizes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [os.path.getsize(b.path) for b in ckpt.pool.buffers] == sizes  # the memory itself went back
+    expected = clone_state(model, opt)
+    ckpt.close(keep_snapshots=True, flush=False)
+    model2, opt2, _ = make(5, dim=64, hidden=256)
+    ckpt2 = CheckpointManager(cfg, model=model2, optimizer=opt2)
+    assert ckpt2.restore() == 10 and ckpt2.last_restore.from_memory
+    for key, value in model2.state_dict().items():
+        if ".experts." not in key:
+            assert torch.equal(value, expected["model"][key]), key
+    ckpt2.close()
 
 
 def test_routing_scope_and_validation(tmp_path):

@@ -104,8 +104,22 @@ def test_gc_never_touches_objects_of_later_uncommitted_steps(store):
     assert "data/000000000020/w0.state.bin" in cs.store.list("data/")
 
 
-def test_corrupt_unit_falls_back_to_previous_version(store):
+def test_concurrent_load_equals_sequential(store):
+    """Units read by several threads at once come back exactly as one reader gets them."""
     cs = CheckpointStore(store)
+    m = save_step(cs, 0, range(8), None, layers=3)
+    save_step(cs, 10, [1, 5], m, layers=3)
+    seq = CheckpointStore(store, read_concurrency=1).load()
+    par = CheckpointStore(store, read_concurrency=8).load()
+    assert seq.versions == par.versions and list(seq.units) == list(par.units)
+    for name, tree in seq.units.items():
+        for key, value in tree.get("model", {}).items():
+            assert torch.equal(value, par.units[name]["model"][key]), (name, key)
+
+
+@pytest.mark.parametrize("read_concurrency", [1, 8])
+def test_corrupt_unit_falls_back_to_previous_version(store, read_concurrency):
+    cs = CheckpointStore(store, read_concurrency=read_concurrency)
     m = save_step(cs, 0, range(2), None, layers=1)
     m = save_step(cs, 10, [0], m, layers=1)
     key = m.units["expert/l0/0"].chunks[0].key
@@ -187,7 +201,8 @@ def test_missing_step_lists_committed_ones(cs):
 
 @pytest.mark.parametrize("kwargs,match", [({"compression": "lz4"}, "compression"),
                                           ({"keep_last": 0}, "keep_last"),
-                                          ({"zstd_level": 30}, "zstd_level")])
+                                          ({"zstd_level": 30}, "zstd_level"),
+                                          ({"read_concurrency": 0}, "read_concurrency")])
 def test_bad_configuration(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         CheckpointStore(str(tmp_path), **kwargs)
