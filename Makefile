@@ -41,7 +41,7 @@ bench-dispatch: $(STAMP)
 
 bench-moc: $(STAMP)
 	$(VPY) -m pip install --quiet -e ".[dev,bench]"
-	$(VPY) benchmarks/moc_overhead/main.py
+	$(VPY) benchmarks/moc_overhead/main.py --reps 8
 
 bench-runtime: $(STAMP)
 	$(VPY) benchmarks/runtime/main.py
