@@ -54,10 +54,12 @@ class RestoreMixin:
             manifest_dict = {"step": manifest.step, "plt": manifest.plt, "meta": manifest.meta,
                              "units": {n: {"step": r.step} for n, r in manifest.units.items()}}
         plan = plan_units(everyone, manifest_dict, names)
-        trees, borrowed = self._gather_units(plan, manifest)
-        mine = self._owned({n: t for n, t in trees.items() if n in plan.sources and n in self.layout.units}, borrowed)
+        trees, _ = self._gather_units(plan, manifest)
+        # apply_partial copies everything it keeps (model values and optimizer state), so
+        # trees that view the snapshot maps need no copy of their own here.
+        mine = [t for n, t in trees.items() if n in plan.sources and n in self.layout.units]
         del trees
-        apply_partial(self.model, self.optimizer, mine.values())
+        apply_partial(self.model, self.optimizer, mine)
         out: dict[str, dict[str, Any]] = {}
         with self._lock:
             tracker = self.plt_tracker
