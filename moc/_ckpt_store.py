@@ -339,18 +339,14 @@ class CheckpointStore:
             raise KeyError(f"units {missing[:5]} are not in step {manifest.step}")
         total = sum(manifest.units[n].stored_nbytes for n in wanted)
         done = 0
-        workers = min(self.read_concurrency, len(wanted))
-        pool = ThreadPoolExecutor(workers, thread_name_prefix="moc-read") if workers > 1 else None
+        pool = ThreadPoolExecutor(max(1, min(self.read_concurrency, len(wanted))), thread_name_prefix="moc-read")
         try:
-            if pool is not None:
-                reads = [pool.submit(self.read_unit, manifest.units[n]) for n in wanted]
-            else:
-                reads = [None] * len(wanted)
+            reads = [pool.submit(self.read_unit, manifest.units[n]) for n in wanted]
             for name, read in zip(wanted, reads):
                 rec = manifest.units[name]
                 done += rec.stored_nbytes
                 try:
-                    result.units[name] = read.result() if read is not None else self.read_unit(rec)
+                    result.units[name] = read.result()
                     result.versions[name] = rec.step
                 except CorruptObjectError as exc:
                     if not fallback:
@@ -359,8 +355,7 @@ class CheckpointStore:
                 if progress is not None:
                     progress(done, total)
         finally:
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
+            pool.shutdown(wait=True, cancel_futures=True)  # after an error: no reads left running
         return result
 
     def _fall_back(self, result: LoadResult, name: str, rec: UnitRecord, step: int, error: CorruptObjectError) -> None:

@@ -111,7 +111,7 @@ class RestoreMixin:
             log.info("rank %d: nothing to restore from %s; starting at step 0", self.rank, self.store.store.url)
             return 0
 
-        trees = self._owned(*self._gather_units(plan, manifest))
+        trees = self._copied_out(*self._gather_units(plan, manifest))
         extra_name = f"extra/rank{self.rank}"
         if extra_name not in trees:
             fallback = next((n for n in sorted(trees) if n.startswith("extra/")), None)
@@ -162,7 +162,7 @@ class RestoreMixin:
         """Trees of the units this rank holds: memory pieces moved with one all-to-all,
         storage units read directly. Also returns the names of the trees decoded straight
         from this rank's snapshot maps: they alias the snapshot files (no staging copy)
-        and go through :meth:`_owned` before anything keeps them."""
+        and go through :meth:`_copied_out` before anything keeps them."""
         needs = self._needs()
         # (dest, unit, piece) in one global order that every rank derives identically.
         moves: list[tuple[int, str, MemoryPiece]] = []
@@ -235,7 +235,7 @@ class RestoreMixin:
                 log.warning("rank %d: %s restored from step %d (step %d unreadable)", self.rank, unit, used, bad)
         return trees, borrowed
 
-    def _owned(self, trees: dict[str, Any], borrowed: set[str]) -> dict[str, Any]:
+    def _copied_out(self, trees: dict[str, Any], borrowed: set[str]) -> dict[str, Any]:
         """``trees`` with every tree that aliases a snapshot map made independent of it
         (model tensors excepted: they are only copied from)."""
         if not borrowed & set(trees):

@@ -66,6 +66,8 @@ EXPERT_RE = r"(?P<layer>.+)\.experts\.(?P<expert>\d+)\."
 
 FULL = dict(vocab=4096, dim=512, hidden=1792, layers=4, experts=16, tokens=1024, window=5, reps=4)
 QUICK = dict(vocab=512, dim=128, hidden=384, layers=2, experts=8, tokens=512, window=3, reps=2)
+# MoC restore rows, in table order: two from memory, then the storage ones.
+RESTORE_ROWS = ("memory", "memory_fresh", "storage_cold", "storage_warm", "s3")
 
 
 # --------------------------------------------------------------------------------------
@@ -714,13 +716,13 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], rows: 
               "s3": "MoC: S3 API (moto server process on 127.0.0.1, s3fs)",
               "torch_load_cold": "torch.load + load_state_dict, evicted from page cache",
               "torch_load_warm": "torch.load + load_state_dict, page cache warm"}
-    items = [(k, restore[k]) for k in ("memory", "memory_fresh", "storage_cold", "storage_warm", "s3") if k in restore]
+    items = [(k, restore[k]) for k in RESTORE_ROWS if k in restore]
     if tload:
         items += list(tload.items())
     for k, v in items:
         reads = "- (over the network)" if v["read_bytes"] is None else f"{v['read_bytes']/MB:,.0f}"
         L.append(f"| {labels[k]} | {v['seconds']:.3f} | {reads} | {v['seconds']/mem:.1f}x |")
-    checks = all(restore[k]["ok"] for k in ("memory", "memory_fresh", "storage_cold", "storage_warm", "s3") if k in restore)
+    checks = all(restore[k]["ok"] for k in RESTORE_ROWS if k in restore)
     L.append("")
     L.append(f"Checks: memory restore came from the snapshot step and matched it bit for bit; storage restores "
              f"came from the persisted step: {'passed' if checks else 'FAILED'}.")
@@ -749,7 +751,7 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], rows: 
                      f"{fmt_ms(best_async['stall'])} ms) | {fmt_ms(r['stall'])} ms | "
                      f"{verdict(r['stall'], lim, r['stall_se'])} |")
     for m_key in ("memory", "memory_fresh"):
-        for k in [k for k in ("storage_cold", "storage_warm", "s3") if k in restore]:
+        for k in [k for k in RESTORE_ROWS[2:] if k in restore]:
             ratio = restore[k]["seconds"] / restore[m_key]["seconds"]
             which = "optimizer state present" if m_key == "memory" else "fresh optimizer"
             L.append(f"| memory restore ({which}) >= 10x faster than {labels[k].split(': ', 1)[1]} | {ratio:.1f}x | "
@@ -805,7 +807,7 @@ def plot(rows: list[dict[str, Any]], restore: dict[str, Any], path: Path) -> Non
         a.text(s, i, f" {s:,.0f}", va="center", fontsize=8)
     a.legend(loc="lower right", fontsize=8)
     a.set_title("Checkpoint stall (mean +- s.e.)")
-    keys = [k for k in ("memory", "memory_fresh", "storage_cold", "storage_warm", "s3") if k in restore]
+    keys = [k for k in RESTORE_ROWS if k in restore]
     names = {"memory": "memory", "memory_fresh": "memory\n(fresh Adam)", "storage_cold": "disk (cold)",
              "storage_warm": "disk (warm)", "s3": "S3 API\n(moto)"}
     colors = {"memory": "#1f77b4", "memory_fresh": "#6baed6", "storage_cold": "#888888", "storage_warm": "#bbbbbb",
