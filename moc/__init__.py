@@ -15,11 +15,14 @@ from ._codec import decode_tree, encode_tree
 from ._format import FORMAT_VERSION, ChunkRecord, Manifest, ManifestError, UnitRecord, UnsupportedFormatError
 from ._plt import PLTTracker
 from ._selection import load_aware_selection, sequential_selection
-from ._units import DEFAULT_EXPERT_PATTERN, UnitLayout, UnitSpec, discover_units
+from ._errors import CheckpointError
+from ._layouts import DEFAULT_EXPERT_PATTERN, ExpertLayout, UnitLayout, UnitSpec, discover_units
 
 __all__ = [
     "CheckpointManager",
     "MoCConfig",
+    "CheckpointError",
+    "ExpertLayout",
     "CheckpointStore",
     "ShardWriter",
     "LoadResult",

@@ -10,7 +10,7 @@ from typing import Any, Union
 
 from ._codec import CODECS
 from ._selection import SELECTIONS
-from ._units import DEFAULT_EXPERT_PATTERN
+from ._layouts import DEFAULT_EXPERT_PATTERN, LAYOUT_NAMES, ExpertLayout
 
 __all__ = ["MoCConfig", "SHARDINGS"]
 
@@ -59,7 +59,15 @@ class MoCConfig:
             saves every non-expert module).
         compression: ``None`` / ``"raw"`` or ``"zstd"`` (byte-plane shuffled).
         keep_last: committed steps kept in storage.
-        expert_pattern: regex with groups ``layer`` and ``expert`` naming expert parameters.
+        expert_layout: how the model stores its experts: ``"auto"`` (per-expert modules,
+            transformers 5.x fused ``experts.gate_up_proj``/``down_proj``, torchtitan
+            ``experts.w1/w2/w3``, Megatron ``local_experts.<i>``, TE ``weight<i>``), one of
+            those by name (``"per_expert"``, ``"hf_fused"``, ``"torchtitan"``, ``"megatron"``,
+            ``"te_grouped"``), or an :class:`moc.ExpertLayout` (regex + expert dim).
+        expert_pattern: regex with groups ``layer`` and ``expert`` naming per-expert
+            parameters (the ``per_expert`` layout).
+        max_consecutive_failures: failed snapshots in a row after which ``step()`` raises
+            :class:`moc.CheckpointError` instead of training on unprotected.
         snapshot_dir: where the three snapshot buffers live; default a per-run folder in
             ``/dev/shm`` so a restarted process on the same node recovers from memory.
         snapshot_copies: in-memory copies of every share, kept by distinct ranks holding
@@ -83,7 +91,9 @@ class MoCConfig:
     sharding: str = "adaptive"
     compression: Union[str, None] = None
     keep_last: int = 3
+    expert_layout: Union[str, ExpertLayout] = "auto"
     expert_pattern: str = DEFAULT_EXPERT_PATTERN
+    max_consecutive_failures: int = 3
     snapshot_dir: Union[str, None] = None
     snapshot_copies: int = 2
     mtbf: timedelta = timedelta(hours=6)
@@ -129,6 +139,10 @@ class MoCConfig:
             raise ValueError(f"MoCConfig.expert_pattern is not a valid regex: {exc}") from exc
         if not {"layer", "expert"} <= groups:
             raise ValueError("MoCConfig.expert_pattern must have named groups 'layer' and 'expert'")
+        if not isinstance(self.expert_layout, ExpertLayout) and self.expert_layout not in LAYOUT_NAMES:
+            raise ValueError(f"MoCConfig.expert_layout must be one of {LAYOUT_NAMES} or an ExpertLayout, "
+                             f"got {self.expert_layout!r}")
+        _check_int("max_consecutive_failures", self.max_consecutive_failures, 1)
         for name in ("mtbf", "persist_timeout", "coordination_timeout"):
             value = getattr(self, name)
             if not isinstance(value, timedelta) or value <= timedelta(0):

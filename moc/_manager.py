@@ -42,21 +42,24 @@ from ._manager_elastic import ElasticMixin, Handover
 from ._manager_restore import RestoreMixin
 from ._format import ChunkRecord, Manifest, UnitRecord
 from ._plt import PLTTracker
+from ._routing import RouterTaps
 from ._selection import load_aware_selection
 from ._sharding import plan_shares
-from ._units import UnitLayout, capture_rng, capture_unit, discover_units, optimizer_groups
+from ._errors import CheckpointError
+from ._units import (UnitLayout, capture_rng, capture_unit, discover_units, expert_unit_name, optimizer_groups,
+                     parse_expert, unit_base)
 
-__all__ = ["CheckpointManager", "Handover"]
+__all__ = ["CheckpointManager", "CheckpointError", "Handover"]
 
 log = logging.getLogger("moc")
 
 
-def _expert_count(names: list[str]) -> dict[str, int]:
-    counts: dict[str, int] = {}
+def _expert_count(names: list[str], known: Mapping[str, int]) -> dict[str, int]:
+    counts: dict[str, int] = dict(known)
     for name in names:
         if name.startswith("expert/"):
-            layer, e = name[len("expert/"):].rsplit("/", 1)
-            counts[layer] = max(counts.get(layer, 0), int(e) + 1)
+            layer, e = parse_expert(name)
+            counts[layer] = max(counts.get(layer, 0), e + 1)
     return dict(sorted(counts.items()))
 
 
@@ -95,7 +98,8 @@ class CheckpointManager(RestoreMixin, ElasticMixin):
         for name, obj in self.extra_state.items():
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise ValueError(f"extra_state[{name!r}] must have state_dict() and load_state_dict()")
-        self.layout: UnitLayout = discover_units(model, expert_pattern or cfg.expert_pattern)
+        self.layout: UnitLayout = discover_units(model, expert_pattern or cfg.expert_pattern,
+                                                 layout=cfg.expert_layout)
         params = {n for n, _ in model.named_parameters()}
         # Module units holding buffers (running stats...) are copied synchronously in step().
         self._units_with_buffers = {spec.name for spec in self.layout.modules()
@@ -110,7 +114,12 @@ class CheckpointManager(RestoreMixin, ElasticMixin):
                 self.holders.setdefault(name, []).append(r)
         for r in range(self.world):
             self.holders[f"extra/rank{r}"] = [r]
-        self.num_experts = _expert_count(list(self.holders))
+        known = self.comm.gather_json(self.layout.experts_per_layer)
+        self.num_experts = _expert_count(list(self.holders), {l: n for d in known for l, n in d.items()})
+        self.layout.experts_per_layer = dict(self.num_experts)
+        self.layout_info = self.layout.describe()
+        if self.rank == 0:
+            log.info("rank %d step -: expert layout %s", self.rank, self.layout_info["description"])
         e_min = min(self.num_experts.values())
         self.k_snapshot = self._initial_k("k_snapshot", cfg.k_snapshot, e_min)
         self.k_persist = self._initial_k("k_persist", cfg.k_persist if cfg.k_persist is not None else self.k_snapshot, e_min)
@@ -153,6 +162,9 @@ class CheckpointManager(RestoreMixin, ElasticMixin):
         self._step_call_total = 0.0
         self._stalls = 0
         self._persist_failures = 0
+        self._snapshot_failures = 0
+        self._consecutive_failures = 0
+        self._last_snapshot_error: BaseException | None = None
         self._last_error: str | None = None
         self._closed = False
         self._abandoned = False   # detached: background jobs must not touch the buffers
@@ -219,13 +231,19 @@ class CheckpointManager(RestoreMixin, ElasticMixin):
         try:
             from lazarus.moe import moe_layers
         except ImportError:  # pragma: no cover - lazarus ships with moc
-            return
+            moe_layers = lambda model: []  # noqa: E731
+        lazarus_layers = set()
         for name, layer in moe_layers(self.model):
             if name in self._pending_counts:
                 layer.routing_hook = (lambda counts, _n=name: self.record_routing(_n, counts, scope="global"))
+                lazarus_layers.add(name)
+        self._taps = RouterTaps(self.model, self.num_experts, skip=lazarus_layers)
+        if self._taps.tapped and self.rank == 0:
+            log.info("rank %d step -: routing counted from %d routers", self.rank, self._taps.tapped)
 
     def _sync_routing(self) -> None:
         """Fold the pending per-rank routing counts into the global PLT counters."""
+        self._taps.drain(self.record_routing)
         layers = list(self._pending_counts)
         flat = torch.cat([self._pending_counts[l] for l in layers])
         self.comm.sum_int64(flat)
@@ -269,6 +287,7 @@ class CheckpointManager(RestoreMixin, ElasticMixin):
 
     def _checkpoint(self, step: int) -> None:
         self._wait_snapshot()
+        self._check_failures()
         self._sync_routing()
         # Until one checkpoint holding every unit is committed, save (and persist) every
         # expert; afterwards every persist_every-th snapshot also goes to storage.
@@ -340,15 +359,17 @@ class CheckpointManager(RestoreMixin, ElasticMixin):
     def _plan(self, step: int, selection: dict[str, tuple[list[int], list[int]]]):
         """This rank's share: entries (unit, TreePlan, start, end, kind, layer, expert)."""
         state = self.model.state_dict(keep_vars=True)
+        params = dict(self.model.named_parameters())
         plans: dict[str, tuple[TreePlan, Any]] = {}
         for layer, (snap, _) in selection.items():
             for e in snap:
-                name = f"expert/{layer}/{e}"
-                spec = self.layout.units.get(name)
+                spec = self.layout.expert_unit(layer, e)
                 if spec is not None:
-                    plans[name] = (plan_tree(capture_unit(spec, self.model, self.optimizer, state=state)), spec)
+                    plans[spec.name] = (plan_tree(capture_unit(spec, self.model, self.optimizer, state=state,
+                                                               params=params)), spec)
         for spec in self.layout.modules():
-            plans[spec.name] = (plan_tree(capture_unit(spec, self.model, self.optimizer, state=state)), spec)
+            plans[spec.name] = (plan_tree(capture_unit(spec, self.model, self.optimizer, state=state,
+                                                       params=params)), spec)
         extra_name = f"extra/rank{self.rank}"
         plans[extra_name] = (plan_tree(self._extra_tree(step)), None)
         sizes = self.comm.gather_json({n: p.nbytes for n, (p, _) in plans.items()})
@@ -368,8 +389,8 @@ class CheckpointManager(RestoreMixin, ElasticMixin):
         modules = {n: s for n, s in size_of.items() if not n.startswith("expert/")}
         holders = {n: (sorted(r)[:1] if n in disagree else r) for n, r in self.holders.items()}
         shares = plan_shares(experts, modules, holders, self.world, self.cfg.sharding)
-        persist_units = {f"expert/{l}/{e}" for l, (_, p) in selection.items() for e in p}
-        persist_units |= set(modules)
+        persist_bases = {expert_unit_name(l, e) for l, (_, p) in selection.items() for e in p}
+        persist_units = {n for n in experts if unit_base(n) in persist_bases} | set(modules)
         entries = []
         sync_entries = {extra_name}
         # (unit, start, end, src, dst): share copies sent over the network, in one global order.
@@ -423,7 +444,7 @@ class CheckpointManager(RestoreMixin, ElasticMixin):
         return {"extra": extra}
 
     def _meta(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "k_snapshot": self.k_snapshot, "k_persist": self.k_persist,
+        return {"run_id": self.run_id, "layout": self.layout_info, "k_snapshot": self.k_snapshot, "k_persist": self.k_persist,
                 "checkpoints": self._checkpoints + 1, "persist_rounds": self._persist_rounds + 1,
                 "world": self.world, "interval": self.interval, "recoveries": self._recoveries}
 
@@ -479,11 +500,29 @@ class CheckpointManager(RestoreMixin, ElasticMixin):
         pending = not fut.done()
         try:
             fut.result()
-        except Exception as exc:  # noqa: BLE001 - a failed snapshot must not stop training
-            self._last_error = f"snapshot failed: {exc}"
-            log.error("rank %d step %s: snapshot failed: %s", self.rank, self._last_step, exc)
+        except Exception as exc:  # noqa: BLE001 - counted; step() raises after too many in a row
+            self._last_error = f"snapshot failed: {type(exc).__name__}: {exc}"
+            self._snapshot_failures += 1
+            self._consecutive_failures += 1
+            self._last_snapshot_error = exc
+            log.error("rank %d step %s: snapshot failed (%d in a row): %s", self.rank, self._last_step,
+                      self._consecutive_failures, exc)
+        else:
+            self._consecutive_failures = 0
         self._snapshot = None
         return pending
+
+    def _check_failures(self) -> None:
+        """Raise :class:`CheckpointError` on every rank once any rank's snapshots failed
+        ``max_consecutive_failures`` times in a row (a collective decision)."""
+        limit = self.cfg.max_consecutive_failures
+        if self.comm.any_true(self._consecutive_failures >= limit):
+            cause = self._last_snapshot_error
+            where = f"rank {self.rank}" if cause is not None else "another rank"
+            raise CheckpointError(
+                f"rank {self.rank} step {self._last_step}: {limit} snapshots in a row failed on {where}; "
+                f"nothing newer than step {self._last_persisted_step} is protected. Last error: {self._last_error}"
+            ) from cause
 
     # -- persisting ----------------------------------------------------------------------
     def _maybe_persist(self, mode: str) -> None:
@@ -710,6 +749,11 @@ class CheckpointManager(RestoreMixin, ElasticMixin):
             return
         try:
             self.wait(flush=flush)
+            if flush and self._consecutive_failures:
+                raise CheckpointError(
+                    f"rank {self.rank} step {self._last_step}: the last {self._consecutive_failures} snapshot(s) "
+                    f"failed; the newest persisted state is step {self._last_persisted_step}: {self._last_error}"
+                ) from self._last_snapshot_error
         except Exception:
             if raise_errors:
                 raise
@@ -718,6 +762,7 @@ class CheckpointManager(RestoreMixin, ElasticMixin):
             self._closed = True
             if self._hook is not None:
                 self._hook.remove()
+            self._taps.remove()
             if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, self._old_sigterm)
             self._snap_exec.shutdown(wait=True)
@@ -756,6 +801,8 @@ class CheckpointManager(RestoreMixin, ElasticMixin):
                 "rank": self.rank, "world": self.world, "step": self._last_step,
                 "last_snapshot_step": self._last_snapshot_step, "last_persisted_step": self._last_persisted_step,
                 "persist_in_flight": busy, "persist_failures": self._persist_failures, "last_error": self._last_error,
+                "snapshot_failures": self._snapshot_failures, "consecutive_snapshot_failures": self._consecutive_failures,
+                "layout": self.layout_info["description"],
                 "k_snapshot": self.k_snapshot, "k_persist": self.k_persist, "interval": self.interval,
                 "stall_seconds_last": self._stall_last, "stall_seconds_total": self._stall_total, "stalls": self._stalls,
                 "step_call_seconds_last": self._step_call_last, "step_call_seconds_total": self._step_call_total,

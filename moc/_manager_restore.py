@@ -15,7 +15,7 @@ from ._codec import TensorMeta, decode_tree, unit_buffer
 from ._format import manifest_key
 from ._restore import MemoryPiece, RestorePlan, plan_restore, plan_units
 from ._snapshot_reader import SnapshotMaps
-from ._units import apply_partial, apply_units, own_tree, restore_rng
+from ._units import apply_partial, apply_units, local_box, own_tree, parse_expert, restore_rng, unit_base
 
 __all__ = ["RestoreMixin"]
 
@@ -54,7 +54,7 @@ class RestoreMixin:
             manifest_dict = {"step": manifest.step, "plt": manifest.plt, "meta": manifest.meta,
                              "units": {n: {"step": r.step} for n, r in manifest.units.items()}}
         plan = plan_units(everyone, manifest_dict, names)
-        trees, _ = self._gather_units(plan, manifest)
+        trees, _ = self._gather_units(plan, manifest, self._needs())
         # apply_partial copies everything it keeps (model values and optimizer state), so
         # trees that view the snapshot maps need no copy of their own here.
         mine = [t for n, t in trees.items() if n in plan.sources and n in self.layout.units]
@@ -67,8 +67,7 @@ class RestoreMixin:
                 src = plan.sources.get(name)
                 lost = 0
                 if src is not None and name.startswith("expert/") and src.cum is not None:
-                    layer, e = name[len("expert/"):].rsplit("/", 1)
-                    e = int(e)
+                    layer, e = parse_expert(name)
                     lost = max(0, tracker.cum[layer][e] - src.cum)
                     if lost:
                         tracker.book_loss(src.level, layer, lost)
@@ -106,18 +105,22 @@ class RestoreMixin:
             manifest_dict = {"step": manifest.step, "plt": manifest.plt, "meta": manifest.meta,
                              "units": {n: {"step": r.step} for n, r in manifest.units.items()}}
         modules = sorted(n for n in self.holders if not n.startswith(("expert/", "extra/")))
+        if manifest is not None:
+            # Saved under another sharding (world size, FSDP / EP degree), module pieces
+            # carry other names: the saved ones are what a complete step must hold.
+            bases = {unit_base(n) for n in modules}
+            saved = sorted(n for n, r in manifest.units.items() if r.kind == "module" and unit_base(n) in bases)
+            if {unit_base(n) for n in saved} == bases:
+                modules = saved
         plan = plan_restore(everyone, manifest_dict, modules)
         if plan is None:
             log.info("rank %d: nothing to restore from %s; starting at step 0", self.rank, self.store.store.url)
             return 0
 
-        trees = self._copied_out(*self._gather_units(plan, manifest))
-        extra_name = f"extra/rank{self.rank}"
-        if extra_name not in trees:
-            fallback = next((n for n in sorted(trees) if n.startswith("extra/")), None)
-            if fallback is not None:
-                trees[extra_name] = trees.pop(fallback)
-        extra = trees.pop(extra_name, {}).get("extra", {})
+        needs = self._restore_needs(plan)
+        trees = self._copied_out(*self._gather_units(plan, manifest, needs))
+        extras = sorted(n for n in trees if n.startswith("extra/"))
+        extra = trees.pop(extras[0], {}).get("extra", {}) if extras else {}
         for name in [n for n in trees if n.startswith("extra/")]:
             trees.pop(name)
         missing = apply_units(self.model, self.optimizer, list(trees.values()), extra.get("optimizer_groups"))
@@ -158,12 +161,36 @@ class RestoreMixin:
                 needs[r].append(name)
         return {r: sorted(v) for r, v in needs.items()}
 
-    def _gather_units(self, plan: RestorePlan, manifest) -> tuple[dict[str, Any], set[str]]:
+    def _restore_needs(self, plan: RestorePlan) -> dict[int, list[str]]:
+        """Saved units each rank reads: those of the units it holds now, and of sharded
+        units (pieces, ``#`` names) only those overlapping the piece it holds; its own
+        extra state, else rank 0's (a job resumed on more ranks). Gathered, so every rank
+        knows every move."""
+        state = self.model.state_dict(keep_vars=True)
+        mine: dict[str, list[Any]] = {}
+        for spec in self.layout.units.values():
+            mine.setdefault(unit_base(spec.name), []).append(spec)
+        wanted = []
+        for name, src in plan.sources.items():
+            if name.startswith("extra/"):
+                continue
+            specs = mine.get(unit_base(name))
+            if specs and any(_overlaps(src.meta, spec, state) for spec in specs):
+                wanted.append(name)
+        extras = sorted(n for n in plan.sources if n.startswith("extra/"))
+        own = f"extra/rank{self.rank}"
+        if own in plan.sources:
+            wanted.append(own)
+        elif extras:
+            wanted.append("extra/rank0" if "extra/rank0" in extras else extras[0])
+        return dict(enumerate(self.comm.gather_json(sorted(wanted))))
+
+    def _gather_units(self, plan: RestorePlan, manifest,
+                      needs: dict[int, list[str]]) -> tuple[dict[str, Any], set[str]]:
         """Trees of the units this rank holds: memory pieces moved with one all-to-all,
         storage units read directly. Also returns the names of the trees decoded straight
         from this rank's snapshot maps: they alias the snapshot files (no staging copy)
         and go through :meth:`_copied_out` before anything keeps them."""
-        needs = self._needs()
         # (dest, unit, piece) in one global order that every rank derives identically.
         moves: list[tuple[int, str, MemoryPiece]] = []
         for dest in range(self.world):
@@ -265,8 +292,7 @@ class RestoreMixin:
             for name, src in plan.sources.items():
                 if not name.startswith("expert/") or src.cum is None:
                     continue
-                layer, e = name[len("expert/"):].rsplit("/", 1)
-                e = int(e)
+                layer, e = parse_expert(name)
                 lost = tracker.cum[layer][e] - src.cum
                 if lost > 0:
                     tracker.book_loss(src.level, layer, lost)
@@ -276,3 +302,38 @@ class RestoreMixin:
             if self.cfg.dynamic_k:
                 self._apply_dynamic_k()
         self.last_restore = plan
+
+
+def _saved_boxes(meta: dict[str, Any]) -> dict[str, tuple[list[int], list[int]]]:
+    """key -> (global offset, lengths) of each placed tensor of a saved unit (from its
+    JSON skeleton; no tensor is read)."""
+    skeleton = meta.get("skeleton") or {}
+    place = skeleton.get("place") if isinstance(skeleton, dict) else None
+    out = {}
+    for key, p in (place or {}).items():
+        ref = skeleton["model"][key]
+        shape = list(meta["tensors"][int(ref["@t"])]["shape"])
+        if p.get("expert_dim") is not None:
+            shape.insert(int(p["expert_dim"]), 1)
+        out[key] = (list(p["offset"]), shape)
+    return out
+
+
+def _overlaps(meta: dict[str, Any], spec: Any, state: dict[str, Any]) -> bool:
+    """Does a saved unit hold any element of the piece ``spec`` describes here?"""
+    saved = _saved_boxes(meta)
+    if not saved:
+        return True
+    for ref in spec.refs:
+        box = saved.get(ref.key)
+        value = state.get(ref.key)
+        if box is None or not hasattr(value, "shape"):
+            return True
+        _, off, local = local_box(ref.key, value)
+        off, local = list(off), list(local)
+        if ref.expert_dim is not None:
+            off[ref.expert_dim] += ref.row
+            local[ref.expert_dim] = 1
+        if all(max(o, so) < min(o + n, so + sn) for o, n, so, sn in zip(off, local, box[0], box[1])):
+            return True
+    return False

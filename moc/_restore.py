@@ -183,7 +183,7 @@ def _attach_counters(sources: dict[str, Source], headers, manifest) -> None:
     """Routing counter of each expert version (what PLT charges a recovery with)."""
     for src in sources.values():
         if src.unit.startswith("expert/"):
-            layer, e = src.unit[len("expert/"):].rsplit("/", 1)
+            layer, e = src.unit.split("#", 1)[0][len("expert/"):].rsplit("/", 1)
             if src.level == "snapshot":
                 counters = headers[src.version].get("plt") or {}
                 src.cum = int(counters["cum"][layer][int(e)]) if counters.get("cum") else None

@@ -1,10 +1,17 @@
 """Units: what moc saves and restores, found from a model and its optimizer.
 
-* one unit per expert of each MoE layer (parameters matched by ``expert_pattern``, with
-  named groups ``layer`` and ``expert``) holding its weights and optimizer state;
+* one unit per expert of each MoE layer (see :mod:`moc._layouts` for the layouts
+  recognised: per-expert modules, fused expert tensors, DTensor shards) holding its
+  weights and optimizer state;
 * one unit per non-expert module (the entries of ``model.state_dict()`` grouped by the
   module that owns them) with its weights, buffers and optimizer state;
 * one ``extra`` unit: step, RNG states, optimizer hyper-parameters, user objects.
+
+A unit's tree is ``{"model": {key: tensor}, "optimizer": {"state": {key: {...}}},
+"place": {key: {"shape", "offset", "expert_dim"}}}``: ``place`` says where a saved tensor
+sits in the global parameter when it is not the whole of it (the row of a fused expert
+tensor, the shard of a DTensor). Restores copy the intersection of each saved piece with
+the piece the live model holds, so any sharding reads any other.
 
 Optimizer state is keyed by parameter *name*, never by position, so a checkpoint restores
 onto a model whose expert layout or world size differs.
@@ -13,117 +20,34 @@ onto a model whose expert layout or world size differs.
 from __future__ import annotations
 
 import random
-import re
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from collections import defaultdict
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 
+from ._layouts import (DEFAULT_EXPERT_PATTERN, ExpertLayout, TensorRef, UnitLayout, UnitSpec, discover_units,
+                       expert_unit_name, is_dtensor, local_box, local_tensor, module_unit_name, parse_expert,
+                       unit_base)
+
 __all__ = [
     "DEFAULT_EXPERT_PATTERN",
+    "ExpertLayout",
+    "TensorRef",
     "UnitSpec",
     "UnitLayout",
     "discover_units",
+    "expert_unit_name",
+    "module_unit_name",
+    "capture_unit",
     "capture_rng",
     "restore_rng",
+    "apply_units",
+    "apply_partial",
 ]
-
-DEFAULT_EXPERT_PATTERN = r"(?P<layer>.+)\.experts\.(?P<expert>\d+)\."
-
-
-@dataclass
-class UnitSpec:
-    name: str
-    kind: str                      # "expert" | "module"
-    keys: list[str]                # model.state_dict() keys in this unit
-    layer: str | None = None
-    expert: int | None = None
-    nbytes: int = 0                # weights only
-
-
-@dataclass
-class UnitLayout:
-    """The units of one model: experts per layer and non-expert modules."""
-
-    units: dict[str, UnitSpec]
-    layers: dict[str, list[int]] = field(default_factory=dict)  # layer -> expert ids
-
-    def experts(self, layer: str) -> list[UnitSpec]:
-        return [self.units[expert_unit_name(layer, e)] for e in self.layers[layer]]
-
-    def modules(self) -> list[UnitSpec]:
-        return [u for u in self.units.values() if u.kind == "module"]
-
-
-def expert_unit_name(layer: str, expert: int) -> str:
-    return f"expert/{layer}/{expert}"
-
-
-def module_unit_name(module: str) -> str:
-    return f"module/{module or '<root>'}"
-
-
-def discover_units(model: torch.nn.Module, expert_pattern: str = DEFAULT_EXPERT_PATTERN) -> UnitLayout:
-    """Split ``model.state_dict()`` into expert and module units.
-
-    Raises ``ValueError`` when the pattern lacks the ``layer``/``expert`` groups or matches
-    no parameter of the model.
-    """
-    try:
-        regex = re.compile(expert_pattern)
-    except re.error as exc:
-        raise ValueError(f"expert_pattern {expert_pattern!r} is not a valid regex: {exc}") from exc
-    if not {"layer", "expert"} <= set(regex.groupindex):
-        raise ValueError(f"expert_pattern {expert_pattern!r} must have named groups 'layer' and 'expert'")
-    state = model.state_dict(keep_vars=True)
-    units: dict[str, UnitSpec] = {}
-    layers: dict[str, set[int]] = {}
-    for key, value in state.items():
-        m = regex.match(key)
-        nbytes = value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
-        if m:
-            layer, expert = m.group("layer"), int(m.group("expert"))
-            name = expert_unit_name(layer, expert)
-            spec = units.setdefault(name, UnitSpec(name, "expert", [], layer, expert))
-            layers.setdefault(layer, set()).add(expert)
-        else:
-            module = key.rsplit(".", 1)[0] if "." in key else ""
-            name = module_unit_name(module)
-            spec = units.setdefault(name, UnitSpec(name, "module", []))
-        spec.keys.append(key)
-        spec.nbytes += nbytes
-    if not layers:
-        sample = ", ".join(list(state)[:3])
-        raise ValueError(
-            f"expert_pattern {expert_pattern!r} matched no parameter of the model "
-            f"(names look like: {sample}); pass expert_pattern= with groups 'layer' and 'expert'"
-        )
-    return UnitLayout(units, {k: sorted(v) for k, v in layers.items()})
-
 
 def _param_names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
-
-
-def capture_unit(spec: UnitSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                 *, state: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The unit's state tree: ``{"model": {key: tensor}, "optimizer": {param: {..}}}``.
-
-    Tensors are the live ones (no copy); callers snapshot them before the next update.
-    """
-    state = model.state_dict(keep_vars=True) if state is None else state
-    tree: dict[str, Any] = {"model": {k: state[k].detach() for k in spec.keys}}
-    if optimizer is not None:
-        by_name = {name: p for name, p in model.named_parameters()}
-        opt_state = {}
-        for k in spec.keys:
-            p = by_name.get(k)
-            if p is not None and p in optimizer.state and optimizer.state[p]:
-                opt_state[k] = dict(optimizer.state[p])
-        if opt_state:
-            tree["optimizer"] = {"state": opt_state}
-    return tree
 
 
 def optimizer_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -157,20 +81,6 @@ def restore_rng(rng: Mapping[str, Any]) -> None:
     np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
 
 
-def _copy_model(current: Mapping[str, torch.Tensor], tree: Mapping[str, Any]) -> list[str]:
-    """Copy a unit tree's tensors into the model's (in place); return the keys copied."""
-    keys = []
-    for key, value in tree.get("model", {}).items():
-        if key not in current:
-            raise KeyError(f"checkpoint has {key!r}, which the model does not")
-        target = current[key]
-        if tuple(target.shape) != tuple(value.shape):
-            raise ValueError(f"{key}: checkpoint shape {tuple(value.shape)} != model shape {tuple(target.shape)}")
-        target.copy_(value)
-        keys.append(key)
-    return keys
-
-
 def _clone_all(node: Any) -> Any:
     if isinstance(node, torch.Tensor):
         return node.clone()
@@ -186,7 +96,7 @@ def _owned(live: Any, value: Any) -> Any:
     same shape, dtype and device (its pages are already mapped, unlike a fresh clone's)."""
     if not isinstance(value, torch.Tensor):
         return value
-    if (isinstance(live, torch.Tensor) and live.shape == value.shape and live.dtype == value.dtype
+    if (isinstance(live, torch.Tensor) and not is_dtensor(live) and live.shape == value.shape and live.dtype == value.dtype
             and live.device == value.device and live.data_ptr() != value.data_ptr()):
         with torch.no_grad():
             live.copy_(value)
@@ -216,52 +126,187 @@ def own_tree(tree: Mapping[str, Any], params: Mapping[str, torch.nn.Parameter],
     return out
 
 
+
+
+# -- capture -------------------------------------------------------------------------------
+def _take(t: torch.Tensor, ref: TensorRef) -> torch.Tensor:
+    """This rank's part of ``t`` for one unit: the local shard, and for a fused tensor
+    the expert's row of it (a view: rows of a contiguous tensor are contiguous)."""
+    x = local_tensor(t.detach())
+    if ref.expert_dim is not None:
+        x = x.select(ref.expert_dim, ref.row)
+    return x
+
+
+def capture_unit(spec: UnitSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 *, state: Mapping[str, Any] | None = None,
+                 params: Mapping[str, torch.nn.Parameter] | None = None) -> dict[str, Any]:
+    """The unit's state tree (see the module docstring).
+
+    Tensors are the live ones (views, no copy); callers snapshot them before the next update.
+    """
+    state = model.state_dict(keep_vars=True) if state is None else state
+    refs = {r.key: r for r in spec.refs} if spec.refs else {k: TensorRef(k) for k in spec.keys}
+    tree: dict[str, Any] = {"model": {k: (_take(state[k], refs[k]) if isinstance(state[k], torch.Tensor)
+                                          else state[k]) for k in spec.keys}}
+    places = {k: r.place() for k, r in refs.items() if r.place() is not None}
+    if places:
+        tree["place"] = places
+    if optimizer is not None:
+        by_name = dict(model.named_parameters()) if params is None else params
+        opt_state = {}
+        for k in spec.keys:
+            p = by_name.get(k)
+            if p is None or not optimizer.state.get(p):
+                continue
+            entry = {}
+            for name, v in optimizer.state[p].items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == tuple(p.shape):
+                    entry[name] = _take(v, refs[k])          # shaped like the parameter: same piece
+                elif isinstance(v, torch.Tensor):
+                    entry[name] = local_tensor(v.detach())
+                else:
+                    entry[name] = v
+            opt_state[k] = entry
+        if opt_state:
+            tree["optimizer"] = {"state": opt_state}
+    return tree
+
+
+# -- restore: copy saved pieces into whatever piece the live model holds --------------------
+def _saved_box(value: torch.Tensor, place: Mapping[str, Any] | None) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(tensor, global offset, global shape) of a saved piece."""
+    if place is None:
+        return value, (0,) * value.dim(), tuple(value.shape)
+    d = place.get("expert_dim")
+    if d is not None:
+        value = value.unsqueeze(int(d))
+    return value, tuple(int(o) for o in place["offset"]), tuple(int(x) for x in place["shape"])
+
+
+def _copy_box(dst: torch.Tensor, dst_off: Sequence[int], src: torch.Tensor, src_off: Sequence[int]) -> int:
+    """Copy the intersection of two boxes given in global coordinates; return its size."""
+    sd, ss = [], []
+    for i in range(dst.dim()):
+        lo = max(dst_off[i], src_off[i])
+        hi = min(dst_off[i] + dst.shape[i], src_off[i] + src.shape[i])
+        if hi <= lo:
+            return 0
+        sd.append(slice(lo - dst_off[i], hi - dst_off[i]))
+        ss.append(slice(lo - src_off[i], hi - src_off[i]))
+    part = dst[tuple(sd)]
+    part.copy_(src[tuple(ss)])
+    return part.numel()
+
+
+def _copy_piece(key: str, live: torch.Tensor, value: torch.Tensor, place: Mapping[str, Any] | None) -> int:
+    src, src_off, gshape = _saved_box(value, place)
+    live_shape, live_off, _ = local_box(key, live)
+    if tuple(live_shape) != tuple(gshape):
+        raise ValueError(f"{key}: checkpoint shape {tuple(gshape)} != model shape {tuple(live_shape)}")
+    return _copy_box(local_tensor(live), live_off, src, src_off)
+
+
+def _scalar_like(v: torch.Tensor, p: torch.Tensor, group: Mapping[str, Any] | None) -> torch.Tensor:
+    # Adam's "step" lives on the CPU unless the optimizer is capturable or fused.
+    on_device = bool(group and (group.get("capturable") or group.get("fused")))
+    out = v.detach().clone()
+    return out.to(local_tensor(p).device) if on_device or v.dim() > 0 else out
+
+
+def _assemble_state(key: str, p: torch.nn.Parameter, pieces: list[tuple[dict[str, Any], Any, tuple[int, ...] | None]],
+                    live: Mapping[str, Any], group: Mapping[str, Any] | None) -> dict[str, Any]:
+    """One parameter's optimizer state from saved pieces (rows of a fused tensor, shards).
+
+    Tensors shaped like the saved piece of the parameter are placed like it, into the
+    live state tensor where it fits (no allocation) or a fresh one; other tensors (Adam's
+    ``step``) come from the newest version: the largest value among the pieces."""
+    _, p_off, p_local = local_box(key, p)
+    out: dict[str, Any] = {}
+    names = list(dict.fromkeys(n for st, _, _ in pieces for n in st))
+    for name in names:
+        vals = [(st[name], place, shape) for st, place, shape in pieces if name in st]
+        v0, _, shape0 = vals[0]
+        if isinstance(v0, torch.Tensor) and v0.dim() > 0 and tuple(v0.shape) == shape0:
+            lv = live.get(name)
+            target = local_tensor(lv) if isinstance(lv, torch.Tensor) else None
+            if target is None or tuple(target.shape) != tuple(p_local) or target.dtype != v0.dtype:
+                lv = None
+                target = torch.zeros(p_local, dtype=v0.dtype, device=local_tensor(p).device)
+            for v, place, _ in vals:
+                src, src_off, _ = _saved_box(v, place)
+                _copy_box(target, p_off, src, src_off)
+            if lv is not None:
+                out[name] = lv
+            elif is_dtensor(p):
+                from torch.distributed.tensor import DTensor
+                out[name] = DTensor.from_local(target, p.device_mesh, p.placements, run_check=False,
+                                               shape=p.shape, stride=p.stride())
+            else:
+                out[name] = target
+        elif isinstance(v0, torch.Tensor):
+            if v0.numel() == 1 and len(vals) > 1:
+                v0 = max((v for v, _, _ in vals), key=lambda t: float(t.item()))
+            out[name] = _scalar_like(v0, p, group)
+        else:
+            out[name] = v0
+    return out
+
+
+def _apply(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, trees: Iterable[Mapping[str, Any]],
+           *, full: bool, groups: list[dict[str, Any]] | None = None) -> list[str]:
+    current = model.state_dict(keep_vars=True)
+    params = dict(model.named_parameters())
+    covered: dict[str, int] = defaultdict(int)
+    pieces: dict[str, list[tuple[dict[str, Any], Any, tuple[int, ...] | None]]] = defaultdict(list)
+    restored: set[str] = set()
+    with torch.no_grad():
+        for tree in trees:
+            place = tree.get("place", {})
+            model_part = tree.get("model", {})
+            for key, value in model_part.items():
+                if key not in current:
+                    raise KeyError(f"checkpoint has {key!r}, which the model does not")
+                if isinstance(value, torch.Tensor) and isinstance(current[key], torch.Tensor):
+                    covered[key] += _copy_piece(key, current[key], value, place.get(key))
+                restored.add(key)
+            for key, st in tree.get("optimizer", {}).get("state", {}).items():
+                shape = tuple(model_part[key].shape) if key in model_part else None
+                pieces[key].append((st, place.get(key), shape))
+        missing = sorted(k for k, v in current.items() if isinstance(v, torch.Tensor)
+                         and covered.get(k, 0) < local_tensor(v).numel())
+        if optimizer is None:
+            return missing
+        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        if full and groups is not None:
+            if len(groups) != len(optimizer.param_groups):
+                raise ValueError(f"checkpoint has {len(groups)} optimizer param groups, "
+                                 f"the optimizer {len(optimizer.param_groups)}")
+            for g_live, g_saved in zip(optimizer.param_groups, groups):
+                g_live.update({k: v for k, v in g_saved.items() if k != "params"})
+        live = {p: dict(optimizer.state.get(p, {})) for p in params.values()}
+        if full:
+            optimizer.state.clear()
+        for key in restored:
+            p = params.get(key)
+            if p is None:
+                continue
+            if key in pieces:
+                optimizer.state[p] = _assemble_state(key, p, pieces[key], live[p], group_of.get(id(p)))
+            elif not full:
+                optimizer.state.pop(p, None)
+    return missing
+
+
 def apply_partial(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                   trees: Iterable[Mapping[str, Any]]) -> None:
     """Copy some units into the model and set their parameters' optimizer state, leaving
-    every other parameter and its optimizer state as it is."""
-    current = model.state_dict(keep_vars=True)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for tree in trees:
-            _copy_model(current, tree)
-            if optimizer is None:
-                continue
-            for key in tree.get("model", {}):
-                p = params.get(key)
-                if p is not None:
-                    optimizer.state.pop(p, None)
-            for key, st in tree.get("optimizer", {}).get("state", {}).items():
-                p = params.get(key)
-                if p is not None:
-                    optimizer.state[p] = {k: (v.detach().clone().to(p.device) if isinstance(v, torch.Tensor) and v.dim() > 0
-                                              else (v.detach().clone() if isinstance(v, torch.Tensor) else v))
-                                          for k, v in st.items()}
+    every other parameter (and, for fused tensors, every other expert's rows) as it is."""
+    _apply(model, optimizer, trees, full=False)
 
 
 def apply_units(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                 trees: Iterable[Mapping[str, Any]], groups: list[dict[str, Any]] | None) -> list[str]:
-    """Copy unit trees into the model (in place) and the optimizer; return missing keys."""
-    current = model.state_dict(keep_vars=True)
-    seen: set[str] = set()
-    opt_by_name: dict[str, dict[str, Any]] = {}
-    with torch.no_grad():
-        for tree in trees:
-            seen.update(_copy_model(current, tree))
-            opt_by_name.update(tree.get("optimizer", {}).get("state", {}))
-    if optimizer is not None and groups is not None:
-        names = _param_names(model)
-        index: dict[str, int] = {}
-        for g in optimizer.param_groups:
-            for p in g["params"]:
-                index[names[id(p)]] = len(index)
-        sd_groups = []
-        for g_live, g_saved in zip(optimizer.param_groups, groups):
-            entry = {k: v for k, v in g_saved.items() if k != "params"}
-            entry["params"] = [index[names[id(p)]] for p in g_live["params"]]
-            sd_groups.append(entry)
-        if len(sd_groups) != len(optimizer.param_groups):
-            raise ValueError(f"checkpoint has {len(groups)} optimizer param groups, the optimizer {len(optimizer.param_groups)}")
-        state = {index[n]: s for n, s in opt_by_name.items() if n in index}
-        optimizer.load_state_dict({"state": state, "param_groups": sd_groups})
-    return sorted(set(current) - seen)
+    """Copy unit trees into the model (in place) and rebuild the optimizer's state from
+    them; return the keys of the model no saved piece covered."""
+    return _apply(model, optimizer, trees, full=True, groups=groups)
