@@ -287,9 +287,8 @@ def _apply(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, tree
         live = {p: dict(optimizer.state.get(p, {})) for p in params.values()}
         if full:
             optimizer.state.clear()
-        for key in restored:
-            p = params.get(key)
-            if p is None:
+        for key, p in params.items():     # parameter order: the same on every rank
+            if key not in restored:
                 continue
             if key in pieces:
                 optimizer.state[p] = _assemble_state(key, p, pieces[key], live[p], group_of.get(id(p)))

@@ -278,3 +278,31 @@ def test_snapshot_failures_raise_instead_of_exiting_quietly(tmp_path):
             ckpt2.wait()
             ckpt2._fill = failing_fill
             ckpt2.step(1)
+
+
+# -- DTensor: FSDP2, expert parallel, both; restore onto other shardings -----------------
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("kind,shard,world,restore_shard,restore_world", [
+    ("qwen3_moe", "fsdp", 2, "fsdp", 2),          # same sharding: memory snapshots
+    ("qwen3_moe", "fsdp", 2, "none", 1),          # FSDP2 -> one plain process
+    ("mixtral", "none", 1, "fsdp", 2),            # plain -> FSDP2
+    ("torchtitan", "fsdp", 4, "fsdp", 2),         # FSDP 4 -> 2
+    ("torchtitan", "ep", 2, "none", 1),           # EP Shard(0) -> plain
+    ("torchtitan", "fsdp_ep", 4, "ep", 2),        # FSDP x EP (2 x 2) -> EP 2
+], ids=["fsdp2-2to2", "fsdp2-2to1", "plain-1to2", "fsdp2-4to2", "ep-2to1", "fsdpxep-4to2ep"])
+def test_sharded_jobs_save_local_shards_and_reshard_on_restore(tmp_path, kind, shard, world, restore_shard,
+                                                               restore_world):
+    run = _train_and_restore(tmp_path, kind, shard=shard, world=world, restore_shard=restore_shard,
+                             restore_world=restore_world)
+    _check_against_ground_truth(kind, run)
+    names = run["info"]["sources"]
+    if shard in ("fsdp", "fsdp_ep"):
+        # Each rank wrote its own shard: module units come in pieces, and no piece is the
+        # whole module (nothing was gathered).
+        assert any("#p" in n for n in names if n.startswith("module/"))
+    if shard == "fsdp" and restore_shard == shard and restore_world == world:
+        assert any(level == "snapshot" for _, level in names.values()), "same sharding restores from memory"
+    cs = CheckpointStore(open_store(run["store"]))
+    m = cs.read_manifest(cs.steps()[-1])
+    writers = {c.key.rsplit("/", 1)[-1].split(".")[0] for r in m.units.values() for c in r.chunks}
+    assert writers == {f"r{r}" for r in range(world)}, "every rank writes what it holds"
