@@ -451,13 +451,23 @@ class CheckpointStore:
 
     # -- export --------------------------------------------------------------------------
     def export(self, step: int | None = None, *, progress: Progress | None = None) -> dict[str, Any]:
-        """One consolidated state dict: every unit's tree deep-merged (weights_only-loadable)."""
-        result = self.load(step, progress=progress)
-        merged: dict[str, Any] = {}
-        for name in sorted(result.units):
-            _merge(merged, result.units[name], name)
-        merged["moc"] = {"step": result.step, "versions": result.versions}
-        return merged
+        """One consolidated state dict under the model's own names (fused expert tensors
+        and DTensor shards put back together): ``{"model", "optimizer": {"state",
+        "param_groups"}, "extra", "moc"}``, loadable with ``torch.load(weights_only=True)``."""
+        from ._export import iter_state
+
+        out: dict[str, Any] = {"model": {}, "optimizer": {"state": {}, "param_groups": []}, "extra": {}}
+        for kind, part in iter_state(self, step, progress=progress):
+            if kind == "model":
+                out["model"].update(part)
+            elif kind == "optimizer":
+                out["optimizer"]["state"].update(part)
+            elif kind == "extra":
+                out["extra"] = part
+                out["optimizer"]["param_groups"] = part.get("optimizer_groups", [])
+            else:
+                out["moc"] = {"step": part["step"], "versions": part["versions"]}
+        return out
 
 
 def _merge(dst: dict[str, Any], src: Any, unit: str, path: str = "") -> None:

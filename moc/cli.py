@@ -2,7 +2,7 @@
 
     moc inspect URL [--step N] [--json]
     moc verify  URL [--step N]
-    moc export  URL [--step N] -o FILE
+    moc export  URL [--step N] [--format torch|safetensors|dcp] -o OUT [--max-shard-size 5GB] [--hf-config F]
 
 URL is a path, file://, s3://BUCKET/PREFIX (credentials and endpoint from the AWS_*
 environment variables or --endpoint-url) or memory://. Errors print one line and exit 2;
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any, Sequence
@@ -138,13 +139,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    import torch
+    from ._export import export_dcp, export_safetensors, export_torch, parse_size
 
+    max_shard = parse_size(args.max_shard_size)
+    if args.hf_config is not None and not os.path.isfile(args.hf_config):
+        raise FileNotFoundError(f"--hf-config {args.hf_config} does not exist")
+    if args.hf_config is not None and args.format != "safetensors":
+        raise ValueError("--hf-config goes with --format safetensors")
     cs = _open(args)
-    state = cs.export(args.step, progress=_Progress("export"))
-    torch.save(state, args.output)
-    n = sum(1 for _ in _tensors(state))
-    print(f"exported step {state['moc']['step']} ({n} tensors) to {args.output}")
+    bar = _Progress("export")
+    if args.format == "torch":
+        info = export_torch(cs, args.output, args.step, progress=bar)
+    elif args.format == "safetensors":
+        info = export_safetensors(cs, args.output, args.step, max_shard_size=max_shard, hf_config=args.hf_config,
+                                  progress=bar)
+    else:
+        info = export_dcp(cs, args.output, args.step, progress=bar)
+    print(f"exported step {info['step']} ({info['tensors']} tensors, {args.format}) to {args.output}")
     return 0
 
 
@@ -177,9 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="re-read every object and check its checksum")
     common(p)
     p.set_defaults(func=cmd_verify)
-    p = sub.add_parser("export", help="write one consolidated state dict (torch.load(weights_only=True))")
+    p = sub.add_parser("export", help="write the model (and optimizer) in torch, safetensors or DCP format")
     common(p)
-    p.add_argument("-o", "--output", required=True, help="output file")
+    p.add_argument("-o", "--output", required=True, help="output file (torch) or folder (safetensors, dcp)")
+    p.add_argument("--format", default="torch", choices=["torch", "safetensors", "dcp"],
+                   help="torch: one torch.load(weights_only=True) file; safetensors: from_pretrained-loadable "
+                        "folder; dcp: torch.distributed.checkpoint folder")
+    p.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (e.g. 500MB, 5GB)")
+    p.add_argument("--hf-config", default=None, help="config.json copied next to the safetensors files")
     p.set_defaults(func=cmd_export)
     return ap
 
