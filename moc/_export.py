@@ -126,8 +126,8 @@ def iter_state(cs: CheckpointStore, step: int | None = None, *, optimizer: bool 
     yield "moc", {"step": manifest.step, "versions": versions, "meta": manifest.meta}
 
 
-def export_torch(cs: CheckpointStore, out: str, step: int | None = None, *,
-                 progress: Progress | None = None) -> dict[str, Any]:
+def _collect(cs: CheckpointStore, step: int | None, progress: Progress | None):
+    """(model state dict, optimizer state by name, extra tree, moc info) of a whole step."""
     model: dict[str, Any] = {}
     state: dict[str, Any] = {}
     extra: dict[str, Any] = {}
@@ -141,6 +141,12 @@ def export_torch(cs: CheckpointStore, out: str, step: int | None = None, *,
             extra = part
         else:
             info = part
+    return model, state, extra, info
+
+
+def export_torch(cs: CheckpointStore, out: str, step: int | None = None, *,
+                 progress: Progress | None = None) -> dict[str, Any]:
+    model, state, extra, info = _collect(cs, step, progress)
     groups = extra.get("optimizer_groups", [])
     result = {"model": model, "optimizer": {"state": state, "param_groups": groups}, "extra": extra,
               "moc": {"step": info["step"], "versions": info["versions"]}}
@@ -201,19 +207,7 @@ def export_dcp(cs: CheckpointStore, out_dir: str, step: int | None = None, *,
                progress: Progress | None = None) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    model: dict[str, Any] = {}
-    state: dict[str, Any] = {}
-    extra: dict[str, Any] = {}
-    info: dict[str, Any] = {}
-    for kind, part in iter_state(cs, step, progress=progress):
-        if kind == "model":
-            model.update(part)
-        elif kind == "optimizer":
-            state.update(part)
-        elif kind == "extra":
-            extra = part
-        else:
-            info = part
+    model, state, extra, info = _collect(cs, step, progress)
     groups = [dict(g) for g in extra.get("optimizer_groups", [])]
     for g in groups:   # JSON-decoded tuples (betas) stay tuples; DCP keeps scalars as bytes
         g["params"] = list(g.get("params", []))
