@@ -61,6 +61,7 @@ class _Worker:
         self.ready = False
         self.step: int | None = None
         self.killed = False  # stopped on purpose (evict / shutdown / leave timeout)
+        self.done = False    # reported that training finished; never killed after that
 
     @property
     def alive(self) -> bool:
@@ -201,6 +202,12 @@ class Agent:
                 msg = await read_frame(reader, secret, limit)
                 await self._on_controller(msg)
         except (ConnectionClosed, ConnectionError, ProtocolError, OSError) as exc:
+            wk = self._worker
+            if wk is not None and wk.done and wk.alive and self._exit is not None and not self._exit.done():
+                log.info("agent %s: controller gone (%s) after the worker finished; waiting for it to exit",
+                         self.node_id, exc)
+                self._spawn_task(self._await_finished_worker(wk))
+                return
             if self._exit is not None and not self._exit.done():
                 log.error("agent %s: lost the controller connection (%s); stopping the worker",
                           self.node_id, exc)
@@ -244,6 +251,18 @@ class Agent:
                      plan.get("generation"))
             return
         self._to_worker(plan)
+
+    async def _await_finished_worker(self, wk: _Worker) -> None:
+        """A worker that reported done runs its own code to the end (exports, digests):
+        wait up to ``exit_grace`` and exit with its code."""
+        try:
+            rc = await asyncio.wait_for(asyncio.shield(wk.proc.wait()), self.config.exit_grace.total_seconds())
+        except asyncio.TimeoutError:
+            log.error("agent %s: finished worker still running after %s; stopping it", self.node_id,
+                      self.config.exit_grace)
+            self._finish(EXIT_CONTROLLER_LOST)
+            return
+        self._finish(EXIT_OK if rc == 0 else EXIT_FAILED)
 
     async def _shutdown_deadline(self, wk: _Worker) -> None:
         try:
@@ -306,6 +325,8 @@ class Agent:
                     continue
                 if kind == "progress" and isinstance(msg.get("step"), int):
                     wk.step = msg["step"]
+                if kind == "done":
+                    wk.done = True
                 self._to_controller({"type": "worker", "node": self.node_id, "msg": msg})
         except ProtocolError as exc:
             log.warning("agent %s: bad frame from worker %d (%s); closing its channel",

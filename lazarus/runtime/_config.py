@@ -175,6 +175,8 @@ class AgentConfig:
         connect_timeout: give up connecting to the controller after this long.
         leave_timeout: after SIGTERM, how long to wait for the hand-over before giving up.
         stop_timeout: how long a stopped worker may take to exit before it is killed.
+        exit_grace: how long a worker that reported done may take to exit (its code after
+            ``trainer.run()``) when the controller goes away; it is never killed before.
         max_message_bytes: largest accepted message body.
     """
 
@@ -193,6 +195,7 @@ class AgentConfig:
     connect_timeout: timedelta = timedelta(seconds=30)
     leave_timeout: timedelta = timedelta(seconds=60)
     stop_timeout: timedelta = timedelta(seconds=10)
+    exit_grace: timedelta = timedelta(minutes=5)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
     def __post_init__(self) -> None:
@@ -215,6 +218,7 @@ class AgentConfig:
         _check_td("connect_timeout", self.connect_timeout)
         _check_td("leave_timeout", self.leave_timeout)
         _check_td("stop_timeout", self.stop_timeout)
+        _check_td("exit_grace", self.exit_grace)
         _check_int("max_message_bytes", self.max_message_bytes, 256, 1 << 30)
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", str(self.job)):
             raise ValueError(f"job must be 1-64 characters from [A-Za-z0-9_.-], got {self.job!r}")
