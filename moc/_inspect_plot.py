@@ -78,8 +78,7 @@ def write_heatmap(m: Manifest, path: str, *, url: str = "") -> dict[str, int]:
 
     ax = fig.add_axes(box(LEFT, geo["map_w"]))
     data = np.ma.masked_invalid(np.array(ages, dtype=float))
-    cmap = matplotlib.colormaps["viridis"].copy()
-    cmap.set_bad("#d0d0d0")
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#d0d0d0")
     vmax = max(1.0, float(data.max()) if data.count() else 1.0)
     im = ax.imshow(data, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=vmax)
     n_layers, n_experts = data.shape
