@@ -183,7 +183,7 @@ def _sources(mgr: CheckpointManager) -> dict[str, tuple[str, int]]:
 
 
 @pytest.mark.parametrize("damage", ["intact", "torn"])
-def test_memory_preview_is_what_restore_does(run_copy, tmp_path, damage):
+def test_memory_preview_is_what_restore_does(run_copy, tmp_path, capsys, damage):
     store, shm = run_copy
     folder = shm / "rank0"
     headers = {int(p.name[3]): json.loads(p.read_text()) for p in folder.glob("buf?.json")}
@@ -202,11 +202,14 @@ def test_memory_preview_is_what_restore_does(run_copy, tmp_path, damage):
     agent = tmp_path / "agent"
     shutil.copytree(folder, agent / "n0" / "worker0")
 
-    reports = {}
-    for where in (shm, folder, agent):
-        res = run_cli("inspect", str(store), "--memory", str(where), "--json")
-        assert res.returncode == 0, res.stderr
-        reports[where] = json.loads(res.stdout)["memory"]
+    # The per-rank parent in a fresh process (the CLI as a user runs it), the rank's own
+    # folder and the agent layout in this one.
+    res = run_cli("inspect", str(store), "--memory", str(shm), "--json")
+    assert res.returncode == 0, res.stderr
+    reports = {shm: json.loads(res.stdout)["memory"]}
+    for where in (folder, agent):
+        assert main(["inspect", str(store), "--memory", str(where), "--json"]) == 0
+        reports[where] = json.loads(capsys.readouterr().out)["memory"]
     rep = reports[shm]
 
     def choices(r):  # folder names differ between the three views; the choices must not
@@ -222,8 +225,10 @@ def test_memory_preview_is_what_restore_does(run_copy, tmp_path, damage):
         notes = {b["buffer"]: b["note"] for b in rep["buffers"]}
         assert "checksum" in notes[newest] and "no process maps it" in notes[oldest]
 
-    text = run_cli("inspect", str(store), "--memory", str(shm))
-    assert text.returncode == 0 and len(text.stdout.splitlines()) < 80
+    assert main(["inspect", str(store), "--memory", str(shm)]) == 0
+    text = capsys.readouterr().out
+    assert len(text.splitlines()) < 80
+    assert f"restore() takes step {rep['plan']['step']} from" in text
 
     mgr, start = fresh_restore(store, shm)
     try:
@@ -283,11 +288,19 @@ def test_memory_without_buffers_plans_from_storage(run_copy, tmp_path, capsys):
     (["--png", "{tmp}/x.jpg"], "--png {tmp}/x.jpg: the file name must end in .png"),
     (["--memory", "{tmp}", "--step", "16"], "--step cannot be combined with --memory"),
 ])
-def test_bad_paths_give_one_line_and_exit_2(run_copy, tmp_path, extra, fragment):
+def test_bad_paths_give_one_line_and_exit_2(run_copy, tmp_path, capsys, extra, fragment):
     store, _ = run_copy
     (tmp_path / "afile").write_text("x")
-    res = run_cli("inspect", str(store), *[a.format(tmp=tmp_path) for a in extra])
-    assert res.returncode == 2
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and fragment.format(tmp=tmp_path) in lines[0] and "Traceback" not in res.stderr
+    assert main(["inspect", str(store), *[a.format(tmp=tmp_path) for a in extra]]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert captured.out == ""
+    assert len(lines) == 1 and lines[0].startswith("moc inspect: error: ") and fragment.format(tmp=tmp_path) in lines[0]
     assert not (tmp_path / "x.jpg").exists()
+
+
+def test_bad_memory_path_from_the_command_line(run_copy, tmp_path):
+    store, _ = run_copy
+    res = run_cli("inspect", str(store), "--memory", str(tmp_path / "gone"))
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip() == f"moc inspect: error: --memory {tmp_path / 'gone'}: no such directory"
