@@ -22,7 +22,7 @@ from storage_backends import open_store
 from ._ckpt_store import CheckpointStore
 from ._format import Manifest
 from ._inspect import format_summary, format_units, header_lines, human, summarize
-from ._inspect_memory import find_folders
+from ._inspect_memory import find_folders, format_memory, memory_report
 
 __all__ = ["main", "summarize"]
 
@@ -70,27 +70,20 @@ def _pick(cs: CheckpointStore, step: int | None) -> Manifest:
 def cmd_inspect(args: argparse.Namespace) -> int:
     if args.memory is not None and args.step is not None:
         raise ValueError("--step cannot be combined with --memory: restore() always starts from the newest step")
-    cs = _open(args)
-    memory = None
     if args.memory is not None:
-        from ._inspect_memory import memory_report
-
-        find_folders(args.memory)  # a bad --memory path fails before anything is read
-        manifest = cs.latest_manifest()
-        memory = memory_report(args.memory, manifest)
-        if manifest is None:
-            info = None
-        else:
-            info = summarize(cs, manifest)
-    else:
-        info = summarize(cs, _pick(cs, args.step))
+        find_folders(args.memory)  # a bad --memory path fails before the store is read
+    cs = _open(args)
+    # --memory previews a restore, which starts from the newest readable manifest.
+    manifest = cs.latest_manifest() if args.memory is not None else _pick(cs, args.step)
+    info = summarize(cs, manifest) if manifest is not None else None
+    memory = memory_report(args.memory, manifest) if args.memory is not None else None
     png = None
     if args.png is not None:
-        if info is None:
-            raise FileNotFoundError(f"no committed checkpoint in {cs.store.url}: nothing to plot for --png")
-        from ._inspect_plot import write_heatmap
+        if manifest is None:
+            raise FileNotFoundError(f"--png: no committed checkpoint in {cs.store.url} to plot")
+        from ._inspect_plot import write_heatmap  # matplotlib only when asked for
 
-        png = write_heatmap(cs.read_manifest(info["step"]), args.png, url=info["url"])
+        png = write_heatmap(manifest, args.png, url=cs.store.url)
     if args.json:
         out = dict(info or {"url": cs.store.url, "steps": cs.steps()})
         if memory is not None:
@@ -100,8 +93,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
         return 0
     if memory is not None:
-        from ._inspect_memory import format_memory
-
         lines = ([] if info is None else header_lines(info)) + format_memory(memory)
     elif args.units:
         lines = format_units(info)
