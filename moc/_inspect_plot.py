@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
 
 from ._format import Manifest
 from ._inspect import layer_labels, layer_summary, natural_key
