@@ -222,7 +222,7 @@ def format_summary(info: dict[str, Any], max_rows: int = MAX_ROWS) -> list[str]:
     out.append(f"non-expert  {ne['modules']} modules + {ne['extra']} extra state, {human(ne['nbytes'])} raw, "
                f"{human(ne['stored_nbytes'])} stored, version step {_span(ne['version_steps'])}")
     out.append("age: steps since an expert's saved version; PLT: tokens lost by past recoveries / tokens")
-    out.append("processed; unsaved tok: tokens routed since the saved versions (a restore from this step loses them)")
+    out.append("processed; unsaved tok: tokens routed since the saved versions (a restore from here loses them)")
     return out
 
 
