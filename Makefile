@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: test demo demo-moc bench bench-store bench-placement bench-dispatch bench-moc bench-simulate bench-runtime install clean
+.PHONY: test demo demo-moc docs-heatmap bench bench-store bench-placement bench-dispatch bench-moc bench-simulate bench-runtime install clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,9 @@ demo: $(STAMP)
 
 demo-moc: $(STAMP)
 	$(VPY) -m moc.demo --dir runs/demo
+
+docs-heatmap: $(STAMP)
+	$(VPY) docs/make_inspect_heatmap.py --dir runs/inspect-heatmap -o docs/inspect_heatmap.png
 
 bench: bench-store bench-placement bench-dispatch bench-moc bench-simulate bench-runtime
 

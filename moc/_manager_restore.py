@@ -13,7 +13,8 @@ import xxhash
 from ._buffers import read_headers
 from ._codec import TensorMeta, decode_tree, unit_buffer
 from ._format import manifest_key
-from ._restore import MemoryPiece, RestorePlan, plan_restore, plan_units
+from ._restore import (MemoryPiece, RestorePlan, manifest_inventory, module_units_of, plan_restore, plan_units,
+                       restore_snapshots)
 from ._snapshot_reader import SnapshotMaps
 from ._units import apply_partial, apply_units, local_box, own_tree, parse_expert, restore_rng, unit_base
 
@@ -49,11 +50,7 @@ class RestoreMixin:
         manifest = self.store.latest_manifest()
         local = [h for h in self.snapshot_headers() if h.get("run") == self.run_id]
         everyone = [h for hs in self.comm.gather_json(local) for h in hs]
-        manifest_dict = None
-        if manifest is not None:
-            manifest_dict = {"step": manifest.step, "plt": manifest.plt, "meta": manifest.meta,
-                             "units": {n: {"step": r.step} for n, r in manifest.units.items()}}
-        plan = plan_units(everyone, manifest_dict, names)
+        plan = plan_units(everyone, manifest_inventory(manifest), names)
         trees, _ = self._gather_units(plan, manifest, self._needs())
         # apply_partial copies everything it keeps (model values and optimizer state), so
         # trees that view the snapshot maps need no copy of their own here.
@@ -93,26 +90,12 @@ class RestoreMixin:
         """
         self._wait_snapshot()
         manifest = self.store.latest_manifest()
-        local = []
-        if manifest is not None:
-            run = manifest.meta.get("run_id")
-            # Snapshots of this job only; older ones than the manifest still help experts
-            # whose stored version is older than the snapshot.
-            local = [h for h in self.snapshot_headers() if h.get("run") == run]
+        # Snapshots of this job only; older ones than the manifest still help experts
+        # whose stored version is older than the snapshot. ``moc inspect --memory`` plans
+        # with the same three helpers, so what it reports is what this does.
+        local = restore_snapshots(self.snapshot_headers(), manifest)
         everyone = [h for hs in self.comm.gather_json(local) for h in hs]
-        manifest_dict = None
-        if manifest is not None:
-            manifest_dict = {"step": manifest.step, "plt": manifest.plt, "meta": manifest.meta,
-                             "units": {n: {"step": r.step} for n, r in manifest.units.items()}}
-        modules = sorted(n for n in self.holders if not n.startswith(("expert/", "extra/")))
-        if manifest is not None:
-            # Saved under another sharding (world size, FSDP / EP degree), module pieces
-            # carry other names: the saved ones are what a complete step must hold.
-            bases = {unit_base(n) for n in modules}
-            saved = sorted(n for n, r in manifest.units.items() if r.kind == "module" and unit_base(n) in bases)
-            if {unit_base(n) for n in saved} == bases:
-                modules = saved
-        plan = plan_restore(everyone, manifest_dict, modules)
+        plan = plan_restore(everyone, manifest_inventory(manifest), module_units_of(list(self.holders), manifest))
         if plan is None:
             log.info("rank %d: nothing to restore from %s; starting at step 0", self.rank, self.store.store.url)
             return 0

@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-__all__ = ["Source", "RestorePlan", "plan_restore", "plan_units", "MemoryPiece"]
+__all__ = ["Source", "RestorePlan", "plan_restore", "plan_units", "MemoryPiece", "manifest_inventory",
+           "restore_snapshots", "module_units_of"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,38 @@ class RestorePlan:
     sources: dict[str, Source]
     plt: dict[str, Any]                          # tracker state at S
     meta: dict[str, Any]                         # manager metadata at S (K values, counters)
+
+
+def manifest_inventory(manifest: Any) -> dict[str, Any] | None:
+    """What the planner needs of a :class:`moc._format.Manifest` (None stays None)."""
+    if manifest is None:
+        return None
+    return {"step": manifest.step, "plt": manifest.plt, "meta": manifest.meta,
+            "units": {n: {"step": r.step} for n, r in manifest.units.items()}}
+
+
+def restore_snapshots(headers: Sequence[Mapping[str, Any]], manifest: Any) -> list[Mapping[str, Any]]:
+    """The snapshot headers a full ``restore()`` considers: those of the job that wrote
+    the newest manifest (none at all when storage has no manifest)."""
+    if manifest is None:
+        return []
+    run = manifest.meta.get("run_id")
+    return [h for h in headers if h.get("run") == run]
+
+
+def module_units_of(names: Sequence[str], manifest: Any = None) -> list[str]:
+    """The non-expert module units among unit names (the restore step must hold them all).
+
+    With a manifest saved under another sharding (world size, FSDP / EP degree), module
+    pieces carry other names (``#p...`` suffixes): the saved ones are then what a complete
+    step must hold, when they cover the same modules."""
+    modules = sorted(n for n in names if not n.startswith(("expert/", "extra/")))
+    if manifest is not None:
+        bases = {n.split("#", 1)[0] for n in modules}
+        saved = sorted(n for n, r in manifest.units.items() if r.kind == "module" and n.split("#", 1)[0] in bases)
+        if {n.split("#", 1)[0] for n in saved} == bases:
+            return saved
+    return modules
 
 
 def _cover(pieces: list[MemoryPiece], nbytes: int) -> list[MemoryPiece] | None:

@@ -1,6 +1,6 @@
 """``moc`` command line: inspect, verify and export checkpoints.
 
-    moc inspect URL [--step N] [--json]
+    moc inspect URL [--step N] [--units] [--png FILE] [--memory DIR] [--json]
     moc verify  URL [--step N]
     moc export  URL [--step N] [--format torch|safetensors|dcp] -o OUT [--max-shard-size 5GB] [--hf-config F]
 
@@ -22,16 +22,10 @@ from storage_backends import open_store
 
 from ._ckpt_store import CheckpointStore
 from ._format import Manifest
+from ._inspect import format_summary, format_units, header_lines, human, summarize
+from ._inspect_memory import find_folders, format_memory, memory_report
 
-__all__ = ["main"]
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+__all__ = ["main", "summarize"]
 
 
 class _Progress:
@@ -49,7 +43,7 @@ class _Progress:
         self.last = now
         frac = done / total if total else 1.0
         bar = "#" * int(frac * 30)
-        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:6.1%} {_human(done)}/{_human(total)}")
+        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:6.1%} {human(done)}/{human(total)}")
         if done >= total:
             sys.stderr.write("\n")
         sys.stderr.flush()
@@ -74,50 +68,40 @@ def _pick(cs: CheckpointStore, step: int | None) -> Manifest:
     return manifest
 
 
-def summarize(cs: CheckpointStore, m: Manifest) -> dict[str, Any]:
-    units = []
-    for name, rec in sorted(m.units.items()):
-        units.append({"name": name, "kind": rec.kind, "version_step": rec.step, "age": m.step - rec.step,
-                      "nbytes": rec.nbytes, "stored_nbytes": rec.stored_nbytes,
-                      "codec": sorted({c.codec for c in rec.chunks})})
-    layers = {layer: {"experts": list(recs), "version_steps": [r.step for r in recs.values()],
-                      "ages": [m.step - r.step for r in recs.values()]}
-              for layer, recs in m.layers().items()}
-    saved_now = [u for u in units if u["version_step"] == m.step]
-    return {
-        "url": cs.store.url, "steps": cs.steps(), "step": m.step, "format_version": m.format_version,
-        "created_at": m.created_at,
-        "nbytes": sum(u["nbytes"] for u in units), "stored_nbytes": sum(u["stored_nbytes"] for u in units),
-        "saved_at_step_nbytes": sum(u["nbytes"] for u in saved_now),
-        "units": units, "layers": layers, "plt": m.plt, "meta": m.meta,
-    }
-
-
 def cmd_inspect(args: argparse.Namespace) -> int:
+    if args.memory is not None and args.step is not None:
+        raise ValueError("--step cannot be combined with --memory: restore() always starts from the newest step")
+    if args.memory is not None:
+        find_folders(args.memory)  # a bad --memory path fails before the store is read
     cs = _open(args)
-    info = summarize(cs, _pick(cs, args.step))
+    # --memory previews a restore, which starts from the newest readable manifest.
+    manifest = cs.latest_manifest() if args.memory is not None else _pick(cs, args.step)
+    info = summarize(cs, manifest) if manifest is not None else None
+    memory = memory_report(args.memory, manifest) if args.memory is not None else None
+    png = None
+    if args.png is not None:
+        if manifest is None:
+            raise FileNotFoundError(f"--png: no committed checkpoint in {cs.store.url} to plot")
+        from ._inspect_plot import write_heatmap  # matplotlib only when asked for
+
+        png = write_heatmap(manifest, args.png, url=cs.store.url)
     if args.json:
-        print(json.dumps(info, indent=2))
+        out = dict(info or {"url": cs.store.url, "steps": cs.steps()})
+        if memory is not None:
+            out["memory"] = memory
+        if png is not None:
+            out["png"] = {"path": args.png, **png}
+        print(json.dumps(out, indent=2))
         return 0
-    print(f"store   {info['url']}")
-    print(f"steps   {', '.join(map(str, info['steps']))}")
-    print(f"step    {info['step']} (format_version {info['format_version']}, "
-          f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(info['created_at']))})")
-    print(f"size    {_human(info['nbytes'])} raw, {_human(info['stored_nbytes'])} stored; "
-          f"{_human(info['saved_at_step_nbytes'])} written at this step\n")
-    print(f"{'unit':<40}{'kind':<8}{'version':>8}{'age':>6}{'raw':>12}{'stored':>12}")
-    for u in info["units"]:
-        print(f"{u['name']:<40.40}{u['kind']:<8}{u['version_step']:>8}{u['age']:>6}"
-              f"{_human(u['nbytes']):>12}{_human(u['stored_nbytes']):>12}")
-    if info["layers"]:
-        print("\nexpert ages (steps since each expert's saved version):")
-        for layer, d in info["layers"].items():
-            print(f"  {layer}: " + " ".join(f"{e}:{a}" for e, a in zip(d["experts"], d["ages"])))
-    plt = info["plt"]
-    if plt:
-        lost = sum((plt.get("lost_tokens") or {}).values())
-        print(f"\nPLT {plt.get('value', 0.0):.4%} (lost tokens {lost}, tokens processed "
-              f"{plt.get('total_tokens', 0)}, top_k {plt.get('top_k', 1)})")
+    if memory is not None:
+        lines = ([] if info is None else header_lines(info)) + format_memory(memory)
+    elif args.units:
+        lines = format_units(info)
+    else:
+        lines = format_summary(info)
+    print("\n".join(lines))
+    if png is not None:
+        print(f"heatmap  {args.png} ({png['width']} x {png['height']} px)")
     return 0
 
 
@@ -181,9 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--step", type=int, default=None, help="step to use (default: newest)")
         p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: $AWS_ENDPOINT_URL)")
 
-    p = sub.add_parser("inspect", help="steps, units, sizes, expert ages and PLT")
+    p = sub.add_parser("inspect", help="per-layer summary of expert ages, sizes and PLT; --units, --png, --memory")
     common(p)
-    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--json", action="store_true", help="print everything as JSON (the summary under 'summary')")
+    p.add_argument("--units", action="store_true", help="one line per unit instead of the per-layer summary")
+    p.add_argument("--png", metavar="FILE", default=None,
+                   help="write a heatmap of expert ages (layers x experts) with PLT per layer")
+    p.add_argument("--memory", metavar="DIR", default=None,
+                   help="snapshot directory (e.g. /dev/shm/moc-<key>, one rank's folder, an agent's "
+                        "--snapshot-dir): its buffers and what restore() would take from memory or storage")
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("verify", help="re-read every object and check its checksum")
     common(p)

@@ -44,9 +44,9 @@ def test_inspect_json(ckpt_dir, capsys):
 
 
 def test_inspect_text_older_step(ckpt_dir, capsys):
-    assert main(["inspect", str(ckpt_dir), "--step", "10"]) == 0
+    assert main(["inspect", str(ckpt_dir), "--step", "10", "--units"]) == 0
     out = capsys.readouterr().out
-    assert "step    10" in out and "l0: 0:0 1:0 2:10 3:10" in out
+    assert "step     10" in out and "l0: 0:0 1:0 2:10 3:10" in out
 
 
 def test_verify_ok_then_corrupt_exits_1_naming_object(ckpt_dir):
