@@ -16,10 +16,11 @@ from __future__ import annotations
 import logging
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import xxhash
 
@@ -334,44 +335,67 @@ class CheckpointStore:
             raise FileNotFoundError(f"no committed checkpoint in {self.store.url}")
         wanted = list(manifest.units) if names is None else list(names)
         result = LoadResult(step=manifest.step, manifest=manifest, units={}, versions={})
+        total = sum(manifest.units[n].stored_nbytes for n in wanted if n in manifest.units)
+        done = 0
+        for name, tree, version in self.iter_units(manifest, wanted, fallback=fallback, window=len(wanted)):
+            rec = manifest.units[name]
+            done += rec.stored_nbytes
+            result.units[name] = tree
+            result.versions[name] = version
+            if version != rec.step:
+                result.fallbacks.append((name, rec.step, version))
+            if progress is not None:
+                progress(done, total)
+        return result
+
+    def iter_units(self, manifest: Manifest, names: Iterable[str], *, fallback: bool = True,
+                   window: int | None = None) -> Iterator[tuple[str, Any, int]]:
+        """``(name, tree, version step)`` of each named unit of ``manifest``, in order.
+
+        Reads run on ``read_concurrency`` threads with at most ``window`` units (default
+        ``read_concurrency``) read ahead of the consumer, so memory stays bounded while
+        streaming. Corrupt units fall back to older versions as in :meth:`load`.
+        """
+        wanted = list(names)
         missing = [n for n in wanted if n not in manifest.units]
         if missing:
             raise KeyError(f"units {missing[:5]} are not in step {manifest.step}")
-        total = sum(manifest.units[n].stored_nbytes for n in wanted)
-        done = 0
+        if not wanted:
+            return
+        ahead = max(1, window if window is not None else self.read_concurrency)
         pool = ThreadPoolExecutor(max(1, min(self.read_concurrency, len(wanted))), thread_name_prefix="moc-read")
         try:
-            reads = [pool.submit(self.read_unit, manifest.units[n]) for n in wanted]
-            for name, read in zip(wanted, reads):
+            reads: deque[Future] = deque()
+            queued = iter(wanted)
+            for name in wanted:
+                while len(reads) < ahead:
+                    nxt = next(queued, None)
+                    if nxt is None:
+                        break
+                    reads.append(pool.submit(self.read_unit, manifest.units[nxt]))
+                read = reads.popleft()
                 rec = manifest.units[name]
-                done += rec.stored_nbytes
                 try:
-                    result.units[name] = read.result()
-                    result.versions[name] = rec.step
+                    tree, version = read.result(), rec.step
                 except CorruptObjectError as exc:
                     if not fallback:
                         raise
-                    self._fall_back(result, name, rec, manifest.step, exc)
-                if progress is not None:
-                    progress(done, total)
+                    tree, version = self._fall_back(name, rec, manifest.step, exc)
+                yield name, tree, version
         finally:
             pool.shutdown(wait=True, cancel_futures=True)  # after an error: no reads left running
-        return result
 
-    def _fall_back(self, result: LoadResult, name: str, rec: UnitRecord, step: int, error: CorruptObjectError) -> None:
-        """Load the newest readable older version of unit ``name``, else raise ``error``."""
+    def _fall_back(self, name: str, rec: UnitRecord, step: int, error: CorruptObjectError) -> tuple[Any, int]:
+        """The newest readable older version of unit ``name`` and its step, else raise ``error``."""
         for older in self._older_versions(name, rec.step, step):
             try:
-                result.units[name] = self.read_unit(older)
+                tree = self.read_unit(older)
             except CorruptObjectError:
                 continue
-            result.versions[name] = older.step
-            result.fallbacks.append((name, rec.step, older.step))
             log.warning("unit %s: version of step %d is unreadable (%s); using step %d",
                         name, rec.step, error, older.step)
-            break
-        else:
-            raise error
+            return tree, older.step
+        raise error
 
     # -- verification --------------------------------------------------------------------
     def verify(self, step: int | None = None, *, progress: Progress | None = None) -> list[VerifyProblem]:
