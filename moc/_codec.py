@@ -25,6 +25,7 @@ __all__ = [
     "TensorMeta",
     "encode_tree",
     "decode_tree",
+    "meta_tree",
     "checksum",
     "compress",
     "decompress",
@@ -242,6 +243,24 @@ def decode_tree(skeleton: Any, tensors: list[TensorMeta], data: bytearray | byte
             return base[meta.offset: meta.offset + meta.nbytes].view(dtype).view(meta.shape)
         return torch.frombuffer(buf, dtype=dtype, count=numel, offset=meta.offset).view(meta.shape)
 
+    return _walk_skeleton(skeleton, tensor)
+
+
+def meta_tree(skeleton: Any, tensors: list[TensorMeta]) -> Any:
+    """The tree a unit decodes to, with tensors on the ``meta`` device (shapes and dtypes
+    only): what a unit holds, read from its manifest record without reading its bytes."""
+
+    def tensor(i: int) -> torch.Tensor:
+        meta = tensors[i]
+        dtype = DTYPES.get(meta.dtype)
+        if dtype is None:
+            raise ValueError(f"unknown dtype {meta.dtype!r} in checkpoint; known: {sorted(DTYPES)}")
+        return torch.empty(meta.shape, dtype=dtype, device="meta")
+
+    return _walk_skeleton(skeleton, tensor)
+
+
+def _walk_skeleton(skeleton: Any, tensor: Any) -> Any:
     def walk(node: Any) -> Any:
         if isinstance(node, dict):
             if "@t" in node:
