@@ -475,22 +475,10 @@ class CheckpointStore:
 
     # -- export --------------------------------------------------------------------------
     def export(self, step: int | None = None, *, progress: Progress | None = None) -> dict[str, Any]:
-        """One consolidated state dict: every unit's tree deep-merged (weights_only-loadable)."""
-        result = self.load(step, progress=progress)
-        merged: dict[str, Any] = {}
-        for name in sorted(result.units):
-            _merge(merged, result.units[name], name)
-        merged["moc"] = {"step": result.step, "versions": result.versions}
-        return merged
+        """The checkpoint as one in-memory state dict (weights_only-loadable): the model's
+        state dict with full tensors (fused experts and shards reassembled), the optimizer's
+        state by parameter name and its param groups, each rank's extra state, and
+        ``"moc": {"step", "versions"}``. ``moc export`` streams the same to a file."""
+        from ._export import export_state
 
-
-def _merge(dst: dict[str, Any], src: Any, unit: str, path: str = "") -> None:
-    if not isinstance(src, dict):
-        raise ValueError(f"unit {unit!r}: top level must be a dict to export, got {type(src).__name__}")
-    for k, v in src.items():
-        if k in dst and isinstance(dst[k], dict) and isinstance(v, dict):
-            _merge(dst[k], v, unit, f"{path}.{k}")
-        elif k in dst:
-            raise ValueError(f"unit {unit!r} redefines {path}.{k} already set by another unit")
-        else:
-            dst[k] = v
+        return export_state(self, step, progress=progress)
