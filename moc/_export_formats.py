@@ -28,6 +28,7 @@ import re
 import shutil
 import struct
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -260,7 +261,9 @@ def export_dcp(cs: CheckpointStore, out_dir: str, *, step: int | None = None,
     os.makedirs(out_dir, exist_ok=True)
     # One writer thread and no copy-ahead: DCP's serial loader asks for tensors in plan order.
     writer = dcp.FileSystemWriter(out_dir, thread_count=1, per_thread_copy_ahead=0)
-    dcp.save(sd, storage_writer=writer, planner=planner, no_dist=True)
+    with warnings.catch_warnings():   # single process is the intent here, not a fallback
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(sd, storage_writer=writer, planner=planner, no_dist=True)
     files = sorted(os.listdir(out_dir))
     return ExportResult("dcp", plan.manifest.step, out_dir, files, len(tensors),
                         sum(e.nbytes for e in tensors), stream.fallbacks)
