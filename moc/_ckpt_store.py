@@ -349,12 +349,13 @@ class CheckpointStore:
         return result
 
     def iter_units(self, manifest: Manifest, names: Iterable[str], *, fallback: bool = True,
-                   window: int | None = None) -> Iterator[tuple[str, Any, int]]:
+                   window: int | None = None, max_ahead_bytes: int | None = None) -> Iterator[tuple[str, Any, int]]:
         """``(name, tree, version step)`` of each named unit of ``manifest``, in order.
 
         Reads run on ``read_concurrency`` threads with at most ``window`` units (default
-        ``read_concurrency``) read ahead of the consumer, so memory stays bounded while
-        streaming. Corrupt units fall back to older versions as in :meth:`load`.
+        ``read_concurrency``) and, when given, ``max_ahead_bytes`` raw bytes (but always one
+        unit) read ahead of the consumer, so memory stays bounded while streaming. Corrupt
+        units fall back to older versions as in :meth:`load`.
         """
         wanted = list(names)
         missing = [n for n in wanted if n not in manifest.units]
@@ -365,15 +366,19 @@ class CheckpointStore:
         ahead = max(1, window if window is not None else self.read_concurrency)
         pool = ThreadPoolExecutor(max(1, min(self.read_concurrency, len(wanted))), thread_name_prefix="moc-read")
         try:
-            reads: deque[Future] = deque()
-            queued = iter(wanted)
+            reads: deque[tuple[Future, int]] = deque()
+            pending = 0
+            nxt = 0
             for name in wanted:
-                while len(reads) < ahead:
-                    nxt = next(queued, None)
-                    if nxt is None:
+                while nxt < len(wanted) and len(reads) < ahead:
+                    size = manifest.units[wanted[nxt]].nbytes
+                    if reads and max_ahead_bytes is not None and pending + size > max_ahead_bytes:
                         break
-                    reads.append(pool.submit(self.read_unit, manifest.units[nxt]))
-                read = reads.popleft()
+                    reads.append((pool.submit(self.read_unit, manifest.units[wanted[nxt]]), size))
+                    pending += size
+                    nxt += 1
+                read, size = reads.popleft()
+                pending -= size
                 rec = manifest.units[name]
                 try:
                     tree, version = read.result(), rec.step

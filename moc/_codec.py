@@ -260,25 +260,24 @@ def meta_tree(skeleton: Any, tensors: list[TensorMeta]) -> Any:
     return _walk_skeleton(skeleton, tensor)
 
 
-def _walk_skeleton(skeleton: Any, tensor: Any) -> Any:
-    def walk(node: Any) -> Any:
-        if isinstance(node, dict):
-            if "@t" in node:
-                return tensor(int(node["@t"]))
-            if "@d" in node:
-                return {k: walk(v) for k, v in node["@d"]}
-            if "@tuple" in node:
-                return tuple(walk(v) for v in node["@tuple"])
-            if "@f" in node:
-                return float(node["@f"])
-            if "@dtype" in node:
-                return DTYPES[node["@dtype"]]
-            return {k: walk(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        return node
-
-    return walk(skeleton)
+def _walk_skeleton(node: Any, tensor: Any) -> Any:
+    # A module-level recursion, not a nested function calling itself: that would be a
+    # reference cycle holding ``tensor`` (and the unit's whole buffer) until the next gc.
+    if isinstance(node, dict):
+        if "@t" in node:
+            return tensor(int(node["@t"]))
+        if "@d" in node:
+            return {k: _walk_skeleton(v, tensor) for k, v in node["@d"]}
+        if "@tuple" in node:
+            return tuple(_walk_skeleton(v, tensor) for v in node["@tuple"])
+        if "@f" in node:
+            return float(node["@f"])
+        if "@dtype" in node:
+            return DTYPES[node["@dtype"]]
+        return {k: _walk_skeleton(v, tensor) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_walk_skeleton(v, tensor) for v in node]
+    return node
 
 
 def _shuffle(data: bytes | memoryview, itemsize: int) -> bytes:

@@ -34,6 +34,7 @@ __all__ = ["Entry", "Piece", "Group", "ExportPlan", "TensorStream", "plan_export
            "merged_param_groups", "export_state", "pick_manifest", "natural_key"]
 
 Progress = Callable[[int, int], None]
+READ_AHEAD_BYTES = 64 << 20   # units read ahead of the one being assembled (at least one)
 
 
 def natural_key(text: str) -> list[Any]:
@@ -255,15 +256,17 @@ def _at(tree: Any, path: tuple[str, ...]) -> Any:
 class TensorStream:
     """``(entry, tensor or value)`` for ``wanted`` entries of ``plan``, in plan order.
 
-    Reads each group's units once (``read_concurrency`` at a time, a bounded read-ahead),
+    Reads each group's units once (``read_concurrency`` at a time, at most ``read_ahead``
+    bytes ahead),
     copies their pieces into the group's full tensors and yields them. ``versions`` and
     ``fallbacks`` report the unit versions actually read (a corrupt unit falls back to its
     previous version, as restore does).
     """
 
     def __init__(self, cs: CheckpointStore, plan: ExportPlan, wanted: Iterable[Entry], *,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, read_ahead: int | None = None) -> None:
         self.cs = cs
+        self.read_ahead = READ_AHEAD_BYTES if read_ahead is None else read_ahead
         self.plan = plan
         self.wanted = list(wanted)
         rank = {id(e): i for i, e in enumerate(plan.entries())}
@@ -281,7 +284,7 @@ class TensorStream:
         order = sorted(by_group)
         units = [u for g in order for u in self._units(by_group[g])]
         manifest = self.plan.manifest
-        reads = self.cs.iter_units(manifest, units)
+        reads = self.cs.iter_units(manifest, units, max_ahead_bytes=self.read_ahead)
         done = 0
         try:
             for g in order:

@@ -233,6 +233,40 @@ def _streaming_planner(stream: TensorStream, order: dict[str, int]) -> Any:
     return StreamingSavePlanner()
 
 
+DCP_FILE_BYTES = 256 << 20   # DCP's writer keeps a file's tensors until the file is closed
+
+
+def _dcp_writer(out_dir: str, file_bytes: int) -> Any:
+    """DCP's ``FileSystemWriter`` with one writer thread and no copy-ahead (its serial loader
+    asks for tensors in plan order), cutting files at ``file_bytes``: the writer holds
+    every tensor of the file it writes until that file is closed, so one file per rank
+    would hold the whole model."""
+    from torch.distributed.checkpoint import filesystem as fs
+
+    class Writer(fs.FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            prefix = getattr(plan.storage_data, "prefix", None)
+            if prefix is None or not hasattr(self, "_write_data") or not hasattr(fs, "DEFAULT_SUFFIX"):
+                self.single_file_per_rank = False   # a DCP without these internals: a file per tensor
+                return super().write_data(plan, planner)
+            buckets: list[list[Any]] = [[]]
+            size = 0
+            for item in plan.items:
+                n = fs._item_size(item) if item.tensor_data is not None else 0
+                if buckets[-1] and size + n > file_bytes:
+                    buckets.append([])
+                    size = 0
+                buckets[-1].append(item)
+                size += n
+            queue: Any = fs.queue.Queue()
+            for i, bucket in enumerate(buckets):
+                name = f"{prefix}{i}{fs.DEFAULT_SUFFIX}"
+                queue.put((self.fs.concat_path(self.path, name), name, bucket))
+            return self._write_data(planner, queue)
+
+    return Writer(out_dir, thread_count=1, per_thread_copy_ahead=0)
+
+
 def export_dcp(cs: CheckpointStore, out_dir: str, *, step: int | None = None,
                progress: Progress | None = None) -> ExportResult:
     """A ``torch.distributed.checkpoint`` checkpoint of ``{"model": model_sd, "optimizer": optim_sd}``
@@ -259,8 +293,7 @@ def export_dcp(cs: CheckpointStore, out_dir: str, *, step: int | None = None,
     stream = _stream(cs, plan, tensors, progress)
     planner = _streaming_planner(stream, {e.fqn: i for i, e in enumerate(tensors)})
     os.makedirs(out_dir, exist_ok=True)
-    # One writer thread and no copy-ahead: DCP's serial loader asks for tensors in plan order.
-    writer = dcp.FileSystemWriter(out_dir, thread_count=1, per_thread_copy_ahead=0)
+    writer = _dcp_writer(out_dir, DCP_FILE_BYTES)
     with warnings.catch_warnings():   # single process is the intent here, not a fallback
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(sd, storage_writer=writer, planner=planner, no_dist=True)

@@ -347,3 +347,46 @@ def test_cli_process_exit_code_and_summary(toy_ckpt, tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert f"exported step {STEPS - 1}" in ok.stdout and "safetensors" in ok.stdout
     assert ok.stderr == ""   # no progress bar when stderr is not a terminal
+
+
+# -- memory: streaming, not the model ---------------------------------------------------------
+MEMORY_PROBE = r"""
+import resource, sys, torch
+import moc._export as ex
+from moc import CheckpointStore
+from moc._export_formats import export
+import moc._export_formats as fm
+ex.READ_AHEAD_BYTES = 4 << 20
+fm.DCP_FILE_BYTES = 8 << 20
+cs = CheckpointStore(sys.argv[1])
+ex.plan_export(cs.latest_manifest())
+peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+base = peak()
+for fmt, out in (("safetensors", "st"), ("torch", "x.pt"), ("dcp", "dcp")):
+    export(cs, fmt, sys.argv[2] + "/" + out)
+    print(fmt, peak() - base, flush=True)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss in KiB is Linux's")
+def test_export_memory_stays_near_one_unit(tmp_path):
+    """96 MB of weights in 24 units: each format's export peaks far below the model
+    (the peak is a high-water mark: each line is the largest of the exports so far)."""
+    cs = CheckpointStore(str(tmp_path / "s"))
+    units = {f"module/m{i}": ({"model": {f"m{i}.weight": torch.full((512, 2048), float(i))}}, {"kind": "module"})
+             for i in range(24)}
+    cs.save(0, units)
+    del units
+    model_bytes = 24 * 512 * 2048 * 4
+    out = tmp_path / "out"
+    out.mkdir()
+    res = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(tmp_path / "s"), str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    grown = {line.split()[0]: int(line.split()[1]) for line in res.stdout.splitlines()}
+    assert set(grown) == {"safetensors", "dcp", "torch"}
+    print("peak growth over the baseline", grown, "model", model_bytes)
+    assert all(v < model_bytes // 2 for v in grown.values()), (grown, model_bytes)
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(out / "st" / "model.safetensors"))["m23.weight"], torch.full((512, 2048), 23.0))
