@@ -390,3 +390,38 @@ def test_export_memory_stays_near_one_unit(tmp_path):
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(str(out / "st" / "model.safetensors"))["m23.weight"], torch.full((512, 2048), 23.0))
+
+
+def test_every_dtype_round_trips(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"f32": torch.randn(3, 5, generator=g), "bf16": torch.randn(4, generator=g).bfloat16(),
+               "f16": torch.randn(2, 2, generator=g).half(), "f64": torch.randn(3, generator=g).double(),
+               "i64": torch.arange(6).view(2, 3), "i8": torch.arange(-3, 3, dtype=torch.int8),
+               "u8": torch.arange(7, dtype=torch.uint8), "bool": torch.tensor([True, False, True]),
+               "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4)}
+    for name in ("float8_e4m3fn", "uint16"):
+        if hasattr(torch, name):
+            tensors[name] = torch.arange(4).to(getattr(torch, name))
+    cs = CheckpointStore(str(tmp_path / "s"))
+    cs.save(3, {"module/m": ({"model": tensors}, {"kind": "module"})})
+
+    def raw(t):   # bytes: float8 has no torch.equal
+        return t.reshape(-1).view(torch.uint8)
+
+    def same(got, what):
+        assert set(got) == set(tensors), what
+        for k, v in tensors.items():
+            assert got[k].dtype == v.dtype and got[k].shape == v.shape, (what, k)
+            assert torch.equal(raw(got[k]), raw(v)), (what, k)
+
+    export(str(tmp_path / "s"), "-o", str(tmp_path / "x.pt"))
+    same(torch.load(tmp_path / "x.pt", weights_only=True)["model"], "torch")
+    export(str(tmp_path / "s"), "--format", "safetensors", "-o", str(tmp_path / "st"))
+    same(load_file(str(tmp_path / "st" / "model.safetensors")), "safetensors")
+    export(str(tmp_path / "s"), "--format", "dcp", "-o", str(tmp_path / "dcp"))
+    target = {"model": {k: torch.empty_like(v) for k, v in tensors.items()}}
+    dcp.load(target, checkpoint_id=str(tmp_path / "dcp"))
+    same(target["model"], "dcp")
