@@ -137,11 +137,17 @@ def _add(entries: dict[tuple[str, str, str | None], Entry], ident: tuple[str, st
     elif (entry.shape, entry.dtype) != (shape, dtype):
         raise ValueError(f"{ident[0]} {what!r}: unit {unit!r} holds a piece of a {dtype} {list(shape)} tensor, "
                          f"unit {entry.pieces[0].unit!r} one of a {entry.dtype} {list(entry.shape)} tensor")
-    entry.pieces.append(Piece(unit, path, place, tuple(_saved_box(value, place)[0].shape)))
+    size = tuple(_saved_box(value, place)[0].shape)
+    if place is not None and not (len(place.get("offset", ())) == len(size) == len(shape)):
+        raise ValueError(f"{ident[0]} {what!r}: unit {unit!r} places a {list(value.shape)} piece at offset "
+                         f"{place.get('offset')} of a {list(shape)} tensor (malformed place record)")
+    entry.pieces.append(Piece(unit, path, place, size))
 
 
 def _covered(entry: Entry) -> int:
     """Elements of ``entry`` covered by the union of its pieces' boxes (exact)."""
+    if entry.numel == 0:
+        return 0
     boxes = [((0,) * len(entry.shape) if p.place is None else tuple(int(o) for o in p.place["offset"]), p.size)
              for p in entry.pieces]
     cuts = [sorted({0, n} | {min(n, max(0, x)) for o, s in boxes for x in (o[d], o[d] + s[d])})
