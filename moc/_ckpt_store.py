@@ -16,10 +16,11 @@ from __future__ import annotations
 import logging
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import xxhash
 
@@ -334,44 +335,72 @@ class CheckpointStore:
             raise FileNotFoundError(f"no committed checkpoint in {self.store.url}")
         wanted = list(manifest.units) if names is None else list(names)
         result = LoadResult(step=manifest.step, manifest=manifest, units={}, versions={})
+        total = sum(manifest.units[n].stored_nbytes for n in wanted if n in manifest.units)
+        done = 0
+        for name, tree, version in self.iter_units(manifest, wanted, fallback=fallback, window=len(wanted)):
+            rec = manifest.units[name]
+            done += rec.stored_nbytes
+            result.units[name] = tree
+            result.versions[name] = version
+            if version != rec.step:
+                result.fallbacks.append((name, rec.step, version))
+            if progress is not None:
+                progress(done, total)
+        return result
+
+    def iter_units(self, manifest: Manifest, names: Iterable[str], *, fallback: bool = True,
+                   window: int | None = None, max_ahead_bytes: int | None = None) -> Iterator[tuple[str, Any, int]]:
+        """``(name, tree, version step)`` of each named unit of ``manifest``, in order.
+
+        Reads run on ``read_concurrency`` threads with at most ``window`` units (default
+        ``read_concurrency``) and, when given, ``max_ahead_bytes`` raw bytes (but always one
+        unit) read ahead of the consumer, so memory stays bounded while streaming. Corrupt
+        units fall back to older versions as in :meth:`load`.
+        """
+        wanted = list(names)
         missing = [n for n in wanted if n not in manifest.units]
         if missing:
             raise KeyError(f"units {missing[:5]} are not in step {manifest.step}")
-        total = sum(manifest.units[n].stored_nbytes for n in wanted)
-        done = 0
+        if not wanted:
+            return
+        ahead = max(1, window if window is not None else self.read_concurrency)
         pool = ThreadPoolExecutor(max(1, min(self.read_concurrency, len(wanted))), thread_name_prefix="moc-read")
         try:
-            reads = [pool.submit(self.read_unit, manifest.units[n]) for n in wanted]
-            for name, read in zip(wanted, reads):
+            reads: deque[tuple[Future, int]] = deque()
+            pending = 0
+            nxt = 0
+            for name in wanted:
+                while nxt < len(wanted) and len(reads) < ahead:
+                    size = manifest.units[wanted[nxt]].nbytes
+                    if reads and max_ahead_bytes is not None and pending + size > max_ahead_bytes:
+                        break
+                    reads.append((pool.submit(self.read_unit, manifest.units[wanted[nxt]]), size))
+                    pending += size
+                    nxt += 1
+                read, size = reads.popleft()
+                pending -= size
                 rec = manifest.units[name]
-                done += rec.stored_nbytes
                 try:
-                    result.units[name] = read.result()
-                    result.versions[name] = rec.step
+                    tree, version = read.result(), rec.step
                 except CorruptObjectError as exc:
                     if not fallback:
                         raise
-                    self._fall_back(result, name, rec, manifest.step, exc)
-                if progress is not None:
-                    progress(done, total)
+                    tree, version = self._fall_back(name, rec, manifest.step, exc)
+                yield name, tree, version
         finally:
             pool.shutdown(wait=True, cancel_futures=True)  # after an error: no reads left running
-        return result
 
-    def _fall_back(self, result: LoadResult, name: str, rec: UnitRecord, step: int, error: CorruptObjectError) -> None:
-        """Load the newest readable older version of unit ``name``, else raise ``error``."""
+    def _fall_back(self, name: str, rec: UnitRecord, step: int, error: CorruptObjectError) -> tuple[Any, int]:
+        """The newest readable older version of unit ``name`` and its step, else raise ``error``."""
         for older in self._older_versions(name, rec.step, step):
             try:
-                result.units[name] = self.read_unit(older)
+                tree = self.read_unit(older)
             except CorruptObjectError:
                 continue
-            result.versions[name] = older.step
-            result.fallbacks.append((name, rec.step, older.step))
             log.warning("unit %s: version of step %d is unreadable (%s); using step %d",
                         name, rec.step, error, older.step)
-            break
-        else:
-            raise error
+            return tree, older.step
+        raise error
 
     # -- verification --------------------------------------------------------------------
     def verify(self, step: int | None = None, *, progress: Progress | None = None) -> list[VerifyProblem]:
@@ -451,32 +480,10 @@ class CheckpointStore:
 
     # -- export --------------------------------------------------------------------------
     def export(self, step: int | None = None, *, progress: Progress | None = None) -> dict[str, Any]:
-        """One consolidated state dict under the model's own names (fused expert tensors
-        and DTensor shards put back together): ``{"model", "optimizer": {"state",
-        "param_groups"}, "extra", "moc"}``, loadable with ``torch.load(weights_only=True)``."""
-        from ._export import iter_state
+        """The checkpoint as one in-memory state dict (weights_only-loadable): the model's
+        state dict with full tensors (fused experts and shards reassembled), the optimizer's
+        state by parameter name and its param groups, each rank's extra state, and
+        ``"moc": {"step", "versions"}``. ``moc export`` streams the same to a file."""
+        from ._export import export_state
 
-        out: dict[str, Any] = {"model": {}, "optimizer": {"state": {}, "param_groups": []}, "extra": {}}
-        for kind, part in iter_state(self, step, progress=progress):
-            if kind == "model":
-                out["model"].update(part)
-            elif kind == "optimizer":
-                out["optimizer"]["state"].update(part)
-            elif kind == "extra":
-                out["extra"] = part
-                out["optimizer"]["param_groups"] = part.get("optimizer_groups", [])
-            else:
-                out["moc"] = {"step": part["step"], "versions": part["versions"]}
-        return out
-
-
-def _merge(dst: dict[str, Any], src: Any, unit: str, path: str = "") -> None:
-    if not isinstance(src, dict):
-        raise ValueError(f"unit {unit!r}: top level must be a dict to export, got {type(src).__name__}")
-    for k, v in src.items():
-        if k in dst and isinstance(dst[k], dict) and isinstance(v, dict):
-            _merge(dst[k], v, unit, f"{path}.{k}")
-        elif k in dst:
-            raise ValueError(f"unit {unit!r} redefines {path}.{k} already set by another unit")
-        else:
-            dst[k] = v
+        return export_state(self, step, progress=progress)

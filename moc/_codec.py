@@ -25,6 +25,7 @@ __all__ = [
     "TensorMeta",
     "encode_tree",
     "decode_tree",
+    "meta_tree",
     "checksum",
     "compress",
     "decompress",
@@ -242,24 +243,41 @@ def decode_tree(skeleton: Any, tensors: list[TensorMeta], data: bytearray | byte
             return base[meta.offset: meta.offset + meta.nbytes].view(dtype).view(meta.shape)
         return torch.frombuffer(buf, dtype=dtype, count=numel, offset=meta.offset).view(meta.shape)
 
-    def walk(node: Any) -> Any:
-        if isinstance(node, dict):
-            if "@t" in node:
-                return tensor(int(node["@t"]))
-            if "@d" in node:
-                return {k: walk(v) for k, v in node["@d"]}
-            if "@tuple" in node:
-                return tuple(walk(v) for v in node["@tuple"])
-            if "@f" in node:
-                return float(node["@f"])
-            if "@dtype" in node:
-                return DTYPES[node["@dtype"]]
-            return {k: walk(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        return node
+    return _walk_skeleton(skeleton, tensor)
 
-    return walk(skeleton)
+
+def meta_tree(skeleton: Any, tensors: list[TensorMeta]) -> Any:
+    """The tree a unit decodes to, with tensors on the ``meta`` device (shapes and dtypes
+    only): what a unit holds, read from its manifest record without reading its bytes."""
+
+    def tensor(i: int) -> torch.Tensor:
+        meta = tensors[i]
+        dtype = DTYPES.get(meta.dtype)
+        if dtype is None:
+            raise ValueError(f"unknown dtype {meta.dtype!r} in checkpoint; known: {sorted(DTYPES)}")
+        return torch.empty(meta.shape, dtype=dtype, device="meta")
+
+    return _walk_skeleton(skeleton, tensor)
+
+
+def _walk_skeleton(node: Any, tensor: Any) -> Any:
+    # A module-level recursion, not a nested function calling itself: that would be a
+    # reference cycle holding ``tensor`` (and the unit's whole buffer) until the next gc.
+    if isinstance(node, dict):
+        if "@t" in node:
+            return tensor(int(node["@t"]))
+        if "@d" in node:
+            return {k: _walk_skeleton(v, tensor) for k, v in node["@d"]}
+        if "@tuple" in node:
+            return tuple(_walk_skeleton(v, tensor) for v in node["@tuple"])
+        if "@f" in node:
+            return float(node["@f"])
+        if "@dtype" in node:
+            return DTYPES[node["@dtype"]]
+        return {k: _walk_skeleton(v, tensor) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_walk_skeleton(v, tensor) for v in node]
+    return node
 
 
 def _shuffle(data: bytes | memoryview, itemsize: int) -> bytes:

@@ -2,11 +2,13 @@
 
     moc inspect URL [--step N] [--units] [--png FILE] [--memory DIR] [--json]
     moc verify  URL [--step N]
-    moc export  URL [--step N] [--format torch|safetensors|dcp] -o OUT [--max-shard-size 5GB] [--hf-config F]
+    moc export  URL [--step N] [--format torch|safetensors|dcp] -o OUT
+                [--max-shard-size 5GB] [--hf-config config.json]
 
 URL is a path, file://, s3://BUCKET/PREFIX (credentials and endpoint from the AWS_*
-environment variables or --endpoint-url) or memory://. Errors print one line and exit 2;
-``verify`` exits 1 when any object is bad.
+environment variables or --endpoint-url) or memory://. Errors (bad input included) print
+one line and exit 2; ``verify`` exits 1 when any object is bad. Progress bars (tqdm) go
+to stderr when it is a terminal.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import json
 import os
 import sys
 import time
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 from storage_backends import open_store
 
 from ._ckpt_store import CheckpointStore
+from ._export_formats import FORMATS
 from ._format import Manifest
 from ._inspect import format_summary, format_units, header_lines, human, summarize
 from ._inspect_memory import find_folders, format_memory, memory_report
@@ -28,25 +32,28 @@ from ._inspect_memory import find_folders, format_memory, memory_report
 __all__ = ["main", "summarize"]
 
 
-class _Progress:
-    """A one-line progress bar on stderr for long reads (only when stderr is a terminal)."""
+@contextmanager
+def _bar(label: str, enabled: bool | None = None) -> Iterator[Callable[[int, int], None] | None]:
+    """A tqdm progress bar over bytes on stderr, shown only when stderr is a terminal;
+    yields the ``progress(done, total)`` callback the library calls (None when hidden)."""
+    if not (sys.stderr.isatty() if enabled is None else enabled):
+        yield None
+        return
+    from tqdm import tqdm
 
-    def __init__(self, label: str, enabled: bool | None = None) -> None:
-        self.label = label
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self.last = 0.0
+    bar = tqdm(desc=label, total=0, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+               dynamic_ncols=True)
 
-    def __call__(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        if not self.enabled or (now - self.last < 0.1 and done < total):
-            return
-        self.last = now
-        frac = done / total if total else 1.0
-        bar = "#" * int(frac * 30)
-        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:6.1%} {human(done)}/{human(total)}")
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+    def update(done: int, total: int) -> None:
+        if bar.total != total:
+            bar.total = total
+            bar.refresh()
+        bar.update(done - bar.n)
+
+    try:
+        yield update
+    finally:
+        bar.close()
 
 
 def _open(args: argparse.Namespace) -> CheckpointStore:
@@ -111,7 +118,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         cs.read_manifest(args.step)  # a missing step is bad input, not a bad object
     elif not cs.steps():
         raise FileNotFoundError(f"no committed checkpoint in {cs.store.url}")
-    problems = cs.verify(args.step, progress=_Progress("verify"))
+    with _bar("verify") as progress:
+        problems = cs.verify(args.step, progress=progress)
     if problems:
         for p in problems:
             print(f"BAD {p}")
@@ -123,41 +131,42 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ._export import export_dcp, export_safetensors, export_torch, parse_size
+    from ._export_formats import export
 
-    max_shard = parse_size(args.max_shard_size)
-    if args.hf_config is not None and not os.path.isfile(args.hf_config):
-        raise FileNotFoundError(f"--hf-config {args.hf_config} does not exist")
-    if args.hf_config is not None and args.format != "safetensors":
-        raise ValueError("--hf-config goes with --format safetensors")
     cs = _open(args)
-    bar = _Progress("export")
-    if args.format == "torch":
-        info = export_torch(cs, args.output, args.step, progress=bar)
-    elif args.format == "safetensors":
-        info = export_safetensors(cs, args.output, args.step, max_shard_size=max_shard, hf_config=args.hf_config,
-                                  progress=bar)
-    else:
-        info = export_dcp(cs, args.output, args.step, progress=bar)
-    print(f"exported step {info['step']} ({info['tensors']} tensors, {args.format}) to {args.output}")
+    with _bar(f"export {args.format}") as progress:
+        res = export(cs, args.format, args.output, step=args.step, max_shard_size=args.max_shard_size,
+                     hf_config=args.hf_config, progress=progress)
+    for unit, bad, used in res.fallbacks:
+        print(f"moc export: warning: unit {unit}: the version of step {bad} is unreadable; "
+              f"exported its version of step {used}", file=sys.stderr)
+    if res.skipped:
+        print(f"moc export: warning: {len(res.skipped)} non-tensor entries not written by {res.format} "
+              f"(e.g. {res.skipped[0]})", file=sys.stderr)
+    where = res.path if res.format == "torch" else f"{res.path} ({', '.join(res.files[:3])}" + \
+        (f", ... {len(res.files)} files)" if len(res.files) > 3 else ")")
+    print(f"exported step {res.step} ({res.tensors} tensors, {human(res.nbytes)}) as {res.format} to {where}")
     return 0
 
 
-def _tensors(tree: Any):
-    import torch
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments: one line on stderr, exit 2 (argparse prints the usage too)."""
 
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            yield from _tensors(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from _tensors(v)
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _size(text: str) -> int:
+    from ._export_formats import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="moc", description="Inspect, verify and export moc checkpoints.")
+    ap = _Parser(prog="moc", description="Inspect, verify and export moc checkpoints.")
     sub = ap.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
@@ -178,14 +187,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="re-read every object and check its checksum")
     common(p)
     p.set_defaults(func=cmd_verify)
-    p = sub.add_parser("export", help="write the model (and optimizer) in torch, safetensors or DCP format")
+    p = sub.add_parser("export", help="write the checkpoint as torch.save, safetensors or DCP (streamed)",
+                       description="Write the newest (or --step) checkpoint in another format, tensor by tensor: "
+                       "torch (one file, torch.load(weights_only=True)), safetensors (model weights under the "
+                       "model's own names: transformers from_pretrained loads the folder once it holds "
+                       "config.json) or dcp (torch.distributed.checkpoint.load, model and optimizer).")
     common(p)
-    p.add_argument("-o", "--output", required=True, help="output file (torch) or folder (safetensors, dcp)")
-    p.add_argument("--format", default="torch", choices=["torch", "safetensors", "dcp"],
-                   help="torch: one torch.load(weights_only=True) file; safetensors: from_pretrained-loadable "
-                        "folder; dcp: torch.distributed.checkpoint folder")
-    p.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (e.g. 500MB, 5GB)")
-    p.add_argument("--hf-config", default=None, help="config.json copied next to the safetensors files")
+    p.add_argument("--format", default="torch", choices=FORMATS, help="output format (default: torch)")
+    p.add_argument("-o", "--output", required=True,
+                   help="output: a file for --format torch, a folder for safetensors and dcp")
+    p.add_argument("--max-shard-size", type=_size, default="5GB",
+                   help="safetensors: start a new shard past this size (default 5GB; e.g. 500MB, 2GiB)")
+    p.add_argument("--hf-config", default=None, metavar="FILE",
+                   help="safetensors: a transformers config.json (or a folder holding one) to copy in")
     p.set_defaults(func=cmd_export)
     return ap
 

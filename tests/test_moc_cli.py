@@ -112,13 +112,15 @@ def test_help_for_every_command():
 
 
 def test_progress_reports_reach_total(ckpt_dir, capsys):
-    from moc.cli import _Progress
+    from moc.cli import _bar
 
     calls = []
     CheckpointStore(str(ckpt_dir)).verify(progress=lambda d, t: calls.append((d, t)))
     assert calls and calls[-1][0] == calls[-1][1] > 0
     assert all(a[0] <= b[0] for a, b in zip(calls, calls[1:]))
-    bar = _Progress("export", enabled=True)
-    CheckpointStore(str(ckpt_dir)).export(progress=bar)
+    with _bar("export", enabled=True) as bar:
+        CheckpointStore(str(ckpt_dir)).export(progress=bar)
     err = capsys.readouterr().err
-    assert "export [" in err and "100.0%" in err
+    assert "export" in err and "100%" in err
+    with _bar("export") as hidden:   # stderr is not a terminal here: no bar
+        assert hidden is None
