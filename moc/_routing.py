@@ -8,7 +8,10 @@ the submodule ``L.gate`` (transformers' Mixtral, Qwen-MoE, OLMoE, DeepSeek-V3) o
 * a boolean routing map ``[tokens, E]`` (Megatron-core).
 
 Counts accumulate on the router's device (no host sync per step) and are drained into the
-manager when it checkpoints. Only training-mode forwards count.
+manager when it checkpoints. Only training-mode forwards count, and only the first time:
+activation checkpointing (``gradient_checkpointing_enable()``, torchtitan's AC,
+``torch.utils.checkpoint`` reentrant or not) runs the router's forward again inside the
+backward pass, and that recomputation routes no new tokens.
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ def find_router(model: torch.nn.Module, layer: str) -> torch.nn.Module | None:
         if isinstance(mod, torch.nn.Module):
             return mod
     return None
+
+
+def _recomputing() -> bool:
+    """Is this forward running inside a backward pass (activation recomputation)?"""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
 
 
 def _counts(out: Any, num_experts: int) -> torch.Tensor | None:
@@ -68,7 +77,7 @@ class RouterTaps:
 
     def _hook(self, layer: str, num: int) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
-            if not module.training:
+            if not module.training or _recomputing():
                 return
             with torch.no_grad():
                 counts = _counts(out, num)

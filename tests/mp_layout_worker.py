@@ -139,6 +139,10 @@ def main() -> None:
                 sync_dense_grads(model, world)
             opt.step()
             ckpt.step(step)
+            if step == 0 and args.mode == "train":
+                # Partial checkpoints start once the first (full) one is committed: waiting
+                # for it here makes every later checkpoint partial however loaded the machine.
+                ckpt.wait()
             routed = {k: v.clone() for k, v in counts.items()}
             if world > 1:
                 for v in routed.values():

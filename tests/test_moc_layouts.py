@@ -113,6 +113,30 @@ def test_explicit_fused_layout_round_trip(tmp_path):
     assert torch.equal(opt2.state[fresh.moe_bank]["exp_avg"], saved_avg)
 
 
+# -- routing counted from the model's own routers ----------------------------------------
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_router_counts_survive_activation_recompute(tmp_path, reentrant):
+    """Gradient checkpointing runs each router forward again during backward: the manager
+    must count the step's tokens once, as without it."""
+    torch.manual_seed(0)
+    model = lm.build("qwen3_moe")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)   # weights stay put: same routing twice
+    ids = torch.randint(3, lm.VOCAB, (2, 9))
+    cfg = MoCConfig(storage=str(tmp_path / "s"), snapshot_dir=str(tmp_path / "shm"), interval=1000)
+    with CheckpointManager(cfg, model=model, optimizer=opt) as ckpt:
+        model.train()
+        lm.loss_of(model, ids).backward()
+        ckpt._sync_routing()
+        plain = {l: list(v) for l, v in ckpt.plt_tracker.cum.items()}
+        assert sum(plain[next(iter(plain))]) == ids.numel() * model.config.num_experts_per_tok
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.train()
+        lm.loss_of(model, ids).backward()
+        ckpt._sync_routing()
+        twice = {l: list(v) for l, v in ckpt.plt_tracker.cum.items()}
+    assert twice == {l: [2 * c for c in v] for l, v in plain.items()}
+
+
 # -- SIGKILL mid-run, restore in a new process -------------------------------------------
 def _run(args: list[str], world: int = 1, timeout: int = 240) -> list[int]:
     from conftest import free_port
@@ -254,7 +278,7 @@ def test_snapshot_failures_raise_instead_of_exiting_quietly(tmp_path):
     def failing_fill(*a, **kw):
         raise boom
 
-    ckpt._fill = failing_fill
+    ckpt.engine._fill = failing_fill
     with pytest.raises(CheckpointError, match="2 snapshots in a row failed") as err:
         for step in range(1, 10):
             ids = torch.randint(3, lm.VOCAB, (2, 9))
@@ -276,7 +300,7 @@ def test_snapshot_failures_raise_instead_of_exiting_quietly(tmp_path):
                                          interval=1), model=model2, optimizer=opt2) as ckpt2:
             ckpt2.step(0)
             ckpt2.wait()
-            ckpt2._fill = failing_fill
+            ckpt2.engine._fill = failing_fill
             ckpt2.step(1)
 
 

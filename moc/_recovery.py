@@ -1,30 +1,71 @@
-"""Recovery for :class:`moc.CheckpointManager`: newest version of every unit from the
+"""Recovery for :class:`moc.CheckpointManager`: the newest version of every unit from the
 ranks' surviving in-memory snapshots, else storage; PLT charged for stale experts;
 dynamic-K applied afterwards."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import xxhash
 
 from ._buffers import read_headers
+from ._ckpt_store import CheckpointStore
 from ._codec import TensorMeta, decode_tree, unit_buffer
-from ._format import manifest_key
+from ._config import MoCConfig
+from ._dist import Comm
+from ._format import Manifest, manifest_key
+from ._policy import CheckpointPolicy
 from ._restore import (MemoryPiece, RestorePlan, manifest_inventory, module_units_of, plan_restore, plan_units,
                        restore_snapshots)
+from ._run_state import RunState
+from ._snapshot_plan import Inventory
 from ._snapshot_reader import SnapshotMaps
-from ._units import apply_partial, apply_units, local_box, own_tree, parse_expert, restore_rng, unit_base
+from ._units import apply_partial, apply_units, local_box, own_tree, restore_rng, unit_base
 
-__all__ = ["RestoreMixin"]
+__all__ = ["Recovery"]
 
 log = logging.getLogger("moc")
 
 
-class RestoreMixin:
-    """``restore()`` and its helpers (mixed into CheckpointManager)."""
+class Recovery:
+    """``restore()`` (the whole job) and ``restore_units()`` (lost experts) of one rank.
+
+    Args:
+        cfg: the manager's configuration.
+        model, optimizer: what is restored into.
+        inventory: the job's units and their holders.
+        comm: collectives (plans gathered, memory pieces moved with one all-to-all).
+        run: the shared run bookkeeping (run id, flags).
+        store: the persistent store.
+        snapshot_dir: this process's shared-memory folder.
+        policy: PLT, K and counters continue from what is restored.
+        extra_state: user objects restored from the extra unit.
+    """
+
+    def __init__(self, cfg: MoCConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 inventory: Inventory, comm: Comm, run: RunState, store: CheckpointStore, snapshot_dir: str,
+                 policy: CheckpointPolicy, extra_state: Mapping[str, Any]) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.optimizer = optimizer
+        self.inventory = inventory
+        self.comm = comm
+        self.run = run
+        self.store = store
+        self.snapshot_dir = snapshot_dir
+        self.policy = policy
+        self.extra_state = extra_state
+        self.last_restore: RestorePlan | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.run.rank
+
+    @property
+    def world(self) -> int:
+        return self.comm.world
 
     def snapshot_headers(self) -> list[dict[str, Any]]:
         """Published snapshots in this rank's shared-memory directory (newest last).
@@ -34,71 +75,51 @@ class RestoreMixin:
         return sorted((dict(h, rank=self.rank) for h in read_headers(self.snapshot_dir)), key=lambda h: h["step"])
 
     def restore_units(self, names: list[str]) -> dict[str, dict[str, Any]]:
-        """Replace the named units (typically experts that lost every replica) with their
-        newest saved version, from any rank's memory first, else storage; the rest of the
-        live state is untouched and the step does not move back.
-
-        Collective: every rank calls it with the same ``names``. Tokens routed to each
-        restored expert since its version are booked as lost (PLT, by level). Returns
-        ``unit -> {"level": "snapshot" | "persist" | None, "version": step | None,
-        "lost_tokens": int}``; level None means no saved version exists anywhere (the unit
-        keeps its current values).
-        """
+        """See :meth:`moc.CheckpointManager.restore_units` (the caller has waited for the
+        snapshot in flight and synced routing counts)."""
         names = sorted(set(names))
-        self._wait_snapshot()
-        self._sync_routing()
         manifest = self.store.latest_manifest()
-        local = [h for h in self.snapshot_headers() if h.get("run") == self.run_id]
+        local = [h for h in self.snapshot_headers() if h.get("run") == self.run.run_id]
         everyone = [h for hs in self.comm.gather_json(local) for h in hs]
         plan = plan_units(everyone, manifest_inventory(manifest), names)
-        trees, _ = self._gather_units(plan, manifest, self._needs())
+        trees, _ = self._gather_units(plan, manifest, self.inventory.needs(self.world))
         # apply_partial copies everything it keeps (model values and optimizer state), so
         # trees that view the snapshot maps need no copy of their own here.
-        mine = [t for n, t in trees.items() if n in plan.sources and n in self.layout.units]
+        mine = [t for n, t in trees.items() if n in plan.sources and n in self.inventory.layout.units]
         del trees
         apply_partial(self.model, self.optimizer, mine)
         out: dict[str, dict[str, Any]] = {}
-        with self._lock:
-            tracker = self.plt_tracker
+        with self.run.lock:
             for name in names:
                 src = plan.sources.get(name)
-                lost = 0
-                if src is not None and name.startswith("expert/") and src.cum is not None:
-                    layer, e = parse_expert(name)
-                    lost = max(0, tracker.cum[layer][e] - src.cum)
-                    if lost:
-                        tracker.book_loss(src.level, layer, lost)
-                    # The live expert now equals that version; tokens from here on are unsaved.
-                    tracker.mark_saved("snapshot", layer, [e])
-                    tracker.mark_saved("persist", layer, [e])
+                lost = 0 if src is None else self.policy.book_restored(name, src.level, src.cum, rewind=False)
                 out[name] = {"level": None if src is None else src.level,
                              "version": None if src is None else src.version, "lost_tokens": lost}
-            if self.cfg.dynamic_k:
-                self._apply_dynamic_k()
-        self._recoveries += 1
+            self.policy.apply_dynamic_k()
+        self.policy.recoveries += 1
         gone = [n for n, v in out.items() if v["level"] is None]
         if gone:
             log.error("rank %d: no saved version of %s anywhere; they keep their current values", self.rank, gone[:5])
+        with self.run.lock:
+            plt = self.policy.tracker.value()
         log.info("rank %d: restored %d lost units (%s), PLT now %.4f%%", self.rank, len(names),
-                 ", ".join(f"{n}<-{v['level']}@{v['version']}" for n, v in list(out.items())[:4]), 100 * self.plt())
+                 ", ".join(f"{n}<-{v['level']}@{v['version']}" for n, v in list(out.items())[:4]), 100 * plt)
         return out
 
-    def restore(self) -> int:
-        """Load the newest consistent state; return the next step to run (0 if none).
-
-        Collective: every rank of the process group must call it.
-        """
-        self._wait_snapshot()
+    def restore(self) -> tuple[int, Manifest | None]:
+        """Load the newest consistent state (collective); return the next step to run
+        (0 if none) and the manifest it is based on."""
         manifest = self.store.latest_manifest()
         # Snapshots of this job only; older ones than the manifest still help experts
         # whose stored version is older than the snapshot. ``moc inspect --memory`` plans
         # with the same three helpers, so what it reports is what this does.
         local = restore_snapshots(self.snapshot_headers(), manifest)
         everyone = [h for hs in self.comm.gather_json(local) for h in hs]
-        plan = plan_restore(everyone, manifest_inventory(manifest), module_units_of(list(self.holders), manifest))
+        plan = plan_restore(everyone, manifest_inventory(manifest),
+                            module_units_of(list(self.inventory.holders), manifest))
         if plan is None:
             log.info("rank %d: nothing to restore from %s; starting at step 0", self.rank, self.store.store.url)
-            return 0
+            return 0, manifest
 
         needs = self._restore_needs(plan)
         trees = self._copied_out(*self._gather_units(plan, manifest, needs))
@@ -115,35 +136,14 @@ class RestoreMixin:
             if name in extra.get("user", {}):
                 obj.load_state_dict(extra["user"][name])
         self._after_restore(plan, manifest)
+        with self.run.lock:
+            plt = self.policy.tracker.value()
         log.info("rank %d: restored step %d (%s), PLT %.4f%%, k_snapshot=%d k_persist=%d", self.rank, plan.step,
-                 "memory" if plan.from_memory else "storage", 100 * self.plt(), self.k_snapshot, self.k_persist)
-        return plan.step + 1
+                 "memory" if plan.from_memory else "storage", 100 * plt, self.policy.k_snapshot,
+                 self.policy.k_persist)
+        return plan.step + 1, manifest
 
-    def _apply_dynamic_k(self) -> None:
-        """Double K of every level whose own PLT passed the threshold; if only the total
-        did, double K of the level that lost the most tokens (caller holds the lock)."""
-        tracker, thr = self.plt_tracker, self.cfg.plt_threshold
-        levels = {lv for lv in ("snapshot", "persist") if tracker.value(lv) > thr}
-        if not levels and tracker.value() > thr:
-            levels = {max(("snapshot", "persist"), key=tracker.lost_tokens)}
-        e_min = min(self.num_experts.values())
-        if "snapshot" in levels:
-            self.k_snapshot = min(2 * self.k_snapshot, e_min)
-        if "persist" in levels:
-            self.k_persist = min(2 * self.k_persist, e_min)
-            self.k_snapshot = max(self.k_snapshot, self.k_persist)
-        if levels:
-            log.warning("rank %d: PLT %.4f%% > %.4f%%: K raised to snapshot=%d persist=%d", self.rank,
-                        100 * tracker.value(), 100 * thr, self.k_snapshot, self.k_persist)
-
-    # -- data movement -------------------------------------------------------------------
-    def _needs(self) -> dict[int, list[str]]:
-        needs: dict[int, list[str]] = {r: [] for r in range(self.world)}
-        for name, ranks in self.holders.items():
-            for r in ranks:
-                needs[r].append(name)
-        return {r: sorted(v) for r, v in needs.items()}
-
+    # -- data movement ---------------------------------------------------------------------
     def _restore_needs(self, plan: RestorePlan) -> dict[int, list[str]]:
         """Saved units each rank reads: those of the units it holds now, and of sharded
         units (pieces, ``#`` names) only those overlapping the piece it holds; its own
@@ -151,7 +151,7 @@ class RestoreMixin:
         knows every move."""
         state = self.model.state_dict(keep_vars=True)
         mine: dict[str, list[Any]] = {}
-        for spec in self.layout.units.values():
+        for spec in self.inventory.layout.units.values():
             mine.setdefault(unit_base(spec.name), []).append(spec)
         wanted = []
         for name, src in plan.sources.items():
@@ -254,36 +254,21 @@ class RestoreMixin:
         return {n: (own_tree(t, params, self.optimizer) if n in borrowed else t) for n, t in trees.items()}
 
     # -- bookkeeping ---------------------------------------------------------------------
-    def _after_restore(self, plan: RestorePlan, manifest) -> None:
+    def _after_restore(self, plan: RestorePlan, manifest: Manifest | None) -> None:
         meta = plan.meta
-        self.run_id = meta.get("run_id", self.run_id)
-        self.k_snapshot = int(meta.get("k_snapshot", self.k_snapshot))
-        self.k_persist = int(meta.get("k_persist", self.k_persist))
-        self._checkpoints = int(meta.get("checkpoints", 0))
-        self._persist_rounds = int(meta.get("persist_rounds", 0))
-        self._recoveries = int(meta.get("recoveries", 0)) + 1
-        self._has_base = manifest is not None
-        self._first_done = True
-        self._base = manifest if self.rank == 0 else None
+        self.run.run_id = meta.get("run_id", self.run.run_id)
+        self.policy.load_meta(meta)
+        self.run.has_base = manifest is not None
+        self.run.first_done = True
         if self.rank == 0 and manifest is not None:
             for step in self.store.steps():
                 if step > plan.step:  # unreadable newer manifests belong to no timeline now
                     self.store.store.delete(manifest_key(step), missing_ok=True)
-        with self._lock:
-            tracker = self.plt_tracker
-            tracker.load_state(plan.plt)
+        with self.run.lock:
+            self.policy.tracker.load_state(plan.plt)
             for name, src in plan.sources.items():
-                if not name.startswith("expert/") or src.cum is None:
-                    continue
-                layer, e = parse_expert(name)
-                lost = tracker.cum[layer][e] - src.cum
-                if lost > 0:
-                    tracker.book_loss(src.level, layer, lost)
-                tracker.cum[layer][e] = src.cum
-                tracker.saved["snapshot"][layer][e] = src.cum
-                tracker.saved["persist"][layer][e] = min(tracker.saved["persist"][layer][e], src.cum)
-            if self.cfg.dynamic_k:
-                self._apply_dynamic_k()
+                self.policy.book_restored(name, src.level, src.cum, rewind=True)
+            self.policy.apply_dynamic_k()
         self.last_restore = plan
 
 

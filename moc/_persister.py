@@ -1,0 +1,237 @@
+"""The second level: complete snapshots written to storage by a background thread, the
+ranks' chunk records gathered, and the manifest committed by rank 0.
+
+Storage errors are retried at later decision points, reported in ``status()`` and never
+raised into training; :meth:`Persister.flush` (leaving the ``with`` block, SIGTERM) is
+where they surface.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
+from datetime import timedelta
+from typing import Any
+
+from ._buffers import PERSIST, READY, BufferPool, SnapshotBuffer
+from ._ckpt_store import CheckpointStore
+from ._config import MoCConfig
+from ._dist import Comm
+from ._format import ChunkRecord, Manifest, UnitRecord
+from ._plt import PLTTracker
+from ._policy import CheckpointPolicy
+from ._run_state import RunState
+
+__all__ = ["Persister"]
+
+log = logging.getLogger("moc")
+
+
+class Persister:
+    """Writes this rank's part of complete snapshots; rank 0 commits.
+
+    Args:
+        cfg: the manager's configuration.
+        store: the persistent store.
+        pool: the snapshot buffers it reads from.
+        comm: the persist thread's collectives.
+        run: the shared run bookkeeping.
+        policy: told which experts a committed checkpoint holds (PLT).
+    """
+
+    def __init__(self, cfg: MoCConfig, *, store: CheckpointStore, pool: BufferPool, comm: Comm, run: RunState,
+                 policy: CheckpointPolicy) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.pool = pool
+        self.comm = comm
+        self.run = run
+        self.policy = policy
+        self._exec = ThreadPoolExecutor(1, thread_name_prefix=f"moc-persist-r{run.rank}")
+        self.in_flight: Future | None = None
+        self.base: Manifest | None = None          # newest committed manifest (rank 0)
+        self.last_persisted_step: int | None = None
+        self.failures = 0
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight is not None and not self.in_flight.done()
+
+    def maybe_persist(self, mode: str, snapshot: Future | None = None) -> None:
+        """Start a persist if every rank is idle; a collective decision, so all ranks
+        persist the same steps in the same order.
+
+        ``new``: the snapshot just started (``snapshot``, due for storage); ``retry``: the
+        newest complete snapshot that was due but is not in storage yet; ``flush``: the
+        newest complete snapshot, due or not.
+        """
+        if self.comm.any_true(self.busy):
+            return
+        self.reap()
+        if mode == "new":
+            candidate: int | None = self.run.last_step
+        else:
+            with self.run.lock:
+                done = [b for b in self.pool.buffers if b.step is not None and b.state in (READY, PERSIST)]
+                if mode == "retry":
+                    done = [b for b in done if b.header.get("persist_due")]
+                newest = max(done, key=lambda b: b.step) if done else None
+            # Never commit a step older than one already committed: manifests only move forward.
+            behind = newest is not None and self.last_persisted_step is not None \
+                and newest.step <= self.last_persisted_step
+            candidate = None if newest is None or newest.persisted or behind else newest.step
+        steps = self.comm.gather_json(candidate)
+        if any(s is None for s in steps) or len(set(steps)) != 1:
+            return
+        self.in_flight = self._exec.submit(self._job, snapshot if mode == "new" else None, candidate)
+
+    def reap(self) -> None:
+        fut = self.in_flight
+        if fut is not None and fut.done():
+            self.in_flight = None
+            exc = fut.exception()
+            if exc is not None:
+                self.run.last_error = f"persist failed: {exc}"
+
+    def _job(self, snap: Future | None, step: int) -> bool:
+        buf = None
+        if snap is not None:
+            try:
+                buf = snap.result()
+            except Exception:  # noqa: BLE001 - reported by the snapshot engine
+                buf = None
+        if buf is None:
+            with self.run.lock:
+                found = [b for b in self.pool.buffers if b.step == step and b.state == READY]
+            buf = found[0] if found else None
+        ok, error, units = False, None, {}
+        if buf is not None:
+            with self.run.lock:
+                buf.state = PERSIST
+            try:
+                units = self._write_share(buf)
+                ok = True
+            except Exception as exc:  # noqa: BLE001 - storage trouble never reaches training
+                error = f"{type(exc).__name__}: {exc}"
+        else:
+            error = f"snapshot of step {step} is not available"
+        results = self.comm.gather_json({"ok": ok, "error": error, "units": units}, persist=True)
+        committed = False
+        if self.run.rank == 0 and not self.run.abandoned:
+            if all(r["ok"] for r in results):
+                try:
+                    self._commit(step, results, buf.header)  # type: ignore[union-attr]
+                    committed = True
+                except Exception as exc:  # noqa: BLE001
+                    error = f"commit failed: {type(exc).__name__}: {exc}"
+            else:
+                error = "; ".join(f"rank {i}: {r['error']}" for i, r in enumerate(results) if not r["ok"])
+        outcome = self.comm.broadcast_json({"committed": committed, "error": error}, persist=True)
+        with self.run.lock:
+            if self.run.abandoned:
+                return bool(outcome["committed"])
+            if buf is not None:
+                buf.state = READY
+            if outcome["committed"]:
+                buf.persisted = True
+                self.run.has_base = True
+                self.last_persisted_step = step
+                self.policy.mark_persisted(buf.header["selection"], buf.header["plt"]["cum"])
+            else:
+                self.failures += 1
+                self.run.last_error = outcome["error"]
+        if outcome["committed"]:
+            log.info("rank %d step %d: checkpoint persisted to %s", self.run.rank, step, self.store.store.url)
+        else:
+            log.warning("rank %d step %d: persist failed, snapshot kept in memory: %s",
+                        self.run.rank, step, outcome["error"])
+        return bool(outcome["committed"])
+
+    def _write_share(self, buf: SnapshotBuffer) -> dict[str, Any]:
+        header = buf.header  # type: ignore[attr-defined]
+        writer = self.store.writer(header["step"], f"r{self.run.rank}")
+        out = {}
+        for piece in header["pieces"]:
+            if not piece["persist"]:
+                continue
+            name = piece["unit"]
+            u = header["units"][name]
+            view = buf.view(piece["offset"], piece["end"] - piece["start"])
+            chunk = writer.add_bytes([view], offset=piece["start"], itemsize=u["itemsize"],
+                                     group="experts" if u["kind"] == "expert" else "state")
+            out[name] = {"chunk": chunk.to_json(), **{k: u[k] for k in ("kind", "layer", "expert", "unit_nbytes",
+                                                                          "skeleton", "tensors")}}
+        writer.finish()
+        return out
+
+    def _commit(self, step: int, results: list[dict[str, Any]], header: dict[str, Any]) -> None:
+        merged: dict[str, dict[str, Any]] = {}
+        for r in results:
+            for name, u in r["units"].items():
+                entry = merged.setdefault(name, dict(u, chunks=[]))
+                entry["chunks"].append(ChunkRecord.from_json(u["chunk"]))
+        for name, u in merged.items():
+            pos = 0
+            for c in sorted(u["chunks"], key=lambda c: c.offset):
+                if c.offset != pos:
+                    break
+                pos += c.nbytes
+            if pos != int(u["unit_nbytes"]):
+                raise RuntimeError(f"step {step}: the ranks' chunks of {name} cover {pos} of its "
+                                   f"{u['unit_nbytes']} bytes; not committing an incomplete checkpoint")
+        records = [
+            UnitRecord(name=name, kind=u["kind"], step=step, nbytes=int(u["unit_nbytes"]), skeleton=u["skeleton"],
+                       tensors=u["tensors"], chunks=sorted(u["chunks"], key=lambda c: c.offset),
+                       layer=u["layer"], expert=u["expert"])
+            for name, u in merged.items()
+        ]
+        plt = PLTTracker(self.policy.num_experts, self.cfg.top_k)
+        plt.load_state(header["plt"])
+        for layer, experts in header["selection"].items():
+            plt.mark_saved("persist", layer, experts)
+        base = self.base if self.base is not None else self.store.latest_manifest()
+        self.base = self.store.commit(step, records, base=base, plt=plt.state(), meta=header["meta"])
+
+    # -- waiting ---------------------------------------------------------------------------
+    def wait_in_flight(self, timeout: float) -> None:
+        fut = self.in_flight
+        if fut is not None:
+            fut.result(timeout=timeout)
+            self.reap()
+
+    def flush(self, deadline: float) -> None:
+        """Persist the newest complete snapshot (collective); retry until ``deadline``
+        (``time.monotonic()``), then raise ``TimeoutError`` / ``OSError``."""
+        while True:
+            self.wait_in_flight(max(0.0, deadline - time.monotonic()))
+            newest = self.pool.newest_complete()
+            if newest is None or newest.persisted:
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"checkpoint of step {newest.step} not persisted within "
+                                   f"{self.cfg.persist_timeout}: {self.run.last_error}")
+            before = self.failures
+            self.maybe_persist("flush")
+            self.wait_in_flight(max(0.0, deadline - time.monotonic()))
+            if self.failures > before and time.monotonic() >= deadline:
+                raise OSError(f"checkpoint of step {newest.step} could not be persisted: {self.run.last_error}")
+            if self.failures > before:
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def abandon(self, grace: timedelta) -> None:
+        """Detach: give the persist in flight ``grace`` to finish; one still blocked in a
+        collective is left behind and never committed (``run.abandoned``)."""
+        fut = self.in_flight
+        if fut is not None:
+            try:
+                fut.result(timeout=grace.total_seconds())
+            except FuturesTimeout:
+                log.warning("rank %d: background persist still blocked at reconfiguration; abandoned", self.run.rank)
+            except Exception as exc:  # noqa: BLE001 - the group is gone; the snapshot stays in memory
+                log.warning("rank %d: in-flight persist abandoned at reconfiguration: %s", self.run.rank, exc)
+            self.in_flight = None
+
+    def shutdown(self, *, wait: bool = True) -> None:
+        self._exec.shutdown(wait=wait)

@@ -1,0 +1,42 @@
+"""Bookkeeping shared by the parts of a :class:`moc.CheckpointManager`.
+
+The manager is composed of small parts (policy, snapshot engine, persister, recovery);
+the few facts they all read and write live here, guarded by one lock, so no part reaches
+into another's fields.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+__all__ = ["RunState"]
+
+
+@dataclass
+class RunState:
+    """Facts about the run that every part of the manager shares.
+
+    Attributes:
+        rank, world: this process's place in the checkpointing group.
+        run_id: one id for the whole job (kept across restores and reconfigurations).
+        has_base: a committed manifest holds every unit (partial checkpoints may start).
+        first_done: a snapshot was taken by this process or the manager it replaced.
+        abandoned: the manager was detached; background jobs must not touch its buffers.
+        last_step: the step passed to the newest ``step()`` call.
+        last_error: the newest error any part reported (status only).
+    """
+
+    rank: int
+    world: int
+    run_id: str = ""
+    has_base: bool = False
+    first_done: bool = False
+    abandoned: bool = False
+    last_step: int | None = None
+    last_error: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def where(self) -> str:
+        """``rank R step S`` for log lines."""
+        return f"rank {self.rank} step {'-' if self.last_step is None else self.last_step}"

@@ -1,0 +1,238 @@
+"""The first level: copies of this rank's shares into shared-memory buffers, made by a
+background thread while the next forward/backward runs.
+
+The optimizer's step pre-hook waits for the copy in flight (the only stall), so no
+snapshot ever sees the next update. Failures are counted; ``max_consecutive_failures``
+in a row end training with :class:`moc.CheckpointError` (decided by all ranks together).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
+from datetime import timedelta
+from typing import Any
+
+import torch
+import xxhash
+
+from ._buffers import FREE, PERSIST, READY, SNAPSHOT, BufferPool, SnapshotBuffer
+from ._codec import TensorMeta, decode_tree
+from ._config import MoCConfig
+from ._dist import Comm
+from ._errors import CheckpointError
+from ._run_state import RunState
+from ._snapshot_plan import SnapshotPlan, unit_meta
+
+__all__ = ["SnapshotEngine"]
+
+log = logging.getLogger("moc")
+
+
+class SnapshotEngine:
+    """Triple-buffered background snapshots of one rank.
+
+    Args:
+        cfg: the manager's configuration.
+        pool: the shared-memory buffers (kept across reconfigurations by a handover).
+        comm: the snapshot thread's collectives (remote copies).
+        run: the shared run bookkeeping.
+    """
+
+    def __init__(self, cfg: MoCConfig, *, pool: BufferPool, comm: Comm, run: RunState) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.comm = comm
+        self.run = run
+        self._exec = ThreadPoolExecutor(1, thread_name_prefix=f"moc-snapshot-r{run.rank}")
+        self.in_flight: Future | None = None
+        self.last_snapshot_step: int | None = None
+        self.seconds: float | None = None     # background copy time of the newest snapshot
+        self.failures = 0
+        self.consecutive_failures = 0
+        self.last_exception: BaseException | None = None
+        self.stall_last = 0.0
+        self.stall_total = 0.0
+        self.stalls = 0
+
+    # -- taking a snapshot -----------------------------------------------------------------
+    def start(self, plan: SnapshotPlan, header: dict[str, Any]) -> Future:
+        """Reserve a buffer, copy the state the next forward may change now, and leave the
+        rest (parameters, optimizer state, remote copies, checksums) to the background."""
+        buf = self.pool.acquire()
+        buf.ensure(plan.nbytes(self.run.rank))
+        offset = 0
+        placed = []
+        for entry in plan.entries:
+            placed.append((entry, offset))
+            offset += entry[3] - entry[2]
+        landing = []  # where remote copies received from other ranks go in the buffer
+        for r in plan.incoming(self.run.rank):
+            landing.append((r, offset))
+            offset += r[2] - r[1]
+        for entry, off in placed:
+            if entry[0] in plan.sync_entries:
+                entry[1].copy_range(entry[2], entry[3], buf.data[off: off + entry[3] - entry[2]])
+        self.in_flight = self._exec.submit(self._fill, buf, placed, plan, header, landing)
+        return self.in_flight
+
+    def _fill(self, buf: SnapshotBuffer, placed, plan: SnapshotPlan, header: dict[str, Any],
+              landing) -> SnapshotBuffer:
+        """Background: copy this rank's share into the buffer, send/receive the remote
+        copies, checksum everything, publish."""
+        t0 = time.perf_counter()
+        units: dict[str, Any] = {}
+        pieces = []
+        where: dict[tuple[str, int], int] = {}
+        for (name, tplan, start, end, spec, owner), off in placed:
+            n = end - start
+            if name not in plan.sync_entries:
+                tplan.copy_range(start, end, buf.data[off: off + n])
+            units[name] = unit_meta(tplan, spec)
+            where[(name, start)] = off
+            pieces.append({"unit": name, "start": start, "end": end, "offset": off,
+                           "checksum": "xxh3:" + xxhash.xxh3_64_hexdigest(buf.view(off, n)),
+                           "persist": owner and (name in plan.persist_units or units[name]["kind"] == "extra")})
+        if plan.remote:
+            try:
+                pieces += self._exchange_copies(buf, plan.remote, landing, where)
+                units.update(plan.remote_meta)
+            except Exception as exc:  # noqa: BLE001 - the local part of the snapshot stays valid
+                self.run.last_error = f"remote snapshot copies failed: {exc}"
+                log.warning("rank %d step %d: remote snapshot copies failed: %s", self.run.rank, header["step"], exc)
+        header = dict(header, units=units, pieces=pieces)
+        with self.run.lock:
+            if self.run.abandoned:
+                raise RuntimeError("snapshot abandoned: the manager was detached")
+            buf.publish(header)
+            buf.step = header["step"]
+            buf.header = header
+            buf.state = READY
+            self.last_snapshot_step = header["step"]
+        self.seconds = time.perf_counter() - t0
+        return buf
+
+    def _exchange_copies(self, buf: SnapshotBuffer, remote, landing, where) -> list[dict[str, Any]]:
+        """Send the shares this rank owns to their remote copy holders and land the
+        copies it holds for others, with one all-to-all on the snapshot thread's group."""
+        rank, world = self.run.rank, self.comm.world
+        send_parts, send_splits, recv_splits = [], [0] * world, [0] * world
+        for unit, start, end, src, dst in remote:   # one global order on every rank
+            if src == rank:
+                off = where[(unit, start)]
+                send_parts.append((dst, buf.data[off: off + end - start]))
+                send_splits[dst] += end - start
+            if dst == rank:
+                recv_splits[src] += end - start
+        # all_to_all_single wants the send buffer grouped by destination rank; a stable
+        # sort keeps the global order within each destination, which is how it lands.
+        send_parts.sort(key=lambda x: x[0])
+        send = torch.cat([t for _, t in send_parts]) if send_parts else torch.empty(0, dtype=torch.uint8)
+        received = self.comm.exchange(send, send_splits, recv_splits, snapshot=True)
+        starts, pos = {}, 0
+        for q in range(world):
+            starts[q] = pos
+            pos += recv_splits[q]
+        pieces = []
+        with self.run.lock:
+            if self.run.abandoned:  # the buffer may belong to the successor now
+                raise RuntimeError("snapshot abandoned: the manager was detached")
+            for (unit, start, end, src, _), off in landing:
+                n = end - start
+                buf.data[off: off + n].copy_(received[starts[src]: starts[src] + n])
+                starts[src] += n
+                pieces.append({"unit": unit, "start": start, "end": end, "offset": off,
+                               "checksum": "xxh3:" + xxhash.xxh3_64_hexdigest(buf.view(off, n)), "persist": False})
+        return pieces
+
+    # -- waiting ---------------------------------------------------------------------------
+    def wait(self) -> bool:
+        """Wait for the snapshot in flight; True if it was still running. A failure is
+        counted, never raised here (see :meth:`check_failures`)."""
+        fut = self.in_flight
+        if fut is None:
+            return False
+        pending = not fut.done()
+        try:
+            fut.result()
+        except Exception as exc:  # noqa: BLE001 - counted; step() raises after too many in a row
+            self.run.last_error = f"snapshot failed: {type(exc).__name__}: {exc}"
+            self.failures += 1
+            self.consecutive_failures += 1
+            self.last_exception = exc
+            log.error("%s: snapshot failed (%d in a row): %s", self.run.where(), self.consecutive_failures, exc)
+        else:
+            self.consecutive_failures = 0
+        self.in_flight = None
+        return pending
+
+    def before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        """The optimizer step pre-hook: the one place training waits for a snapshot."""
+        t0 = time.perf_counter()
+        if self.wait():
+            self.stall_last = time.perf_counter() - t0
+            self.stall_total += self.stall_last
+            self.stalls += 1
+
+    def check_failures(self, last_persisted_step: int | None) -> None:
+        """Raise :class:`CheckpointError` on every rank once any rank's snapshots failed
+        ``max_consecutive_failures`` times in a row (a collective decision)."""
+        limit = self.cfg.max_consecutive_failures
+        if self.comm.any_true(self.consecutive_failures >= limit):
+            cause = self.last_exception
+            where = f"rank {self.run.rank}" if cause is not None else "another rank"
+            raise CheckpointError(
+                f"{self.run.where()}: {limit} snapshots in a row failed on {where}; nothing newer than step "
+                f"{last_persisted_step} is protected. Last error: {self.run.last_error}"
+            ) from cause
+
+    # -- reading back ----------------------------------------------------------------------
+    def newest_state(self) -> tuple[int, dict[str, Any]] | None:
+        """(step, {unit: tree}) of the newest complete snapshot; units split with other
+        ranks hold only this rank's bytes and are left out."""
+        self.wait()
+        with self.run.lock:
+            buf = self.pool.newest_complete()
+        if buf is None:
+            return None
+        trees = {}
+        for piece in buf.header["pieces"]:
+            u = buf.header["units"][piece["unit"]]
+            if piece["start"] != 0 or piece["end"] != u["unit_nbytes"]:
+                continue
+            data = bytearray(buf.view(piece["offset"], piece["end"] - piece["start"]))
+            trees[piece["unit"]] = decode_tree(u["skeleton"], [TensorMeta.from_json(t) for t in u["tensors"]], data)
+        return buf.step, trees
+
+    # -- ending ----------------------------------------------------------------------------
+    def abandon(self, grace: timedelta) -> None:
+        """Detach: give the copy in flight ``grace`` to finish; one still blocked in a
+        collective is left behind (``run.abandoned`` stops it from publishing)."""
+        fut = self.in_flight
+        if fut is not None:
+            try:
+                fut.result(timeout=grace.total_seconds())
+            except FuturesTimeout:
+                log.warning("rank %d: background snapshot still blocked at reconfiguration; abandoned",
+                            self.run.rank)
+            except Exception as exc:  # noqa: BLE001 - the group is gone; the snapshot stays in memory
+                log.warning("rank %d: in-flight snapshot abandoned at reconfiguration: %s", self.run.rank, exc)
+            self.in_flight = None
+
+    def retire_buffers(self) -> None:
+        """Keep every complete buffer as a memory-only recovery source (its shares were
+        planned for this group: a successor on another group must not persist them, the
+        pieces of lost ranks would be missing) and drop the incomplete one."""
+        with self.run.lock:
+            for b in self.pool.buffers:
+                b.persisted = True
+                if b.state == PERSIST:
+                    b.state = READY
+                elif b.state == SNAPSHOT:
+                    b.invalidate()
+                    b.state = FREE
+
+    def shutdown(self, *, wait: bool = True) -> None:
+        self._exec.shutdown(wait=wait)

@@ -1,0 +1,189 @@
+"""Who holds what and who saves what: the job's unit inventory, and each checkpoint's
+plan of shares (which byte ranges of which units this rank copies, persists, and sends to
+another rank's memory).
+
+Pure planning over the layout and collectives of metadata; no tensor bytes move here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from ._codec import TreePlan, plan_tree
+from ._config import MoCConfig
+from ._dist import Comm
+from ._layouts import UnitLayout, UnitSpec
+from ._policy import Selection
+from ._sharding import plan_shares
+from ._units import capture_unit, expert_unit_name, parse_expert, unit_base
+
+__all__ = ["Inventory", "SnapshotPlan", "plan_snapshot", "unit_meta"]
+
+log = logging.getLogger("moc")
+
+
+def _expert_count(names: list[str], known: Mapping[str, int]) -> dict[str, int]:
+    counts: dict[str, int] = dict(known)
+    for name in names:
+        if name.startswith("expert/"):
+            layer, e = parse_expert(name)
+            counts[layer] = max(counts.get(layer, 0), e + 1)
+    return dict(sorted(counts.items()))
+
+
+@dataclass
+class Inventory:
+    """The units of the job and which ranks hold each (gathered once, collectively).
+
+    Attributes:
+        layout: this rank's units (the layout found in its model).
+        holders: unit name -> ranks holding it (``extra/rank<r>``: rank r only).
+        num_experts: experts per MoE layer over the whole job.
+        units_with_buffers: module units with non-parameter state (running stats...),
+            copied synchronously in ``step()`` since the next forward may change them.
+        info: the layout's description (log line, status, manifests).
+    """
+
+    layout: UnitLayout
+    holders: dict[str, list[int]]
+    num_experts: dict[str, int]
+    units_with_buffers: set[str] = field(default_factory=set)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def gather(cls, model: torch.nn.Module, layout: UnitLayout, comm: Comm) -> "Inventory":
+        params = {n for n, _ in model.named_parameters()}
+        with_buffers = {spec.name for spec in layout.modules() if any(k not in params for k in spec.keys)}
+        holders: dict[str, list[int]] = {}
+        for r, names in enumerate(comm.gather_json(sorted(layout.units))):
+            for name in names:
+                holders.setdefault(name, []).append(r)
+        for r in range(comm.world):
+            holders[f"extra/rank{r}"] = [r]
+        known = comm.gather_json(layout.experts_per_layer)
+        num_experts = _expert_count(list(holders), {l: n for d in known for l, n in d.items()})
+        if not num_experts:
+            raise ValueError("no MoE layer found on any rank")
+        layout.experts_per_layer = dict(num_experts)
+        return cls(layout=layout, holders=holders, num_experts=num_experts, units_with_buffers=with_buffers,
+                   info=layout.describe())
+
+    def needs(self, world: int) -> dict[int, list[str]]:
+        """rank -> the units it holds (what a restore must give it)."""
+        out: dict[int, list[str]] = {r: [] for r in range(world)}
+        for name, ranks in self.holders.items():
+            for r in ranks:
+                out[r].append(name)
+        return {r: sorted(v) for r, v in out.items()}
+
+
+# (unit, plan, start, end, spec, owner): one share of a unit this rank copies.
+Entry = tuple[str, TreePlan, int, int, "UnitSpec | None", bool]
+# (unit, start, end, src, dst): a share copied to another rank's memory.
+Remote = tuple[str, int, int, int, int]
+
+
+@dataclass
+class SnapshotPlan:
+    """This rank's part of one checkpoint."""
+
+    entries: list[Entry]
+    sync_entries: set[str]       # copied in step(), before the next forward can change them
+    persist_units: set[str]      # units that go to storage if this snapshot is persisted
+    remote: list[Remote]         # every remote copy of the job, in one global order
+    remote_meta: dict[str, Any]  # descriptions of the units this rank receives copies of
+
+    def incoming(self, rank: int) -> list[Remote]:
+        return [r for r in self.remote if r[4] == rank]
+
+    def nbytes(self, rank: int) -> int:
+        """Buffer bytes this rank needs: its entries, then the copies it receives."""
+        return sum(e[3] - e[2] for e in self.entries) + sum(r[2] - r[1] for r in self.incoming(rank))
+
+
+def unit_meta(plan: TreePlan, spec: UnitSpec | None) -> dict[str, Any]:
+    """How a unit's bytes decode (recorded in snapshot headers and manifests)."""
+    return {
+        "kind": "extra" if spec is None else spec.kind, "layer": getattr(spec, "layer", None),
+        "expert": getattr(spec, "expert", None), "unit_nbytes": plan.nbytes, "skeleton": plan.skeleton,
+        "tensors": [t.to_json() for t in plan.tensors], "itemsize": plan.itemsize,
+    }
+
+
+def plan_snapshot(cfg: MoCConfig, inventory: Inventory, comm: Comm, *, step: int, selection: Selection,
+                  model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                  extra_tree: dict[str, Any]) -> SnapshotPlan:
+    """This rank's share of the checkpoint of ``step`` (collective: sizes and remote
+    copies' descriptions are exchanged)."""
+    rank, world, layout = comm.rank, comm.world, inventory.layout
+    state = model.state_dict(keep_vars=True)
+    params = dict(model.named_parameters())
+    plans: dict[str, tuple[TreePlan, UnitSpec | None]] = {}
+    for layer, (snap, _) in selection.items():
+        for e in snap:
+            spec = layout.expert_unit(layer, e)
+            if spec is not None:
+                plans[spec.name] = (plan_tree(capture_unit(spec, model, optimizer, state=state, params=params)), spec)
+    for spec in layout.modules():
+        plans[spec.name] = (plan_tree(capture_unit(spec, model, optimizer, state=state, params=params)), spec)
+    extra_name = f"extra/rank{rank}"
+    plans[extra_name] = (plan_tree(extra_tree), None)
+    sizes = comm.gather_json({n: p.nbytes for n, (p, _) in plans.items()})
+    size_of: dict[str, int] = {}
+    disagree: set[str] = set()
+    for d in sizes:
+        for n, nb in d.items():
+            if n in size_of and size_of[n] != nb:
+                disagree.add(n)
+            size_of[n] = nb
+    if disagree:
+        # Replicas of one unit must serialise identically, or split shares would not
+        # tile it; keep such units whole on their first holder.
+        log.error("rank %d step %d: holders disagree on the size of %s; not splitting them",
+                  rank, step, sorted(disagree)[:4])
+    experts = {n: s for n, s in size_of.items() if n.startswith("expert/")}
+    modules = {n: s for n, s in size_of.items() if not n.startswith("expert/")}
+    holders = {n: (sorted(r)[:1] if n in disagree else r) for n, r in inventory.holders.items()}
+    shares = plan_shares(experts, modules, holders, world, cfg.sharding)
+    persist_bases = {expert_unit_name(l, e) for l, (_, p) in selection.items() for e in p}
+    persist_units = {n for n in experts if unit_base(n) in persist_bases} | set(modules)
+    entries: list[Entry] = []
+    sync_entries = {extra_name}
+    remote: list[Remote] = []
+    copy_load = [0] * world
+    for sh in shares:
+        unit_holders = sorted(inventory.holders[sh.unit])
+        # The owner snapshots (and persists) the share. The other copies go first to
+        # ranks that do NOT hold the unit: a copy on a co-holder dies with the replicas
+        # it would replace (an expert is lost only when all its holders are), while a
+        # copy elsewhere survives them. Co-holders (copied from their own replica, no
+        # network) fill up when there are not enough other ranks.
+        extra = cfg.snapshot_copies - 1
+        others = sorted((r for r in range(world) if r not in unit_holders),
+                        key=lambda r: (copy_load[r], (r - sh.rank) % world))[:extra]
+        for r in others:
+            copy_load[r] += sh.end - sh.start
+            remote.append((sh.unit, sh.start, sh.end, sh.rank, r))
+        i = unit_holders.index(sh.rank)
+        copies = {unit_holders[(i + j) % len(unit_holders)]
+                  for j in range(min(1 + extra - len(others), len(unit_holders)))}
+        if rank not in copies:
+            continue
+        plan, spec = plans[sh.unit]
+        entries.append((sh.unit, plan, sh.start, sh.end, spec, sh.rank == rank))
+        if sh.unit in inventory.units_with_buffers:
+            sync_entries.add(sh.unit)
+    remote_meta: dict[str, Any] = {}
+    if remote:
+        # Receivers hold no replica, so the senders describe the units they send.
+        mine = {u for (u, _, _, src, _) in remote if src == rank}
+        described = comm.gather_json({u: unit_meta(*plans[u]) for u in sorted(mine)})
+        wanted = {u for (u, _, _, _, dst) in remote if dst == rank}
+        for d in described:
+            remote_meta.update({u: m for u, m in d.items() if u in wanted})
+    return SnapshotPlan(entries=entries, sync_entries=sync_entries, persist_units=persist_units, remote=remote,
+                        remote_meta=remote_meta)
