@@ -140,15 +140,19 @@ def improve_placement(
     # Upper bound: the expert spanning the fewest nodes must survive. Reaching it for
     # every R means nothing can be gained.
     span = min(len(s) for s in owners)
-    bound = np.array(
-        [math.comb(n, k) - math.comb(n - span, k) for k in range(n + 1)], dtype=np.int64
+    # Only used with exact scoring (N <= EXACT_SEARCH_MAX_NODES): C(N, k) overflows int64
+    # from N = 67 on.
+    bound = (
+        np.array([math.comb(n, k) - math.comb(n - span, k) for k in range(n + 1)], dtype=np.int64)
+        if table.exact
+        else None
     )
     rng = np.random.default_rng(seed + 1)
     small = n <= EXACT_SEARCH_MAX_NODES
     done_rounds = 0
     while done_rounds < rounds and (evals_left is None or evals_left > 0):
         done_rounds += 1
-        if table.exact and np.array_equal(cur[1:n], bound[1:n]):
+        if bound is not None and np.array_equal(cur[1:n], bound[1:n]):
             break
         risk = None if small else _risky_experts(alive_cnt, 2 * start.slots_per_node)
         best = None
