@@ -147,24 +147,31 @@ def _fill(nodes: list[list[int]], left: list[int], r: list[int], n: int, c: int)
     :func:`_repair_duplicates`.
     """
     e_count = len(r)
-    vac = np.array([c - len(row) for row in nodes], dtype=np.int64)
-    copies = np.zeros((e_count, n), dtype=np.int64)
-    for i, row in enumerate(nodes):
-        for x in row:
-            copies[x, i] += 1
-    for e in sorted(range(e_count), key=lambda x: (-left[x], x)):
+    lens = [len(row) for row in nodes]
+    vac = c - np.array(lens, dtype=np.int64)
+    # Which nodes already hold each expert (the MRO blocks), grouped by expert. An
+    # expert's copies only change while that expert is placed, so its row of the
+    # copies table is built when its turn comes.
+    owner = np.repeat(np.arange(n, dtype=np.int64), lens)
+    flat = np.fromiter(itertools.chain.from_iterable(nodes), dtype=np.int64, count=len(owner))
+    by_expert = np.argsort(flat, kind="stable")
+    holders = owner[by_expert]
+    bounds = np.searchsorted(flat[by_expert], np.arange(e_count + 1)).tolist()
+    for e in sorted((x for x in range(e_count) if left[x] > 0), key=lambda x: (-left[x], x)):
         need = left[e]
+        copies = np.bincount(holders[bounds[e] : bounds[e + 1]], minlength=n)
         level = 0
         while need > 0:
-            cand = np.flatnonzero((vac > 0) & (copies[e] == level))
+            cand = np.flatnonzero((vac > 0) & (copies == level))
             if cand.size:
                 cand = cand[np.argsort(-vac[cand], kind="stable")][:need]
                 for i in cand.tolist():
                     nodes[i].append(e)
                 vac[cand] -= 1
-                copies[e, cand] += 1
+                copies[cand] += 1
                 need -= int(cand.size)
             level += 1
+    for e in range(e_count):
         left[e] = 0
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from ._allocate import effective_min_replicas
 from ._placement import MroLayout
 from ._types import Placement
-from ._validate import check_int, check_loads, check_replicas
+from ._validate import check_int, check_replicas
 
 __all__ = ["allocate_replicas_reference", "place_mro_reference"]
 
@@ -61,6 +61,19 @@ def _validated(
 # ----------------------------------------------------------------------------- Eq. 1
 
 
+def _check_loads(loads: Sequence[float]) -> list[float]:
+    out: list[float] = []
+    for i, t in enumerate(list(loads)):
+        if isinstance(t, bool) or not isinstance(t, numbers.Real):
+            raise ValueError(f"loads[{i}] must be a real number, got {t!r}")
+        if math.isnan(float(t)) or math.isinf(float(t)) or t < 0:
+            raise ValueError(f"loads[{i}] must be finite and >= 0, got {t!r}")
+        out.append(t)
+    if not out:
+        raise ValueError("loads must hold at least one expert, got an empty sequence")
+    return out
+
+
 def _as_fraction(x: float) -> Fraction:
     if isinstance(x, numbers.Integral):
         return Fraction(int(x))
@@ -76,7 +89,7 @@ def allocate_replicas_reference(
     max_per_node: int | None = None,
 ) -> list[int]:
     """Eq. 1 with ``Fraction`` arithmetic (same contract as ``allocate_replicas``)."""
-    t = check_loads("loads", loads)
+    t = _check_loads(loads)
     n = check_int("num_nodes", num_nodes, lo=1)
     c = check_int("slots_per_node", slots_per_node, lo=1)
     e_count = len(t)

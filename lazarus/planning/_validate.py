@@ -39,15 +39,18 @@ def check_loads(name: str, loads: Any) -> list[float]:
         loads, "__len__"
     ):
         raise ValueError(f"{name} must be a sequence of non-negative numbers, got {loads!r}")
-    out: list[float] = []
-    for i, t in enumerate(list(loads)):
+    out: list[float] = list(loads)
+    for i, t in enumerate(out):
+        kind = type(t)
+        if (kind is float and 0.0 <= t < math.inf) or (kind is int and t >= 0):
+            continue  # the common case, checked without the numbers ABCs
         if isinstance(t, bool) or not isinstance(t, numbers.Real):
             raise ValueError(f"{name}[{i}] must be a real number, got {t!r}")
         if math.isnan(float(t)) or math.isinf(float(t)):
             raise ValueError(f"{name}[{i}] must be finite and >= 0, got {t!r}")
         if t < 0:
             raise ValueError(f"{name}[{i}] must be >= 0, got {t!r}")
-        out.append(t)  # keep ints as ints so Eq. 1 can be evaluated exactly
+    # ints stay ints so that Eq. 1 can be evaluated exactly
     if not out:
         raise ValueError(f"{name} must hold at least one expert, got an empty sequence")
     return out
