@@ -129,8 +129,9 @@ def test_repair_matches_reference_when_it_swaps() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_fill_matches_reference_with_partial_blocks() -> None:
+def test_fill_matches_reference() -> None:
     rnd = random.Random(11)
+    dealt = general = 0  # full blocks (round-robin deal) / partial blocks (greedy)
     for _ in range(800):
         n, c = rnd.randint(1, 40), rnd.randint(1, 8)
         e = rnd.randint(1, min(n * c, 60))
@@ -146,11 +147,17 @@ def test_fill_matches_reference_with_partial_blocks() -> None:
             for x in group:
                 left[x] -= size
         nodes.extend([] for _ in range(n - len(nodes)))
+        if sum(left):
+            if all(not row for row in nodes if len(row) < c):
+                dealt += 1
+            else:
+                general += 1
         got, want = [list(x) for x in nodes], [list(x) for x in nodes]
         left_got, left_want = list(left), list(left)
         _placement._fill(got, left_got, r, n, c)
         _reference._fill(want, left_want, r, n, c)
         assert got == want and left_got == left_want == [0] * e, (r, n, c)
+    assert dealt > 100 and general > 100
 
 
 # ----------------------------------------------------------------------------- Placement

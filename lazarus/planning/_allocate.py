@@ -31,6 +31,8 @@ def _exact_ratio(x: float) -> tuple[int, int]:
 
     ``q`` is a product of powers of 2 and 5, so a common denominator is cheap.
     """
+    if type(x) is float:
+        return Decimal(repr(x)).as_integer_ratio()
     if isinstance(x, numbers.Integral):
         return int(x), 1
     return Decimal(repr(float(x))).as_integer_ratio()

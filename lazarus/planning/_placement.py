@@ -145,8 +145,25 @@ def _fill(nodes: list[list[int]], left: list[int], r: list[int], n: int, c: int)
     most free slots so that vacancies stay balanced for the experts that follow. This is
     the Gale-Ryser style greedy; the rare dead ends it leaves are fixed by
     :func:`_repair_duplicates`.
+
+    When every node with a free slot is empty (all MRO groups have ``c`` experts, so the
+    blocks are full) this greedy is a plain round-robin deal: all free nodes start with
+    ``c`` vacancies and no copies, each expert takes the next nodes in cyclic order (the
+    most vacant, lowest index first), and wraps around when it needs more nodes than
+    there are. That case is dealt directly; partial blocks take the general path.
     """
     e_count = len(r)
+    todo = sorted((x for x in range(e_count) if left[x] > 0), key=lambda x: (-left[x], x))
+    free = [i for i, row in enumerate(nodes) if len(row) < c]
+    if free and all(not nodes[i] for i in free):
+        deck: list[int] = []
+        for e in todo:
+            deck.extend([e] * left[e])
+        for k, i in enumerate(free):
+            nodes[i].extend(deck[k :: len(free)])
+        for e in range(e_count):
+            left[e] = 0
+        return
     lens = [len(row) for row in nodes]
     vac = c - np.array(lens, dtype=np.int64)
     # Which nodes already hold each expert (the MRO blocks), grouped by expert. An
@@ -157,7 +174,7 @@ def _fill(nodes: list[list[int]], left: list[int], r: list[int], n: int, c: int)
     by_expert = np.argsort(flat, kind="stable")
     holders = owner[by_expert]
     bounds = np.searchsorted(flat[by_expert], np.arange(e_count + 1)).tolist()
-    for e in sorted((x for x in range(e_count) if left[x] > 0), key=lambda x: (-left[x], x)):
+    for e in todo:
         need = left[e]
         copies = np.bincount(holders[bounds[e] : bounds[e + 1]], minlength=n)
         level = 0
@@ -247,6 +264,8 @@ def _repair_duplicates(nodes: list[list[int]], core: list[int], r: list[int], n:
             room_fillers[e] = got
         return got
 
+    if not any(fillers_in_room(e) for e in over_experts):
+        return  # no excess copy can move, and nothing changes without a move
     for a in sorted(over_at):
         if not any(fillers_in_room(e) for e in over_at[a]):
             continue  # nothing can take any excess copy of this node

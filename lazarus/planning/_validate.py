@@ -68,7 +68,10 @@ def check_replicas(
     c = check_int("slots_per_node", slots_per_node, lo=1)
     if isinstance(replicas, (str, bytes)) or not hasattr(replicas, "__len__"):
         raise ValueError(f"{name} must be a sequence of integers, got {replicas!r}")
-    r = [check_int(f"{name}[{i}]", x, lo=1, hi=n * c) for i, x in enumerate(list(replicas))]
+    r = list(replicas)
+    # Fast path for plain ints in range; anything else gets the per-element message.
+    if not (all(type(x) is int for x in r) and (not r or 1 <= min(r) and max(r) <= n * c)):
+        r = [check_int(f"{name}[{i}]", x, lo=1, hi=n * c) for i, x in enumerate(r)]
     if not r:
         raise ValueError(f"{name} must hold at least one expert, got an empty sequence")
     if len(r) > n * c:
