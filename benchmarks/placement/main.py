@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import random
 import statistics
 import sys
@@ -234,7 +235,9 @@ def timing_section(reps: int) -> list[str]:
             }, reps)
             t = paired_ms({
                 "new": lambda: place_mro(allocate_replicas(loads, n, c, f), n, c),
-                "old": lambda: place_mro_reference(allocate_replicas_reference(loads, n, c, f), n, c),
+                "old": lambda: place_mro_reference(
+                    allocate_replicas_reference(loads, n, c, f), n, c
+                ),
             }, reps)
             for k in ("new", "old"):
                 alloc[k] += a[k]
@@ -265,9 +268,13 @@ def timing_section(reps: int) -> list[str]:
     p_label = workloads[1][0]
     p_new, p_worst, p_old = summary[p_label]
     verdict = "met" if p_new < TARGET_MS else "NOT met"
+    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     return [
         f"### Planning time ({n} nodes x {c} slots x {e} experts, f = {f}, median of {reps} runs"
         " per load vector)",
+        "",
+        f"Load average at the end of the timings (1 / 5 / 15 min): {load} on "
+        f"{os.cpu_count()} cores; other jobs inflate both columns alike.",
         "",
         "`before` is the previous implementation (`lazarus/planning/_reference.py`: Fraction "
         "arithmetic, dense copy tables, every plan validated twice), timed in the same run, "
@@ -280,7 +287,8 @@ def timing_section(reps: int) -> list[str]:
         *rows,
         "",
         f"Pareto (alpha = {PARETO_ALPHA}) allocation + MRO: {p_new:.1f} ms median over "
-        f"{PARETO_SEEDS} load vectors (slowest vector {p_worst:.1f} ms); target < {TARGET_MS:.0f} ms "
+        f"{PARETO_SEEDS} load vectors (slowest vector {p_worst:.1f} ms); "
+        f"target < {TARGET_MS:.0f} ms "
         f"{verdict}; {p_old / p_new:.1f}x faster than before ({p_old:.1f} ms).",
         "",
         "| other step (Zipf s = 1.0 unless noted) | median ms |",

@@ -230,10 +230,9 @@ def _repair_duplicates(nodes: list[list[int]], core: list[int], r: list[int], n:
     pairs, counts = np.unique(owner * e_count + flat, return_counts=True)
     pair_expert = pairs % e_count
     excess = counts > np.array(allowed, dtype=np.int64)[pair_expert]
+    excess &= fill_len[pairs // e_count] > 0  # only fillers move
     excess_nodes = pairs[excess] // e_count
     excess_experts = pair_expert[excess]
-    excess_nodes_flex = fill_len[excess_nodes] > 0
-    excess_nodes, excess_experts = excess_nodes[excess_nodes_flex], excess_experts[excess_nodes_flex]
     if excess_nodes.size == 0:
         return
     over_at: dict[int, list[int]] = {}
@@ -282,7 +281,9 @@ def _repair_duplicates(nodes: list[list[int]], core: list[int], r: list[int], n:
             bad[list(at_cap)] = True
             room = has_fill & (rows[row_of[e]] < allowed[e])
             room[a] = False
-            k = int(np.argmax(room[slot_node] & ~bad[slot_expert]))
+            suitable = room[slot_node] & ~bad[slot_expert]
+            k = int(np.argmax(suitable))  # first suitable filler of the lowest such node
+            assert suitable[k], "fillers_in_room promised a partner"
             b, hit = int(slot_node[k]), int(slot_pos[k])
             y = nodes[b][hit]
             row_a[j], nodes[b][hit] = y, e

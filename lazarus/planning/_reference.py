@@ -40,7 +40,7 @@ def _validated(
         ids = []
         for x in row:
             if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0:
-                raise ValueError(f"Placement.nodes[{i}] must hold non-negative integer ids, got {x!r}")
+                raise ValueError(f"Placement.nodes[{i}] holds a bad expert id {x!r}")
             ids.append(int(x))
         table.append(ids)
     c = len(table[0])

@@ -161,5 +161,7 @@ def _expert_id(node: int, x: Any) -> int:
 
 def _check_gpus(g: Any, c: int) -> int:
     if isinstance(g, bool) or not isinstance(g, numbers.Integral) or not 1 <= g <= c:
-        raise ValueError(f"gpus_per_node must be an integer in [1, {c}] (slots_per_node), got {g!r}")
+        raise ValueError(
+            f"gpus_per_node must be an integer in [1, {c}] (slots_per_node), got {g!r}"
+        )
     return int(g)
