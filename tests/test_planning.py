@@ -199,6 +199,18 @@ def test_mro_is_deterministic() -> None:
     assert place_mro(r, 5, 3) == place_mro(r, 5, 3)
 
 
+def test_mro_search_on_large_truncated_plan() -> None:
+    # Above 66 nodes C(N, k) no longer fits in int64; the sampled search must not need it.
+    n, c = 80, 4
+    r = allocate_replicas([1 / (k + 1) for k in range(21)], n, c, 2)
+    assert not mro_layout(r, n, c).full
+    plan = place_mro(r, n, c)
+    assert plan.replica_counts() == r
+    assert all(len(o) >= 2 for o in plan.owners())
+    assert recovery_probability(plan, 1) == 1.0
+    assert plan == place_mro(r, n, c)
+
+
 def test_gpu_slots_split_copies() -> None:
     plan = Placement([[0, 0, 1, 1], [0, 1, 1, 0]], gpus_per_node=2)
     for node in plan.gpu_slots():

@@ -21,15 +21,21 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from fractions import Fraction
+from decimal import Decimal
 
 from ._validate import check_int, check_loads
 
 
-def _as_fraction(x: float) -> Fraction:
+def _exact_ratio(x: float) -> tuple[int, int]:
+    """``x`` as written (shortest decimal ``repr``) as an integer ratio ``(p, q)``.
+
+    ``q`` is a product of powers of 2 and 5, so a common denominator is cheap.
+    """
+    if type(x) is float:
+        return Decimal(repr(x)).as_integer_ratio()
     if isinstance(x, numbers.Integral):
-        return Fraction(int(x))
-    return Fraction(repr(float(x)))
+        return int(x), 1
+    return Decimal(repr(float(x))).as_integer_ratio()
 
 
 def effective_min_replicas(
@@ -94,9 +100,13 @@ def allocate_replicas(
 
     order = sorted(range(e_count), key=lambda i: (t[i], i))
     # Exact arithmetic on the shortest decimal form of each load (what the user wrote):
-    # 0.3 / (0.3 + 0.4) * 7 must floor to 3, which binary floats get wrong.
-    exact = [_as_fraction(t[i]) for i in order]
-    suffix = [Fraction(0)] * (e_count + 1)
+    # 0.3 / (0.3 + 0.4) * 7 must floor to 3, which binary floats get wrong. All loads are
+    # put on one common denominator D, so ``floor(t_j * rest / sum_{k >= j} t_k)`` is an
+    # integer division of the numerators (the D cancels).
+    ratios = [_exact_ratio(t[i]) for i in order]
+    den = math.lcm(*(q for _, q in ratios))
+    exact = [p * (den // q) for p, q in ratios]
+    suffix = [0] * (e_count + 1)
     for j in range(e_count - 1, -1, -1):
         suffix[j] = suffix[j + 1] + exact[j]
 
@@ -105,7 +115,7 @@ def allocate_replicas(
     for j, idx in enumerate(order):
         after = e_count - j - 1
         if suffix[j] > 0:
-            share = math.floor(exact[j] * rest / suffix[j])
+            share = exact[j] * rest // suffix[j]
         else:  # every remaining expert has zero load: split what is left evenly
             share = rest // (after + 1)
         r = max(share, f)

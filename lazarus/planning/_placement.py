@@ -16,6 +16,7 @@ cover that case and :func:`lazarus.planning.place_mro` improves on it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,6 +51,11 @@ def mro_layout(
     instead of last; not the paper's layout, but a useful start for the local search.
     """
     r, n, c = check_replicas(replicas, num_nodes, slots_per_node)
+    return _mro_layout(r, n, c, partial_first)
+
+
+def _mro_layout(r: list[int], n: int, c: int, partial_first: bool = False) -> MroLayout:
+    """:func:`mro_layout` on arguments already checked by :func:`check_replicas`."""
     order = sorted(range(len(r)), key=lambda e: (r[e], e))
     head = len(order) % c if partial_first else 0
     groups = ([order[:head]] if head else []) + [
@@ -72,24 +78,28 @@ def place_mro_paper(replicas: Sequence[int], num_nodes: int, slots_per_node: int
     and benchmarks can measure what :func:`place_mro` adds.
     """
     r, n, c = check_replicas(replicas, num_nodes, slots_per_node)
-    return _build_mro(r, n, c, mro_layout(r, n, c), "mro-paper")
+    return _build_mro(r, n, c, _mro_layout(r, n, c), "mro-paper")
 
 
 def _build_mro(r: list[int], n: int, c: int, layout: MroLayout, label: str) -> Placement:
-    """Blocks of whole groups first, then the left-over replicas in the free slots."""
-    nodes: list[list[int]] = [[] for _ in range(n)]
+    """Blocks of whole groups first, then the left-over replicas in the free slots.
+
+    ``r``, ``n``, ``c`` must have passed :func:`check_replicas`; the plan is built
+    without re-validation (every slot is filled and every expert placed by construction).
+    """
+    nodes: list[list[int]] = []
     left = list(r)
-    i = 0
     for group, size in zip(layout.groups, layout.sizes):
-        for _ in range(size):
-            nodes[i] = list(group)
-            for e in group:
-                left[e] -= 1
-            i += 1
+        nodes.extend(list(group) for _ in range(size))
+        for e in group:
+            left[e] -= size
+    nodes.extend([] for _ in range(n - len(nodes)))
     core = [len(row) for row in nodes]
     _fill(nodes, left, r, n, c)
     _repair_duplicates(nodes, core, r, n)
-    return Placement([sorted(row) for row in nodes], len(r), strategy=label)
+    for row in nodes:
+        row.sort()
+    return Placement._unchecked(nodes, len(r), 1, label)
 
 
 def place_spread(replicas: Sequence[int], num_nodes: int, slots_per_node: int) -> Placement:
@@ -107,7 +117,7 @@ def place_spread(replicas: Sequence[int], num_nodes: int, slots_per_node: int) -
         for _ in range(count):
             nodes[p % n].append(e)
             p += 1
-    return Placement([sorted(row) for row in nodes], len(r), strategy="spread")
+    return Placement._unchecked([sorted(row) for row in nodes], len(r), 1, "spread")
 
 
 def place_compact(replicas: Sequence[int], num_nodes: int, slots_per_node: int) -> Placement:
@@ -124,7 +134,7 @@ def place_compact(replicas: Sequence[int], num_nodes: int, slots_per_node: int) 
         for _ in range(r[e]):
             nodes[p // c].append(e)
             p += 1
-    return Placement([sorted(row) for row in nodes], len(r), strategy="compact")
+    return Placement._unchecked([sorted(row) for row in nodes], len(r), 1, "compact")
 
 
 def _fill(nodes: list[list[int]], left: list[int], r: list[int], n: int, c: int) -> None:
@@ -135,26 +145,50 @@ def _fill(nodes: list[list[int]], left: list[int], r: list[int], n: int, c: int)
     most free slots so that vacancies stay balanced for the experts that follow. This is
     the Gale-Ryser style greedy; the rare dead ends it leaves are fixed by
     :func:`_repair_duplicates`.
+
+    When every node with a free slot is empty (all MRO groups have ``c`` experts, so the
+    blocks are full) this greedy is a plain round-robin deal: all free nodes start with
+    ``c`` vacancies and no copies, each expert takes the next nodes in cyclic order (the
+    most vacant, lowest index first), and wraps around when it needs more nodes than
+    there are. That case is dealt directly; partial blocks take the general path.
     """
     e_count = len(r)
-    vac = np.array([c - len(row) for row in nodes], dtype=np.int64)
-    copies = np.zeros((e_count, n), dtype=np.int64)
-    for i, row in enumerate(nodes):
-        for x in row:
-            copies[x, i] += 1
-    for e in sorted(range(e_count), key=lambda x: (-left[x], x)):
+    todo = sorted((x for x in range(e_count) if left[x] > 0), key=lambda x: (-left[x], x))
+    free = [i for i, row in enumerate(nodes) if len(row) < c]
+    if free and all(not nodes[i] for i in free):
+        deck: list[int] = []
+        for e in todo:
+            deck.extend([e] * left[e])
+        for k, i in enumerate(free):
+            nodes[i].extend(deck[k :: len(free)])
+        for e in range(e_count):
+            left[e] = 0
+        return
+    lens = [len(row) for row in nodes]
+    vac = c - np.array(lens, dtype=np.int64)
+    # Which nodes already hold each expert (the MRO blocks), grouped by expert. An
+    # expert's copies only change while that expert is placed, so its row of the
+    # copies table is built when its turn comes.
+    owner = np.repeat(np.arange(n, dtype=np.int64), lens)
+    flat = np.fromiter(itertools.chain.from_iterable(nodes), dtype=np.int64, count=len(owner))
+    by_expert = np.argsort(flat, kind="stable")
+    holders = owner[by_expert]
+    bounds = np.searchsorted(flat[by_expert], np.arange(e_count + 1)).tolist()
+    for e in todo:
         need = left[e]
+        copies = np.bincount(holders[bounds[e] : bounds[e + 1]], minlength=n)
         level = 0
         while need > 0:
-            cand = np.flatnonzero((vac > 0) & (copies[e] == level))
+            cand = np.flatnonzero((vac > 0) & (copies == level))
             if cand.size:
                 cand = cand[np.argsort(-vac[cand], kind="stable")][:need]
                 for i in cand.tolist():
                     nodes[i].append(e)
                 vac[cand] -= 1
-                copies[e, cand] += 1
+                copies[cand] += 1
                 need -= int(cand.size)
             level += 1
+    for e in range(e_count):
         left[e] = 0
 
 
@@ -167,37 +201,100 @@ def _repair_duplicates(nodes: list[list[int]], core: list[int], r: list[int], n:
     neither expert loses a node. Copies that cannot move (all candidate nodes are full
     MRO blocks, which happens for very popular experts) stay: they still add compute and
     go to different GPUs of the node.
+
+    Scan order (the result depends on it): nodes ``a`` ascending, their filler slots in
+    order; an excess copy goes to the lowest node ``b`` that can take it and has a
+    suitable filler, in exchange for the first such filler. What keeps this fast without
+    changing the result:
+
+    - a swap never creates an excess copy (``e`` only moves to a node below its allowance,
+      ``y`` likewise), so only the nodes and experts in excess at the start are visited;
+    - a filler of ``b`` is unsuitable exactly when it is an expert already at its
+      allowance on ``a``. So the search for ``e`` succeeds iff the fillers of the nodes
+      that can take ``e`` (``room(e)``) are not all at their allowance on ``a``; that set
+      of fillers only changes on a swap and is computed once per expert between swaps.
+      Under heavy skew it is usually empty (the hot expert is everywhere) and nothing is
+      scanned at all.
     """
-    flex = [i for i in range(n) if core[i] < len(nodes[i])]
-    if len(flex) < 2:
+    e_count = len(r)
+    lens = np.array([len(row) for row in nodes], dtype=np.int64)
+    core_arr = np.array(core, dtype=np.int64)
+    fill_len = lens - core_arr
+    if int(np.count_nonzero(fill_len)) < 2:
         return
-    allowed = np.array([-(-x // n) for x in r], dtype=np.int64)
-    copies = np.zeros((len(r), n), dtype=np.int64)
-    for i, row in enumerate(nodes):
-        for x in row:
-            copies[x, i] += 1
-    over = copies > allowed[:, None]
-    if not over.any():
+    allowed = [-(-x // n) for x in r]
+    total = int(lens.sum())
+    owner = np.repeat(np.arange(n, dtype=np.int64), lens)
+    flat = np.fromiter(itertools.chain.from_iterable(nodes), dtype=np.int64, count=total)
+    # Copies per (node, expert), sparse: a dense E x N table costs more than the search.
+    pairs, counts = np.unique(owner * e_count + flat, return_counts=True)
+    pair_expert = pairs % e_count
+    excess = counts > np.array(allowed, dtype=np.int64)[pair_expert]
+    excess &= fill_len[pairs // e_count] > 0  # only fillers move
+    excess_nodes = pairs[excess] // e_count
+    excess_experts = pair_expert[excess]
+    if excess_nodes.size == 0:
         return
-    flex_arr = np.array(flex)
-    for a in flex:
-        for j in range(core[a], len(nodes[a])):
-            e = nodes[a][j]
-            if copies[e, a] <= allowed[e]:
+    over_at: dict[int, list[int]] = {}
+    for a, e in zip(excess_nodes.tolist(), excess_experts.tolist()):
+        over_at.setdefault(a, []).append(e)
+    # Per-node copies of the experts in excess somewhere (the only rows ever needed).
+    over_experts = sorted(set(excess_experts.tolist()))
+    row_of = {e: k for k, e in enumerate(over_experts)}
+    rows = np.zeros((len(over_experts), n), dtype=np.int64)
+    sel = np.isin(pair_expert, over_experts)
+    rows[
+        np.array([row_of[e] for e in pair_expert[sel].tolist()], dtype=np.int64),
+        pairs[sel] // e_count,
+    ] = counts[sel]
+    # Filler slots, node by node: owner, position within the node, expert.
+    pos = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+    is_filler = pos >= np.repeat(core_arr, lens)
+    slot_node, slot_pos, slot_expert = owner[is_filler], pos[is_filler], flat[is_filler]
+    slot_start = np.cumsum(fill_len) - fill_len  # first filler slot of each node
+    has_fill = fill_len > 0
+    room_fillers: dict[int, set[int]] = {}  # cache between swaps
+
+    def fillers_in_room(e: int) -> set[int]:
+        got = room_fillers.get(e)
+        if got is None:
+            room = has_fill & (rows[row_of[e]] < allowed[e])
+            got = set(np.unique(slot_expert[room[slot_node]]).tolist())
+            room_fillers[e] = got
+        return got
+
+    if not any(fillers_in_room(e) for e in over_experts):
+        return  # no excess copy can move, and nothing changes without a move
+    for a in sorted(over_at):
+        if not any(fillers_in_room(e) for e in over_at[a]):
+            continue  # nothing can take any excess copy of this node
+        row_a = nodes[a]
+        held: dict[int, int] = {}
+        for x in row_a:
+            held[x] = held.get(x, 0) + 1
+        at_cap = {y for y, k in held.items() if k >= allowed[y]}
+        for j in range(core[a], len(row_a)):
+            e = row_a[j]
+            if held[e] <= allowed[e] or fillers_in_room(e) <= at_cap:
                 continue
-            room = flex_arr[(copies[e, flex_arr] < allowed[e]) & (flex_arr != a)]
-            for b in room.tolist():
-                hit = next(
-                    (jb for jb in range(core[b], len(nodes[b]))
-                     if nodes[b][jb] != e and copies[nodes[b][jb], a] < allowed[nodes[b][jb]]),
-                    None,
-                )
-                if hit is None:
-                    continue
-                y = nodes[b][hit]
-                nodes[a][j], nodes[b][hit] = y, e
-                copies[e, a] -= 1
-                copies[e, b] += 1
-                copies[y, b] -= 1
-                copies[y, a] += 1
-                break
+            bad = np.zeros(e_count, dtype=bool)
+            bad[list(at_cap)] = True
+            room = has_fill & (rows[row_of[e]] < allowed[e])
+            room[a] = False
+            suitable = room[slot_node] & ~bad[slot_expert]
+            k = int(np.argmax(suitable))  # first suitable filler of the lowest such node
+            assert suitable[k], "fillers_in_room promised a partner"
+            b, hit = int(slot_node[k]), int(slot_pos[k])
+            y = nodes[b][hit]
+            row_a[j], nodes[b][hit] = y, e
+            slot_expert[k] = e
+            slot_expert[slot_start[a] + j - core[a]] = y
+            for x, src, dst in ((e, a, b), (y, b, a)):
+                if x in row_of:
+                    rows[row_of[x], src] -= 1
+                    rows[row_of[x], dst] += 1
+            held[e] -= 1
+            held[y] = held.get(y, 0) + 1
+            if held[y] >= allowed[y]:
+                at_cap.add(y)
+            room_fillers.clear()

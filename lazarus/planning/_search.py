@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._placement import _build_mro, mro_layout, place_mro_paper, place_spread
+from ._placement import _build_mro, _mro_layout, place_spread
 from ._types import Placement
 from ._validate import check_int, check_replicas
 
@@ -140,15 +140,19 @@ def improve_placement(
     # Upper bound: the expert spanning the fewest nodes must survive. Reaching it for
     # every R means nothing can be gained.
     span = min(len(s) for s in owners)
-    bound = np.array(
-        [math.comb(n, k) - math.comb(n - span, k) for k in range(n + 1)], dtype=np.int64
+    # Only used with exact scoring (N <= EXACT_SEARCH_MAX_NODES): C(N, k) overflows int64
+    # from N = 67 on.
+    bound = (
+        np.array([math.comb(n, k) - math.comb(n - span, k) for k in range(n + 1)], dtype=np.int64)
+        if table.exact
+        else None
     )
     rng = np.random.default_rng(seed + 1)
     small = n <= EXACT_SEARCH_MAX_NODES
     done_rounds = 0
     while done_rounds < rounds and (evals_left is None or evals_left > 0):
         done_rounds += 1
-        if table.exact and np.array_equal(cur[1:n], bound[1:n]):
+        if bound is not None and np.array_equal(cur[1:n], bound[1:n]):
             break
         risk = None if small else _risky_experts(alive_cnt, 2 * start.slots_per_node)
         best = None
@@ -207,7 +211,9 @@ def improve_placement(
             owners[e].add(node_to)
         alive_cnt[x], alive_cnt[y] = kx, ky
         uncovered, cur = unc, cnt
-    plan = Placement([sorted(r) for r in nodes], e_count, start.gpus_per_node, start.strategy)
+    plan = Placement._unchecked(
+        [sorted(r) for r in nodes], e_count, start.gpus_per_node, start.strategy
+    )
     return plan, float(np.dot(cur, table.weights)) if not np.any(cur[1:n] < low[1:n]) else -1.0
 
 
@@ -236,18 +242,19 @@ def place_mro(
     """
     r, n, c = check_replicas(replicas, num_nodes, slots_per_node)
     seed = check_int("seed", seed, lo=0)
-    paper = place_mro_paper(r, n, c)
-    if not improve or mro_layout(r, n, c).full or n < 2:
-        return Placement(paper.nodes, paper.num_experts, strategy="mro")
+    layout = _mro_layout(r, n, c)
+    paper = _build_mro(r, n, c, layout, "mro-paper")
+    if not improve or layout.full or n < 2:
+        return Placement._unchecked(paper.nodes, paper.num_experts, 1, "mro")
     best, best_score = improve_placement(paper, seed=seed)
     if n <= EXACT_SEARCH_MAX_NODES:
         # A second start escapes local optima of the paper's plan; its result only counts
         # if it ends at or above the paper's plan for every failure count.
         starts = [place_spread(r, n, c)]
         if len(r) % c:
-            starts.append(_build_mro(r, n, c, mro_layout(r, n, c, partial_first=True), "mro"))
+            starts.append(_build_mro(r, n, c, _mro_layout(r, n, c, partial_first=True), "mro"))
         for other in starts:
             cand, score = improve_placement(other, floor=paper, seed=seed)
             if score > best_score + 1e-12:
                 best, best_score = cand, score
-    return Placement(best.nodes, best.num_experts, strategy="mro")
+    return Placement._unchecked(best.nodes, best.num_experts, 1, "mro")

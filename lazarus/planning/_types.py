@@ -40,13 +40,11 @@ class Placement:
         for i, row in enumerate(nodes):
             if isinstance(row, (str, bytes)) or not hasattr(row, "__iter__"):
                 raise ValueError(f"Placement.nodes[{i}] must be a list of expert ids, got {row!r}")
-            ids = []
-            for x in row:
-                if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0:
-                    raise ValueError(
-                        f"Placement.nodes[{i}] must hold non-negative integer expert ids, got {x!r}"
-                    )
-                ids.append(int(x))
+            ids = list(row)
+            # Fast path for rows of plain ints (the common case, JSON included); anything
+            # else gets the element-by-element check with its precise message.
+            if not all(type(x) is int for x in ids) or (ids and min(ids) < 0):
+                ids = [_expert_id(i, x) for x in ids]
             table.append(ids)
         c = len(table[0])
         if c == 0:
@@ -64,16 +62,32 @@ class Placement:
             raise ValueError(f"Placement.num_experts must be an integer >= 1, got {e!r}")
         if seen_max >= e:
             raise ValueError(f"expert ids must be in [0, {e - 1}] (num_experts={e}), got {seen_max}")
-        present = {x for row in table for x in row}
+        present = set().union(*table)
         if len(present) != e:
             absent = sorted(set(range(e)) - present)
             raise ValueError(f"every expert needs at least one replica; missing {absent[:10]}")
-        g = self.gpus_per_node
-        if isinstance(g, bool) or not isinstance(g, numbers.Integral) or not 1 <= g <= c:
-            raise ValueError(f"gpus_per_node must be an integer in [1, {c}] (slots_per_node), got {g!r}")
+        g = _check_gpus(self.gpus_per_node, c)
         object.__setattr__(self, "nodes", table)
         object.__setattr__(self, "num_experts", int(e))
-        object.__setattr__(self, "gpus_per_node", int(g))
+        object.__setattr__(self, "gpus_per_node", g)
+
+    @classmethod
+    def _unchecked(
+        cls, nodes: list[list[int]], num_experts: int, gpus_per_node: int = 1, strategy: str = ""
+    ) -> Placement:
+        """Build without validation: only for tables the planner itself constructed.
+
+        The caller guarantees what ``__post_init__`` would check: a non-empty list of
+        equally long, non-empty lists of ``int`` ids in ``[0, num_experts)``, every id
+        present, and ``1 <= gpus_per_node <= len(nodes[0])``. Input from users, files or
+        the network must go through the public constructor.
+        """
+        plan = object.__new__(cls)
+        object.__setattr__(plan, "nodes", nodes)
+        object.__setattr__(plan, "num_experts", num_experts)
+        object.__setattr__(plan, "gpus_per_node", gpus_per_node)
+        object.__setattr__(plan, "strategy", strategy)
+        return plan
 
     # ----- shape -----------------------------------------------------------------
     @property
@@ -117,7 +131,9 @@ class Placement:
 
     def with_gpus(self, gpus_per_node: int) -> Placement:
         """The same plan with its slots spread over ``gpus_per_node`` GPUs per node."""
-        return Placement(self.nodes, self.num_experts, gpus_per_node, self.strategy)
+        g = _check_gpus(gpus_per_node, self.slots_per_node)
+        table = [list(row) for row in self.nodes]
+        return Placement._unchecked(table, self.num_experts, g, self.strategy)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (used by the CLI and by the controller's plan messages)."""
@@ -133,3 +149,19 @@ class Placement:
         if self.gpus_per_node > 1:
             d["gpus"] = self.gpu_slots()
         return d
+
+
+def _expert_id(node: int, x: Any) -> int:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0:
+        raise ValueError(
+            f"Placement.nodes[{node}] must hold non-negative integer expert ids, got {x!r}"
+        )
+    return int(x)
+
+
+def _check_gpus(g: Any, c: int) -> int:
+    if isinstance(g, bool) or not isinstance(g, numbers.Integral) or not 1 <= g <= c:
+        raise ValueError(
+            f"gpus_per_node must be an integer in [1, {c}] (slots_per_node), got {g!r}"
+        )
+    return int(g)

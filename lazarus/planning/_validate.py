@@ -39,15 +39,18 @@ def check_loads(name: str, loads: Any) -> list[float]:
         loads, "__len__"
     ):
         raise ValueError(f"{name} must be a sequence of non-negative numbers, got {loads!r}")
-    out: list[float] = []
-    for i, t in enumerate(list(loads)):
+    out: list[float] = list(loads)
+    for i, t in enumerate(out):
+        kind = type(t)
+        if (kind is float and 0.0 <= t < math.inf) or (kind is int and t >= 0):
+            continue  # the common case, checked without the numbers ABCs
         if isinstance(t, bool) or not isinstance(t, numbers.Real):
             raise ValueError(f"{name}[{i}] must be a real number, got {t!r}")
         if math.isnan(float(t)) or math.isinf(float(t)):
             raise ValueError(f"{name}[{i}] must be finite and >= 0, got {t!r}")
         if t < 0:
             raise ValueError(f"{name}[{i}] must be >= 0, got {t!r}")
-        out.append(t)  # keep ints as ints so Eq. 1 can be evaluated exactly
+    # ints stay ints so that Eq. 1 can be evaluated exactly
     if not out:
         raise ValueError(f"{name} must hold at least one expert, got an empty sequence")
     return out
@@ -65,7 +68,10 @@ def check_replicas(
     c = check_int("slots_per_node", slots_per_node, lo=1)
     if isinstance(replicas, (str, bytes)) or not hasattr(replicas, "__len__"):
         raise ValueError(f"{name} must be a sequence of integers, got {replicas!r}")
-    r = [check_int(f"{name}[{i}]", x, lo=1, hi=n * c) for i, x in enumerate(list(replicas))]
+    r = list(replicas)
+    # Fast path for plain ints in range; anything else gets the per-element message.
+    if not (all(type(x) is int for x in r) and (not r or 1 <= min(r) and max(r) <= n * c)):
+        r = [check_int(f"{name}[{i}]", x, lo=1, hi=n * c) for i, x in enumerate(r)]
     if not r:
         raise ValueError(f"{name} must hold at least one expert, got an empty sequence")
     if len(r) > n * c:
