@@ -303,8 +303,15 @@ class ElasticTrainer:
             except Exception as exc:  # noqa: BLE001
                 if not is_collective_error(exc):
                     raise
-                log.warning("node %s: reconfiguration to generation %d failed: %s", self.node,
-                            plan["generation"], str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+                why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+                log.warning("node %s: reconfiguration to generation %d failed: %s", self.node, plan["generation"], why)
+                # Tell the controller, as for a broken collective: without a report nobody
+                # issues the next plan (a member too slow to connect in time, say).
+                try:
+                    self.channel.send({"type": "collective_error", "generation": int(plan["generation"]),
+                                       "step": self.step, "error": f"reconfiguration failed: {why}"[:300]})
+                except Exception:  # noqa: BLE001 - the agent link has its own watchdog
+                    pass
                 broken = True
             if broken:  # outside the except block, see run()
                 self.reconf.retire_group()
