@@ -197,11 +197,17 @@ class TorchSave(Method):
 
 class DCPAsync(Method):
     """``torch.distributed.checkpoint.async_save`` of ``get_state_dict(model, optimizer)``:
-    on an FSDP2 model that is its native, sharded path (each rank writes its shards)."""
+    on an FSDP2 model that is its native, sharded path (each rank writes its shards).
 
-    def __init__(self, tr: Trainer, root: Path, cached: bool) -> None:
+    ``process_group``: the group DCP's background save coordinates on (default: the
+    world). With several ranks, pass a group of its own (``dist.new_group(backend="gloo")``,
+    as torchtitan does): the save's collectives run in a background thread and must not
+    interleave with training's collectives on the default group."""
+
+    def __init__(self, tr: Trainer, root: Path, cached: bool, process_group: Any = None) -> None:
         super().__init__(tr, root)
         self.cached = cached
+        self.process_group = process_group
         self.name = "DCP async_save" + (" (DefaultStager)" if cached else "")
         self.note = ("DefaultStager: cached staging buffers, staging in a background thread, optimizer pre-hook "
                      "waits for it (pinned/shared memory and non-blocking copy off: CPU only)" if cached
@@ -240,7 +246,8 @@ class DCPAsync(Method):
         if self.writer is None:
             self.writer = FileSystemWriter(str(self.cur))
         res = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(self.cur), storage_writer=self.writer,
-                             process_group=dist.group.WORLD, async_stager=self.stager)
+                             process_group=dist.group.WORLD if self.process_group is None else self.process_group,
+                             async_stager=self.stager)
         self.staging = getattr(res, "staging_completion", None)
         self.fut = getattr(res, "upload_completion", res)
 
