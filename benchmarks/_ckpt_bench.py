@@ -319,7 +319,6 @@ class MoC(Method):
         self.note = f"k_snapshot={ks}, k_persist={kp}, persist_every={persist_every}"
         self.tag = label.replace(" ", "_").replace(",", "").replace("=", "").replace("/", "-")
         self.persisted: dict[int, int] = {}
-        self.profile: Callable[[Callable[[], None]], None] | None = None  # wraps measured step() calls
 
     def setup(self) -> None:
         self.storage = self.root / f"moc-{self.tag}"
@@ -340,7 +339,6 @@ class MoC(Method):
         # all three snapshot buffers exist and their pages are touched; it also lines up
         # persist_every so the measured checkpoints hold whole persist cycles.
         n_warm = max(3, self.persist_every)
-        profile, self.profile = self.profile, None
         for i in range(n_warm):
             step = self.tr.step()
             self.checkpoint(step)
@@ -348,16 +346,12 @@ class MoC(Method):
             self.after()
             if i == 0:
                 self.bytes_first = self.persisted.get(step)
-        self.profile = profile
         self.persisted.clear()
         self.sizes.clear()
 
     def checkpoint(self, step: int) -> None:
         self.stall_before = self.ckpt.status()["stall_seconds_total"]
-        if self.profile is not None:
-            self.profile(lambda: self.ckpt.step(step))
-        else:
-            self.ckpt.step(step)
+        self.ckpt.step(step)
         self.last = step
 
     def drain(self) -> None:
@@ -412,7 +406,10 @@ def run_window(tr: Trainer, steps: int, method: Method | None) -> tuple[list[flo
     return times, call, drain, time.process_time() - cpu0
 
 
-def measure(tr: Trainer, m: Method, window: int, reps: int, log: Callable[[str], None]) -> dict[str, Any]:
+def measure(tr: Trainer, m: Method, window: int, reps: int, log: Callable[[str], None],
+            before_teardown: Callable[[Method], None] | None = None) -> dict[str, Any]:
+    """One table row for ``m``: ABBA pairs of windows of ``window`` steps, ``reps`` pairs.
+    ``before_teardown(m)`` runs after the measured windows (untimed extras, e.g. profiling)."""
     t_setup = time.perf_counter()
     m.setup()
     # one unmeasured checkpoint window warms allocators and page cache paths
@@ -455,6 +452,8 @@ def measure(tr: Trainer, m: Method, window: int, reps: int, log: Callable[[str],
     if isinstance(m, MoC):
         out.update(bytes_first=m.bytes_first, buffer_bytes=m.buffer_bytes, k=m.k_snapshot, kp=m.k_persist,
                    pe=m.persist_every, persisted_sizes=sorted(set(m.sizes)))
+    if before_teardown is not None:
+        before_teardown(m)
     m.teardown()
     log(f"  {m.name:<32} stall {out['stall']*1e3:7.0f} ms (mean {out['stall_mean']*1e3:6.0f} +-"
         f"{out['stall_se']*1e3:4.0f}), call {out['call']*1e3:6.1f} ms, blocked {out['blocked']*1e3:6.1f} ms, "

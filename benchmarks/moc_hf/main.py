@@ -41,6 +41,7 @@ import os
 import pstats
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -69,6 +70,7 @@ QUICK = dict(vocab=512, dim=128, layers=2, experts=8, moe_hidden=128, top_k=2, h
 EXPERT_PARAM = re.compile(r"\.experts\.(?:gate_up_proj|down_proj)(?:_bias)?$")
 FORMULA_TOLERANCE = 0.01  # measured bytes may exceed the formula by Adam's step scalars, alignment, RNG state
 WORLD = 2                 # FSDP ranks
+PROFILED = 4              # --profile: profiled MoC checkpoints per row, after the measured windows
 
 
 # --------------------------------------------------------------------------------------
@@ -159,6 +161,20 @@ class StepProfile:
         finally:
             self.prof.disable()
 
+    def after(self, tr: HFTrainer, n: int) -> Callable[[Method], None]:
+        """``measure(before_teardown=...)``: ``n`` more checkpoints of the MoC method, each
+        after a training step and waited to completion, with ``step()`` under cProfile
+        (after the measured windows, so the table's timings carry no profiler overhead)."""
+        def run(m: Method) -> None:
+            assert isinstance(m, MoC)
+            for _ in range(n):
+                s = tr.step()
+                self(lambda: m.ckpt.step(s))
+                m.last = s
+                m.drain()
+                m.after()
+        return run
+
     def top(self, n: int = 18) -> list[dict[str, Any]]:
         st = pstats.Stats(self.prof, stream=io.StringIO())
         rows = []
@@ -187,19 +203,18 @@ def run_single(p: dict[str, Any], root: Path, shm: Path, log, errors: list[str],
         MoC(tr, root, shm, "K=1, 2 levels", 1, 1, 4, **moc_kw),
     ]
     profiles: dict[str, StepProfile] = {}
-    if profile:
-        for m in methods:
-            if isinstance(m, MoC) and m.k_snapshot == 1:
-                m.profile = profiles.setdefault(m.name, StepProfile())
     rows, retried = [], []
     for m in methods:
+        prof = None
+        if profile and isinstance(m, MoC) and m.k_snapshot == 1:
+            prof = profiles[m.name] = StepProfile()
         try:
-            row = measure(tr, m, p["window"], p["reps"], log)
+            row = measure(tr, m, p["window"], p["reps"], log, prof.after(tr, PROFILED) if prof else None)
             if row["spread"] > 1.5 and not quick:
                 # Outside load made baseline windows differ by > 1.5x: measure once more.
                 log(f"  {m.name}: baseline windows differ {row['spread']:.1f}x (outside load); re-measuring")
                 retried.append(m.name)
-                row = measure(tr, m, p["window"], p["reps"], log)
+                row = measure(tr, m, p["window"], p["reps"], log, prof.after(tr, PROFILED) if prof else None)
             if isinstance(m, MoC):
                 row["layout"] = m.ckpt.layout_info["description"]
             rows.append(row)
@@ -237,7 +252,6 @@ def fsdp_worker(rank: int, workdir: Path, shm: Path) -> int:
         root = workdir / "ckpt"
         moc = MoC(tr, root, shm, "K=1, 1 level", 1, 1, 1, top_k=p["top_k"])
         prof = StepProfile() if p.get("profile") else None
-        moc.profile = prof
         methods: list[Method] = [
             DCPAsync(tr, root, cached=False, process_group=dcp_group),
             DCPAsync(tr, root, cached=True, process_group=dcp_group),
@@ -245,7 +259,8 @@ def fsdp_worker(rank: int, workdir: Path, shm: Path) -> int:
         ]
         rows = []
         for m in methods:
-            row = measure(tr, m, p["fsdp_window"], p["fsdp_reps"], log)
+            row = measure(tr, m, p["fsdp_window"], p["fsdp_reps"], log,
+                          prof.after(tr, PROFILED) if prof and m is moc else None)
             if isinstance(m, MoC):
                 row["layout"] = m.ckpt.layout_info["description"]
             rows.append(row)
@@ -261,33 +276,33 @@ def fsdp_worker(rank: int, workdir: Path, shm: Path) -> int:
 def run_fsdp(p: dict[str, Any], shm: Path, log, errors: list[str], timeout: timedelta) -> list[dict[str, Any]] | None:
     """Start the two ranks, wait, and return their results (None if the job failed)."""
     workdir = Path(tempfile.mkdtemp(prefix="moc-hf-fsdp-"))
+    procs: list[subprocess.Popen] = []
     try:
         (workdir / "params.json").write_text(json.dumps(p))
         procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--fsdp-worker", str(r),
                                    "--workdir", str(workdir), "--shm", str(shm)]) for r in range(WORLD)]
         deadline = time.monotonic() + timeout.total_seconds()
         failed = None
-        while any(pr.poll() is None for pr in procs):
+        while failed is None and any(pr.poll() is None for pr in procs):
             bad = [r for r, pr in enumerate(procs) if pr.poll() not in (None, 0)]
-            if bad or time.monotonic() > deadline:
-                failed = (f"rank {bad[0]} exited with {procs[bad[0]].returncode}" if bad
-                          else f"not finished within {timeout}")
-                break
-            time.sleep(0.5)
-        if failed is None:
-            bad = [r for r, pr in enumerate(procs) if pr.returncode != 0]
             if bad:
                 failed = f"rank {bad[0]} exited with {procs[bad[0]].returncode}"
+            elif time.monotonic() > deadline:
+                failed = f"not finished within {timeout}"
+            time.sleep(0.5)
+        bad = [r for r, pr in enumerate(procs) if pr.poll() not in (None, 0)]
+        if failed is None and bad:
+            failed = f"rank {bad[0]} exited with {procs[bad[0]].returncode}"
         if failed is not None:
-            for pr in procs:  # our own children only
-                if pr.poll() is None:
-                    pr.kill()
-                pr.wait()
             errors.append(f"FSDP2 job: {failed}")
             log(f"  FSDP2 job failed: {failed}")
             return None
         return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(WORLD)]
     finally:
+        for pr in procs:  # our own children only: a rank left waiting in a collective
+            if pr.poll() is None:
+                pr.kill()
+            pr.wait()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -334,14 +349,15 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], single
     L.append("# MoC checkpoint overhead on a transformers Qwen3-MoE model" + (" (--quick smoke run)" if quick else ""))
     L.append("")
     L.append(f"Machine: {mach['cpu']}, {mach['cores']} cores, {mach['ram']} RAM, Python {mach['python']}, "
-             f"torch {mach['torch']} (CPU, {mach['threads']} threads in the 1-process part), transformers {info['transformers']}; {mach['date']}. "
+             f"torch {mach['torch']} (CPU; intra-op threads: {mach['threads']} in the 1-process part, 1 per FSDP2 rank), transformers {info['transformers']}; {mach['date']}. "
              f"Load average (1, 5, 15 min) before / after the 1-process part / after the FSDP2 part: "
              f"{info['load_before']} / {info['load_mid']} / {info['load_after']}.")
     L.append("")
     base = QUICK if quick else FULL
     flags = (" --quick" if quick else "") + "".join(f" --{k.replace('_', '-')} {p[k]}"
                                                     for k in ("reps", "window", "fsdp_reps", "fsdp_window")
-                                                    if p[k] != base[k]) + (" --profile" if p.get("profile") else "")
+                                                    if p[k] != base[k]) + (" --profile" if p.get("profile") else "") \
+        + (f" --threads {p['threads']}" if p["threads"] != (1 if quick else info["default_threads"]) else "")
     L.append(f"Rerun: `python benchmarks/moc_hf/main.py{flags}` (whole run {info['wall']:.0f} s).")
     L.append("")
     layout = next((r["layout"] for r in rows if "layout" in r), "?")
@@ -471,8 +487,9 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], single
         L.append("## Where MoC K=1's checkpoint call spends its time (cProfile, `--profile`)")
         L.append("")
         for name, prof in profiles:
-            L.append(f"{name}: mean over {prof['calls']} measured `CheckpointManager.step()` calls (cProfile "
-                     "overhead included, so larger than the unprofiled \"call returns\").")
+            L.append(f"{name}: mean over {prof['calls']} `CheckpointManager.step()` calls taken after the measured "
+                     "windows, each after a training step (cProfile overhead included, so larger than the "
+                     "unprofiled \"call returns\").")
             L.append("")
             L.append("| function | calls per checkpoint | cumulative (ms) | own (ms) |")
             L.append("|---|---:|---:|---:|")
@@ -553,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fsdp-reps", type=int, help="window pairs per method on the FSDP2 ranks")
     ap.add_argument("--fsdp-window", type=int, help="training steps per window on the FSDP2 ranks")
     ap.add_argument("--no-fsdp", action="store_true", help="skip the 2-rank FSDP2 job")
+    ap.add_argument("--threads", type=int, help="intra-op threads of the 1-process part (default: torch's, "
+                    "1 with --quick); FSDP2 ranks always use 1")
     ap.add_argument("--profile", action="store_true", help="cProfile MoC K=1's CheckpointManager.step() calls")
     ap.add_argument("--out", type=Path, default=HERE, help="where results.md, results.json and stall.png go")
     ap.add_argument("--fsdp-worker", type=int, help=argparse.SUPPRESS)
@@ -570,10 +589,19 @@ def main(argv: list[str] | None = None) -> int:
             p[k] = v
 
     p["profile"] = bool(args.profile)
-    if args.quick:
+    default_threads = torch.get_num_threads()
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    elif args.quick:
         # A smoke run must finish on a loaded machine: one intra-op thread avoids OpenMP
         # oversubscription (2 threads on 2 busy cores make tiny steps 10-100x slower).
         torch.set_num_threads(1)
+    p["threads"] = torch.get_num_threads()
+    # SIGTERM (a timeout, a CI cancel) unwinds like an exception, so the temp folders in
+    # /tmp and /dev/shm are removed and the FSDP2 ranks are killed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     import transformers
 
     t_start = time.perf_counter()
@@ -605,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(shm, ignore_errors=True)
     checks = bytes_checks(single, fsdp, p["experts"])
     info = {"load_before": load_before, "load_mid": load_mid, "load_after": loadavg(),
-            "wall": time.perf_counter() - t_start, "transformers": transformers.__version__}
+            "wall": time.perf_counter() - t_start, "transformers": transformers.__version__,
+            "default_threads": default_threads}
     text = report(p, mach, info, single, fsdp, checks, args.quick, errors)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text(text)
