@@ -3,6 +3,7 @@
     python benchmarks/moc_hf/main.py            # full run: ~1.3 GB of fp32 + Adam state (~20-30 min on 2 cores)
     python benchmarks/moc_hf/main.py --quick    # tiny model, smoke test (< 2 min)
     python benchmarks/moc_hf/main.py --profile  # also: where MoC K=1's time in step() goes (cProfile)
+    python benchmarks/moc_hf/main.py --render benchmarks/moc_hf/results.json   # tables and plot again
 
 Writes ``results.md``, ``results.json`` and ``stall.png`` beside this file (or under
 ``--out``) and prints the tables. Everything is measured in one run, on one model:
@@ -71,6 +72,22 @@ EXPERT_PARAM = re.compile(r"\.experts\.(?:gate_up_proj|down_proj)(?:_bias)?$")
 FORMULA_TOLERANCE = 0.01  # measured bytes may exceed the formula by Adam's step scalars, alignment, RNG state
 WORLD = 2                 # FSDP ranks
 PROFILED = 4              # --profile: profiled MoC checkpoints per row, after the measured windows
+# --profile: parts of CheckpointManager.step() reported by name (label, file, functions); indented
+# parts are inside the one above them, collectives are inside the parts that issue them.
+PARTS = (
+    ("CheckpointManager.step(), all", "moc/_manager.py", ("step",)),
+    ("planning (`_plan`: units, sizes, shares; its collectives included)", "moc/_manager.py", ("_plan",)),
+    ("- capturing units (`capture_unit`: state-dict views, Adam state)", "moc/_units.py", ("capture_unit",)),
+    ("- - DTensor local views (`local_tensor`)", "moc/_layouts.py", ("local_tensor",)),
+    ("- serialisation plans (`plan_tree`)", "moc/_codec.py", ("plan_tree",)),
+    ("router-hook drain + routing all-reduce (`_sync_routing`)", "moc/_manager.py", ("_sync_routing",)),
+    ("snapshot buffer (`acquire` + `ensure`)", "moc/_buffers.py", ("acquire", "ensure")),
+    ("persist decision (`_maybe_persist`)", "moc/_manager.py", ("_maybe_persist",)),
+    ("moc's collectives, all (`gather_json`, `any_true`, `sum_int64`)", "moc/_dist.py",
+     ("gather_json", "any_true", "sum_int64")),
+    ("- waiting in gloo (`Work.wait`, incl. waiting for the other rank)", "~",
+     ("<built-in method torch._C._distributed_c10d.wait>",)),
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -100,11 +117,12 @@ class HFTrainer:
         self.model.config.use_cache = False
         self.model.train()
         names = [n for n, _ in self.model.named_parameters()]
+        params = set(names)
         self.P_e = sum(q.numel() for n, q in self.model.named_parameters() if EXPERT_PARAM.search(n))
         self.P_ne = sum(q.numel() for q in self.model.parameters()) - self.P_e
         self.expert_tensors = [n for n in names if EXPERT_PARAM.search(n)]
         self.buffer_bytes = sum(t.numel() * t.element_size() for k, t in self.model.state_dict().items()
-                                if k not in set(names))
+                                if k not in params)
         if shard:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -147,7 +165,7 @@ def pec_bytes(P_ne: int, P_e: int, K: int, E: int, buffers: int) -> float:
 # --------------------------------------------------------------------------------------
 # MoC K=1's step() under cProfile (--profile)
 class StepProfile:
-    """Accumulates cProfile stats over the measured ``CheckpointManager.step()`` calls."""
+    """Accumulates cProfile stats over profiled ``CheckpointManager.step()`` calls."""
 
     def __init__(self) -> None:
         self.prof = cProfile.Profile()
@@ -175,15 +193,34 @@ class StepProfile:
                 m.after()
         return run
 
+    def _stats(self) -> dict[tuple[str, int, str], tuple[Any, ...]]:
+        return pstats.Stats(self.prof, stream=io.StringIO()).stats  # type: ignore[attr-defined]
+
     def top(self, n: int = 18) -> list[dict[str, Any]]:
-        st = pstats.Stats(self.prof, stream=io.StringIO())
+        """The ``n`` functions with the most cumulative time, per checkpoint (nested)."""
         rows = []
-        for (file, line, func), (_, ncalls, tt, ct, _) in st.stats.items():  # type: ignore[attr-defined]
+        for (file, line, func), (_, ncalls, tt, ct, _) in self._stats().items():
             where = f"{Path(file).parent.name}/{Path(file).name}:{line}" if file != "~" else "~"
             rows.append({"func": f"{func} ({where})", "ncalls": ncalls, "cum": ct / max(1, self.calls),
                          "own": tt / max(1, self.calls)})
         rows.sort(key=lambda r: -r["cum"])
         return rows[:n]
+
+    def result(self) -> dict[str, Any]:
+        return {"calls": self.calls, "top": self.top(), "parts": self.parts()}
+
+    def parts(self) -> list[dict[str, Any]]:
+        """Cumulative time per checkpoint of the parts of ``step()`` named in ``PARTS``."""
+        stats = self._stats()
+        out = []
+        for label, file, funcs in PARTS:
+            cum = calls = 0.0
+            for (f, _, fn), (_, ncalls, _, ct, _) in stats.items():
+                if fn in funcs and (f.replace(os.sep, "/").endswith(file) if file != "~" else f == "~"):
+                    cum += ct
+                    calls += ncalls
+            out.append({"part": label, "ms": 1e3 * cum / max(1, self.calls), "calls": calls / max(1, self.calls)})
+        return out
 
 
 # --------------------------------------------------------------------------------------
@@ -232,7 +269,7 @@ def run_single(p: dict[str, Any], root: Path, shm: Path, log, errors: list[str],
                       "more than 1.5x: " + ", ".join(retried))
     out = {"P_e": tr.P_e, "P_ne": tr.P_ne, "buffers": tr.buffer_bytes, "state_bytes": state,
            "expert_tensors": tr.expert_tensors[:2], "step": statistics.median(r["step"] for r in rows) if rows else step,
-           "rows": rows, "profile": {k: {"calls": v.calls, "top": v.top()} for k, v in profiles.items()}}
+           "rows": rows, "profile": {k: v.result() for k, v in profiles.items()}}
     return out
 
 
@@ -265,7 +302,7 @@ def fsdp_worker(rank: int, workdir: Path, shm: Path) -> int:
                 row["layout"] = m.ckpt.layout_info["description"]
             rows.append(row)
         result = {"rank": rank, "step": statistics.median(r["step"] for r in rows), "rows": rows,
-                  "profile": {moc.name: {"calls": prof.calls, "top": prof.top()}} if prof else {}}
+                  "profile": {moc.name: prof.result()} if prof else {}}
         (workdir / f"rank{rank}.json").write_text(json.dumps(result))
         dist.barrier()
     finally:
@@ -460,7 +497,8 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], single
             L.append(f"| {r['name']} stall <= 2% of torch.save ({fmt_ms(lim)} ms) | {fmt_ms(r['stall'])} ms = "
                      f"{100*r['stall']/save['stall']:.1f}% (window mean {fmt_ms(r['stall_mean'])} +- "
                      f"{fmt_ms(r['stall_se'])} ms); loop blocked {fmt_ms(r['blocked'])} ms = "
-                     f"{100*r['blocked']/save['stall']:.1f}% | {verdict(r['stall'], lim, r['stall_se'])} |")
+                     f"{100*r['blocked']/save['blocked']:.2f}% of torch.save's blocking call "
+                     f"({fmt_ms(save['blocked'])} ms) | {verdict(r['stall'], lim, r['stall_se'])} |")
     if best_async and k1:
         for r in k1:
             lim = 0.5 * best_async["stall"]
@@ -491,7 +529,13 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], single
                      "windows, each after a training step (cProfile overhead included, so larger than the "
                      "unprofiled \"call returns\").")
             L.append("")
-            L.append("| function | calls per checkpoint | cumulative (ms) | own (ms) |")
+            if prof.get("parts"):
+                L.append("| part of `step()` | ms per checkpoint | calls per checkpoint |")
+                L.append("|---|---:|---:|")
+                for t in prof["parts"]:
+                    L.append(f"| {t['part']} | {t['ms']:.2f} | {t['calls']:.0f} |")
+                L.append("")
+            L.append("| function (nested: cumulative includes callees) | calls per checkpoint | cumulative (ms) | own (ms) |")
             L.append("|---|---:|---:|---:|")
             for t in prof["top"]:
                 L.append(f"| `{t['func']}` | {t['ncalls'] / max(1, prof['calls']):.0f} | {t['cum']*1e3:.2f} | "
@@ -546,8 +590,12 @@ def plot(single: dict[str, Any], fsdp: list[dict[str, Any]] | None, path: Path) 
         width = 0.8 / len(fsdp)
         for k, f in enumerate(fsdp):
             vals = [max(r["stall"], 0) * 1e3 for r in f["rows"]]
+            errs = [r["stall_se"] * 1e3 if math.isfinite(r["stall_se"]) else 0 for r in f["rows"]]
             pos = [i + (k - (len(fsdp) - 1) / 2) * width for i in range(len(names))]
-            b.barh(pos, vals, height=width, label=f"rank {f['rank']}", color=["#1f77b4", "#6baed6"][k % 2])
+            b.barh(pos, vals, height=width, xerr=errs, capsize=2, label=f"rank {f['rank']}",
+                   color=["#1f77b4", "#6baed6"][k % 2])
+            b.scatter([r["blocked"] * 1e3 for r in f["rows"]], pos, marker="|", s=120, color="k", zorder=3,
+                      label="loop blocked" if k == 0 else None)
             for yy, v in zip(pos, vals):
                 b.text(v, yy, f" {v:,.0f}", va="center", fontsize=8)
         b.set_yticks(list(range(len(names))), names)
@@ -556,7 +604,7 @@ def plot(single: dict[str, Any], fsdp: list[dict[str, Any]] | None, path: Path) 
     else:
         b.text(0.5, 0.5, "FSDP2 job not measured", ha="center", va="center", transform=b.transAxes)
     b.set_xlabel("stall per checkpoint (ms)")
-    b.set_title(f"FSDP2, {WORLD} ranks (gloo)")
+    b.set_title(f"FSDP2, {WORLD} ranks (gloo; mean +- s.e.)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -577,9 +625,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fsdp-worker", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--shm", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--render", type=Path, metavar="RESULTS_JSON",
+                    help="measure nothing: rewrite results.md and stall.png under --out from a results.json")
     args = ap.parse_args(argv)
     if args.fsdp_worker is not None:
         return fsdp_worker(args.fsdp_worker, args.workdir, args.shm)
+    if args.render is not None:
+        data = json.loads(args.render.read_text())
+        print(write_outputs(data, args.out))
+        return 0
     p = dict(QUICK if args.quick else FULL)
     for k in ("reps", "window", "fsdp_reps", "fsdp_window"):
         v = getattr(args, k)
@@ -631,21 +685,26 @@ def main(argv: list[str] | None = None) -> int:
             errors.append("FSDP2 job skipped (--no-fsdp)")
     finally:
         shutil.rmtree(shm, ignore_errors=True)
-    checks = bytes_checks(single, fsdp, p["experts"])
     info = {"load_before": load_before, "load_mid": load_mid, "load_after": loadavg(),
             "wall": time.perf_counter() - t_start, "transformers": transformers.__version__,
             "default_threads": default_threads}
-    text = report(p, mach, info, single, fsdp, checks, args.quick, errors)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.md").write_text(text)
-    data = {"params": p, "machine": mach, "info": info, "experts": p["experts"],
-            "single": single, "fsdp": fsdp,
-            "bytes_checks": checks, "errors": errors}
-    (args.out / "results.json").write_text(json.dumps(data, indent=1))
-    plot(single, fsdp, args.out / "stall.png")
+    data = {"params": p, "quick": bool(args.quick), "machine": mach, "info": info, "experts": p["experts"],
+            "single": single, "fsdp": fsdp, "errors": errors}
     print()
-    print(text)
+    print(write_outputs(data, args.out))
     return 0
+
+
+def write_outputs(data: dict[str, Any], out: Path) -> str:
+    """results.md, results.json and stall.png under ``out`` from one run's data."""
+    data["bytes_checks"] = bytes_checks(data["single"], data["fsdp"], data["experts"])
+    text = report(data["params"], data["machine"], data["info"], data["single"], data["fsdp"], data["bytes_checks"],
+                  data["quick"], data["errors"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(text)
+    (out / "results.json").write_text(json.dumps(data, indent=1))
+    plot(data["single"], data["fsdp"], out / "stall.png")
+    return text
 
 
 if __name__ == "__main__":
