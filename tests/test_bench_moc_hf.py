@@ -25,7 +25,8 @@ FSDP_ROWS = ("DCP async_save", "DCP async_save (DefaultStager)", "MoC K=1, 1 lev
 def test_quick_run_has_every_row_and_pec_bytes(tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moc_hf" / "main.py"), "--quick", "--out", str(out)],
+    main = ROOT / "benchmarks" / "moc_hf" / "main.py"
+    proc = subprocess.run([sys.executable, str(main), "--quick", "--out", str(out)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     text = (out / "results.md").read_text()

@@ -268,7 +268,8 @@ def run_single(p: dict[str, Any], root: Path, shm: Path, log, errors: list[str],
         errors.append("re-measured once because a burst of outside load made its baseline windows differ by "
                       "more than 1.5x: " + ", ".join(retried))
     out = {"P_e": tr.P_e, "P_ne": tr.P_ne, "buffers": tr.buffer_bytes, "state_bytes": state,
-           "expert_tensors": tr.expert_tensors[:2], "step": statistics.median(r["step"] for r in rows) if rows else step,
+           "expert_tensors": tr.expert_tensors[:2],
+           "step": statistics.median(r["step"] for r in rows) if rows else step,
            "rows": rows, "profile": {k: v.result() for k, v in profiles.items()}}
     return out
 
@@ -386,7 +387,8 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], single
     L.append("# MoC checkpoint overhead on a transformers Qwen3-MoE model" + (" (--quick smoke run)" if quick else ""))
     L.append("")
     L.append(f"Machine: {mach['cpu']}, {mach['cores']} cores, {mach['ram']} RAM, Python {mach['python']}, "
-             f"torch {mach['torch']} (CPU; intra-op threads: {mach['threads']} in the 1-process part, 1 per FSDP2 rank), transformers {info['transformers']}; {mach['date']}. "
+             f"torch {mach['torch']} (CPU; intra-op threads: {mach['threads']} in the 1-process part, 1 per FSDP2 "
+             f"rank), transformers {info['transformers']}; {mach['date']}. "
              f"Load average (1, 5, 15 min) before / after the 1-process part / after the FSDP2 part: "
              f"{info['load_before']} / {info['load_mid']} / {info['load_after']}.")
     L.append("")
@@ -417,7 +419,8 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], single
 
     L.append("## Stall per checkpoint, one process")
     L.append("")
-    L.append("| method | configuration | call returns (ms) | loop blocked (ms) | stall (ms) | window mean +- s.e. (ms) | "
+    L.append("| method | configuration | call returns (ms) | loop blocked (ms) | stall (ms) | "
+             "window mean +- s.e. (ms) | "
              "% of torch.save | vs best async | checkpoint CPU (s) | on disk per checkpoint (MB) |")
     L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -473,7 +476,8 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], single
              f"in [1, {1 + FORMULA_TOLERANCE}] (Adam's per-parameter `step` scalars, 16-byte alignment and the "
              "extra state (RNG, step) make the small remainder).")
     L.append("")
-    L.append("| checkpoint | K (persisted experts / layer) | formula (MB) | measured (MB) | measured / formula | holds |")
+    L.append("| checkpoint | K (persisted experts / layer) | formula (MB) | measured (MB) | measured / formula "
+             "| holds |")
     L.append("|---|---:|---:|---:|---:|---|")
     for c in checks:
         L.append(f"| {c['label']} | {c['K']} | {c['formula']/MB:,.2f} | {c['measured']/MB:,.2f} | {c['ratio']:.4f} | "
@@ -535,7 +539,8 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], single
                 for t in prof["parts"]:
                     L.append(f"| {t['part']} | {t['ms']:.2f} | {t['calls']:.0f} |")
                 L.append("")
-            L.append("| function (nested: cumulative includes callees) | calls per checkpoint | cumulative (ms) | own (ms) |")
+            L.append("| function (nested: cumulative includes callees) | calls per checkpoint | cumulative (ms) "
+                     "| own (ms) |")
             L.append("|---|---:|---:|---:|")
             for t in prof["top"]:
                 L.append(f"| `{t['func']}` | {t['ncalls'] / max(1, prof['calls']):.0f} | {t['cum']*1e3:.2f} | "
