@@ -45,6 +45,7 @@ bench-dispatch: $(STAMP)
 bench-moc: $(STAMP)
 	$(VPY) -m pip install --quiet -e ".[dev,bench]"
 	$(VPY) benchmarks/moc_overhead/main.py --reps 8
+	$(VPY) benchmarks/moc_hf/main.py --profile
 
 bench-runtime: $(STAMP)
 	$(VPY) benchmarks/runtime/main.py

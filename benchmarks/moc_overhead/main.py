@@ -36,11 +36,9 @@ is measured in one run, on one model, with the same training step:
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
 import math
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -60,91 +58,16 @@ from moc._toy import ToyMoE  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 
-MB = 1e6
-GB = 1e9
+from benchmarks._ckpt_bench import (GB, MB, DCPAsync, Method, MoC, TorchSave, TorchSnapshot,  # noqa: E402
+                                    dir_bytes, evict, fmt_ms, io_read_bytes, loadavg, machine, measure,
+                                    verdict)
+
 EXPERT_RE = r"(?P<layer>.+)\.experts\.(?P<expert>\d+)\."
 
 FULL = dict(vocab=4096, dim=512, hidden=1792, layers=4, experts=16, tokens=1024, window=5, reps=4)
 QUICK = dict(vocab=512, dim=128, hidden=384, layers=2, experts=8, tokens=512, window=3, reps=2)
 # MoC restore rows, in table order: two from memory, then the storage ones.
 RESTORE_ROWS = ("memory", "memory_fresh", "storage_cold", "storage_warm", "s3")
-
-
-# --------------------------------------------------------------------------------------
-# helpers
-def dir_bytes(path: str | Path) -> int:
-    total = 0
-    p = Path(path)
-    if p.is_file():
-        return p.stat().st_size
-    for root, _, files in os.walk(p):
-        for f in files:
-            try:
-                total += os.path.getsize(os.path.join(root, f))
-            except OSError:
-                pass
-    return total
-
-
-def evict(path: str | Path) -> None:
-    """Drop ``path``'s (clean) pages from the page cache; no root needed."""
-    files = [Path(path)] if Path(path).is_file() else [Path(r) / f for r, _, fs in os.walk(path) for f in fs]
-    for f in files:
-        try:
-            fd = os.open(f, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def io_read_bytes() -> int:
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("read_bytes:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return -1
-
-
-def machine() -> dict[str, str]:
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    ram = "?"
-    try:
-        with open("/proc/meminfo") as f:
-            kb = int(f.readline().split()[1])
-            ram = f"{kb / 2**20:.0f} GiB"
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        import torchsnapshot
-        ts = getattr(torchsnapshot, "__version__", "installed")
-    except Exception as exc:  # noqa: BLE001
-        ts = f"not available ({type(exc).__name__})"
-    return {"cpu": cpu, "cores": str(os.cpu_count()), "ram": ram, "python": platform.python_version(),
-            "torch": torch.__version__, "torchsnapshot": ts, "date": _dt.date.today().isoformat(),
-            "threads": str(torch.get_num_threads())}
-
-
-def loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "?"
 
 
 # --------------------------------------------------------------------------------------
@@ -179,301 +102,6 @@ class Trainer:
         return pall - pe, pe
 
 
-# --------------------------------------------------------------------------------------
-# checkpoint methods: checkpoint(step) -> seconds the call blocked; drain() waits for the
-# background work; after() is untimed housekeeping between windows.
-class Method:
-    name = ""
-    note = ""
-
-    def __init__(self, tr: Trainer, root: Path) -> None:
-        self.tr, self.root = tr, root
-        self.sizes: list[int] = []
-        self.extra_blocked: list[float] = []  # per checkpoint: waits inside later steps
-
-    def setup(self) -> None: ...
-    def checkpoint(self, step: int) -> None: ...
-    def drain(self) -> None: ...
-    def after(self) -> None: ...
-    def teardown(self) -> None: ...
-
-    def rotate(self) -> None:
-        """Record the size of the checkpoint directory just written and delete the one
-        before it (``cur``/``prev`` are set by methods that write one directory each)."""
-        os.sync()  # written-back dirty pages must not spill into the next (baseline) window
-        self.sizes.append(dir_bytes(self.cur))
-        if self.prev is not None:
-            shutil.rmtree(self.prev, ignore_errors=True)
-        self.prev = self.cur
-
-
-class TorchSave(Method):
-    name = "torch.save (blocking)"
-    note = "model + optimizer state_dict, one file, no fsync"
-
-    def setup(self) -> None:
-        self.prev: Path | None = None
-        self.cur: Path | None = None
-
-    def checkpoint(self, step: int) -> None:
-        self.cur = self.root / f"ts-{step}.pt"
-        torch.save({"model": self.tr.model.state_dict(), "optim": self.tr.opt.state_dict()}, self.cur)
-
-    def after(self) -> None:
-        os.sync()
-        self.sizes.append(dir_bytes(self.cur))
-        if self.prev is not None:
-            self.prev.unlink(missing_ok=True)
-        self.prev = self.cur
-
-    def teardown(self) -> None:
-        pass  # the last file is kept for the torch.load restore reference
-
-
-class DCPAsync(Method):
-    def __init__(self, tr: Trainer, root: Path, cached: bool) -> None:
-        super().__init__(tr, root)
-        self.cached = cached
-        self.name = "DCP async_save" + (" (DefaultStager)" if cached else "")
-        self.note = ("DefaultStager: cached staging buffers, staging in a background thread, optimizer pre-hook "
-                     "waits for it (pinned/shared memory and non-blocking copy off: CPU only)" if cached
-                     else "FileSystemWriter defaults: stages into new CPU memory in the call")
-
-    def setup(self) -> None:
-        from torch.distributed.checkpoint import FileSystemWriter  # noqa: F401
-        self.fut = None
-        self.staging = None
-        self.prev: Path | None = None
-        self.cur: Path | None = None
-        self.writer = None
-        self.stager = None
-        self.hook = None
-        self.waited = 0.0
-        if self.cached:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                       use_async_staging=True, use_non_blocking_copy=False))
-
-            def pre_hook(*_: Any) -> None:  # the next optimizer step must not race the staging copy
-                if self.staging is not None:
-                    t0 = time.perf_counter()
-                    self.staging.result()
-                    self.waited += time.perf_counter() - t0
-                    self.staging = None
-            self.hook = self.tr.opt.register_step_pre_hook(pre_hook)
-
-    def checkpoint(self, step: int) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemWriter
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-        self.cur = self.root / f"dcp{int(self.cached)}-{step}"
-        self.waited = 0.0
-        msd, osd = get_state_dict(self.tr.model, self.tr.opt)
-        if self.writer is None:
-            self.writer = FileSystemWriter(str(self.cur))
-        res = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(self.cur), storage_writer=self.writer,
-                             process_group=dist.group.WORLD, async_stager=self.stager)
-        self.staging = getattr(res, "staging_completion", None)
-        self.fut = getattr(res, "upload_completion", res)
-
-    def drain(self) -> None:
-        if self.staging is not None:
-            self.staging.result()
-            self.staging = None
-        if self.fut is not None:
-            self.fut.result()
-            self.fut = None
-        self.extra_blocked.append(self.waited)
-
-    def after(self) -> None:
-        self.rotate()
-
-    def teardown(self) -> None:
-        if self.hook is not None:
-            self.hook.remove()
-        if self.stager is not None:
-            self.stager.close()
-        if self.prev is not None:
-            shutil.rmtree(self.prev, ignore_errors=True)
-        self.writer = self.stager = None
-
-
-class TorchSnapshot(Method):
-    name = "torchsnapshot async_take"
-    note = "app_state={model, optimizer}"
-
-    def setup(self) -> None:
-        import torchsnapshot  # noqa: F401
-        self.pending = None
-        self.prev: Path | None = None
-        self.cur: Path | None = None
-
-    def checkpoint(self, step: int) -> None:
-        from torchsnapshot import Snapshot
-        self.cur = self.root / f"tsnap-{step}"
-        self.pending = Snapshot.async_take(str(self.cur), app_state={"model": self.tr.model, "optim": self.tr.opt})
-
-    def drain(self) -> None:
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
-
-    def after(self) -> None:
-        self.rotate()
-
-    def teardown(self) -> None:
-        if self.prev is not None:
-            shutil.rmtree(self.prev, ignore_errors=True)
-
-
-class MoC(Method):
-    def __init__(self, tr: Trainer, root: Path, shm: Path, label: str, k_snapshot: int | None,
-                 k_persist: int | None, persist_every: int) -> None:
-        super().__init__(tr, root)
-        self.shm = shm
-        self.k_snapshot, self.k_persist, self.persist_every = k_snapshot, k_persist, persist_every
-        self.name = f"MoC {label}"
-        ks = "all" if k_snapshot is None else k_snapshot
-        kp = "all" if k_persist is None else k_persist
-        self.note = f"k_snapshot={ks}, k_persist={kp}, persist_every={persist_every}"
-        self.tag = label.replace(" ", "_").replace(",", "").replace("=", "").replace("/", "-")
-        self.persisted: dict[int, int] = {}
-
-    def setup(self) -> None:
-        self.storage = self.root / f"moc-{self.tag}"
-        cfg = MoCConfig(storage=str(self.storage), interval=1, k_snapshot=self.k_snapshot, k_persist=self.k_persist,
-                        persist_every=self.persist_every, snapshot_dir=str(self.shm / self.tag), keep_last=3,
-                        dynamic_k=False)
-        self.ckpt = CheckpointManager(cfg, model=self.tr.model, optimizer=self.tr.opt)
-        counts = self.tr.model.routing_counts
-
-        def record(step: int) -> None:
-            for layer, c in counts().items():
-                self.ckpt.record_routing(layer, c)
-        self.tr.on_step = record
-        self.last = None
-        self.stall_before = 0.0
-        self.bytes_first: int | None = None
-        # Warm-up (not measured): the first, full checkpoint, then enough partial ones that
-        # all three snapshot buffers exist and their pages are touched; it also lines up
-        # persist_every so the measured checkpoints hold whole persist cycles.
-        n_warm = max(3, self.persist_every)
-        for i in range(n_warm):
-            step = self.tr.step()
-            self.checkpoint(step)
-            self.drain()
-            self.after()
-            if i == 0:
-                self.bytes_first = self.persisted.get(step)
-        self.persisted.clear()
-        self.sizes.clear()
-
-    def checkpoint(self, step: int) -> None:
-        self.stall_before = self.ckpt.status()["stall_seconds_total"]
-        self.ckpt.step(step)
-        self.last = step
-
-    def drain(self) -> None:
-        # Public API only: the snapshot of `last` is published and no persist is running.
-        while True:
-            st = self.ckpt.status()
-            if st["last_snapshot_step"] == self.last and not st["persist_in_flight"]:
-                break
-            time.sleep(0.002)
-        self.extra_blocked.append(self.ckpt.status()["stall_seconds_total"] - self.stall_before)
-
-    def after(self) -> None:
-        os.sync()
-        st = self.ckpt.status()
-        if st["last_error"]:
-            raise RuntimeError(f"{self.name}: {st['last_error']}")
-        if st["last_persisted_step"] == self.last:
-            n = dir_bytes(self.storage / "data" / f"{self.last:012d}")
-            self.persisted[self.last] = n
-            self.sizes.append(n)
-        self.buffer_bytes = st["buffer_bytes"]
-
-    def teardown(self) -> None:
-        self.tr.on_step = None
-        self.ckpt.close()
-        shutil.rmtree(self.storage, ignore_errors=True)
-
-
-# --------------------------------------------------------------------------------------
-def run_window(tr: Trainer, steps: int, method: Method | None) -> tuple[list[float], float, float, float]:
-    """(per-step seconds, seconds the checkpoint call blocked, seconds waiting for completion
-    at the end, CPU seconds of the whole process, all threads).
-
-    Step 0's time includes the checkpoint call (taken right after its optimizer step)."""
-    call = drain = 0.0
-    times = []
-    cpu0 = time.process_time()
-    for i in range(steps):
-        t0 = time.perf_counter()
-        s = tr.step()
-        if method is not None and i == 0:
-            c0 = time.perf_counter()
-            method.checkpoint(s)
-            call = time.perf_counter() - c0
-        times.append(time.perf_counter() - t0)
-    if method is not None:
-        d0 = time.perf_counter()
-        method.drain()
-        drain = time.perf_counter() - d0
-    return times, call, drain, time.process_time() - cpu0
-
-
-def measure(tr: Trainer, m: Method, window: int, reps: int, log) -> dict[str, Any]:
-    t_setup = time.perf_counter()
-    m.setup()
-    # one unmeasured checkpoint window warms allocators and page cache paths
-    if not isinstance(m, MoC):
-        run_window(tr, 2, m)
-        m.after()
-        m.extra_blocked.clear()
-        m.sizes.clear()
-    ck, base, calls, drains, diffs, cpu_ck, cpu_base = [], [], [], [], [], [], []
-    for r in range(reps):
-        # ABBA order (checkpoint window first in even pairs, baseline first in odd ones)
-        # cancels drift and any effect of what ran just before a window.
-        if r % 2:
-            t_base, _, _, c_base = run_window(tr, window, None)
-        t_ck, call, drain, c_ck = run_window(tr, window, m)
-        m.after()
-        gc.collect()
-        if not r % 2:
-            t_base, _, _, c_base = run_window(tr, window, None)
-        cpu_ck.append(c_ck)
-        cpu_base.append(c_base)
-        ck.append(t_ck)
-        base.append(t_base)
-        calls.append(call)
-        drains.append(drain)
-        diffs.append(sum(t_ck) + drain - sum(t_base))
-    # Robust estimate: per step position, median over the pairs (a burst of outside load
-    # hits a few steps, not the same position in most pairs).
-    med = lambda xs: statistics.median(xs)  # noqa: E731
-    robust = sum(med([c[i] for c in ck]) - med([b[i] for b in base]) for i in range(window)) + med(drains)
-    extra = m.extra_blocked[-reps:] if m.extra_blocked else [0.0] * reps
-    out = {
-        "name": m.name, "note": m.note, "stall": robust, "stall_mean": statistics.mean(diffs),
-        "stall_se": statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan"),
-        "call": statistics.mean(calls), "drain": med(drains), "cpu": med(cpu_ck) - med(cpu_base),
-        "blocked": statistics.mean(c + e for c, e in zip(calls, extra)),
-        "step": med([x for b in base for x in b]), "size": statistics.median(m.sizes) if m.sizes else 0,
-        "diffs": diffs, "spread": max(sum(b) for b in base) / max(1e-9, min(sum(b) for b in base)),
-    }
-    if isinstance(m, MoC):
-        out.update(bytes_first=m.bytes_first, buffer_bytes=m.buffer_bytes, k=m.k_snapshot, kp=m.k_persist,
-                   pe=m.persist_every, persisted_sizes=sorted(set(m.sizes)))
-    m.teardown()
-    log(f"  {m.name:<32} stall {out['stall']*1e3:7.0f} ms (mean {out['stall_mean']*1e3:6.0f} +-"
-        f"{out['stall_se']*1e3:4.0f}), call {out['call']*1e3:6.1f} ms, blocked {out['blocked']*1e3:6.1f} ms, "
-        f"drain {out['drain']*1e3:5.0f} ms, cpu {out['cpu']:5.2f} s, {out['size']/MB:7.1f} MB, {time.perf_counter() - t_setup:4.0f} s, "
-        f"load {loadavg()}")
-    return out
-
-
 def measure_restore(tr: Trainer, root: Path, shm: Path, log) -> dict[str, Any]:
     """Memory vs storage restore of the full state through fresh managers."""
     storage, snapdir = root / "moc-restore", shm / "restore"
@@ -482,6 +110,9 @@ def measure_restore(tr: Trainer, root: Path, shm: Path, log) -> dict[str, Any]:
     mgr = CheckpointManager(cfg, model=tr.model, optimizer=tr.opt)
     s1 = tr.step()
     mgr.step(s1)                       # first checkpoint: persisted
+    # Until a checkpoint holding every unit is committed, every snapshot is due for
+    # storage: let the first one commit, or s2 would be persisted too when it comes first.
+    mgr.wait(flush=False)
     s2 = tr.step()
     mgr.step(s2)                       # second: memory only (persist_every=2)
     mgr.close(keep_snapshots=True, flush=False)
@@ -608,11 +239,6 @@ def restore_torch_load(tr: Trainer, root: Path, log) -> dict[str, Any] | None:
     return out
 
 
-# --------------------------------------------------------------------------------------
-def fmt_ms(x: float) -> str:
-    return f"{x*1e3:,.0f}" if abs(x) >= 0.0995 else f"{x*1e3:,.1f}"
-
-
 def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], rows: list[dict[str, Any]],
            restore: dict[str, Any], tload: dict[str, Any] | None, quick: bool, errors: list[str]) -> str:
     save = next((r for r in rows if r["name"].startswith("torch.save")), None)
@@ -733,10 +359,6 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], rows: 
     L.append("")
     L.append("| target | measured | met? |")
     L.append("|---|---|---|")
-    def verdict(value: float, lim: float, se: float) -> str:
-        v = "yes" if value <= lim else "no"
-        return v + (" (within noise)" if math.isfinite(se) and abs(value - lim) < 2 * se else "")
-
     if save and k1:
         for r in k1:
             lim = 0.02 * save["stall"]
