@@ -6,7 +6,9 @@ a small model (``FAKE_LAYERS`` layers x ``FAKE_EXPERTS`` experts), then every
 On a new plan it replies ``reconfigured``; if it is in the plan's ``leaving`` list it exits
 0 after that. After ``FAKE_STEPS`` steps (0 = never) it reports ``done`` and waits for
 ``stop``. Writing ``collective_error`` into the file ``$FAKE_CONTROL_DIR/<node>`` makes it
-report a collective error once.
+report a collective error once. After ``stop`` it lingers ``FAKE_LINGER_S`` seconds (user
+code after ``trainer.run()``: an export, an evaluation), writes ``$FAKE_CONTROL_DIR/<node>.finished``
+and exits ``FAKE_EXIT_CODE`` (default 0).
 """
 
 from __future__ import annotations
@@ -62,7 +64,10 @@ def main() -> int:
                 f.unlink()
                 ch.send({"type": "collective_error", "generation": gen, "error": "fake: peer gone"})
         time.sleep(step_s)
-    return 0
+    time.sleep(float(os.environ.get("FAKE_LINGER_S", "0")))
+    if control:
+        (Path(control) / f"{ch.node_id}.finished").write_text(str(time.time()))
+    return int(os.environ.get("FAKE_EXIT_CODE", "0"))
 
 
 if __name__ == "__main__":

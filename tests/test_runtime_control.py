@@ -414,6 +414,50 @@ def test_done_shuts_everything_down(cluster_factory: Callable[..., Cluster]) -> 
         assert proc.wait(timeout=10) == 0
 
 
+@pytest.mark.timeout(60)
+def test_clean_end_waits_for_finished_workers_and_exits_with_their_status(
+    cluster_factory: Callable[..., Cluster], tmp_path: Path,
+) -> None:
+    """After done, workers run their own code (an export) for 3 s: nobody is killed, the
+    agents exit with the workers' status, and the controller waits for the agents."""
+    control = tmp_path / "control"
+    control.mkdir()
+    c = cluster_factory("--expected-nodes", "2", nodes=("a", "b"), FAKE_STEPS="10", FAKE_LINGER_S="3",
+                        FAKE_EXIT_CODE="7", FAKE_CONTROL_DIR=str(control))
+    started(c, ["a", "b"])
+    done = c.wait_event("done", 10)
+    assert c.ctl.wait(timeout=30) == 0
+    t_ctl_exit = time.time()
+    for node in ("a", "b"):
+        assert c.agents[node].wait(timeout=10) == 7      # the worker's own status
+        finished = float((control / f"{node}.finished").read_text())
+        assert finished - done["t"] >= 2.9               # it ran its code to the end
+        assert finished <= t_ctl_exit                    # the controller waited for it
+    end = c.wait_event("job_end", 5)
+    assert end["still_connected"] == [] and end["waited_s"] >= 2.9
+    assert not c.events("node_failed")
+    exits = c.events("worker_exit")
+    assert sorted(e["node"] for e in exits) == ["a", "b"] and {e["returncode"] for e in exits} == {7}
+
+
+@pytest.mark.timeout(60)
+def test_finished_worker_is_stopped_only_after_exit_grace(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, ["--expected-nodes", "2", "--exit-grace", "20s"], {"FAKE_STEPS": "5", "FAKE_LINGER_S": "60"})
+    try:
+        for node in ("a", "b"):
+            c.add_agent(node, "--exit-grace", "2s")
+        started(c, ["a", "b"])
+        done = c.wait_event("done", 10)
+        for node in ("a", "b"):
+            assert c.agents[node].wait(timeout=20) == 6     # EXIT_GRACE_EXPIRED
+            assert "still running (--exit-grace)" in (tmp_path / f"agent-{node}.log").read_text()
+        assert time.time() - done["t"] >= 1.9
+        assert c.ctl.wait(timeout=10) == 0
+        assert c.wait_event("job_end", 5)["still_connected"] == []
+    finally:
+        c.close()
+
+
 @pytest.mark.timeout(30)
 def test_cli_bad_input_is_one_line_exit_2(tmp_path: Path) -> None:
     def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -434,6 +478,10 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path: Path) -> None:
     assert r.returncode == 2 and "--heartbeat-timeout" in r.stderr
     r = run("controller", "--secret-file", str(good), "--slots", "0")
     assert r.returncode == 2 and "--slots" in r.stderr
+    r = run("controller", "--secret-file", str(good), "--exit-grace", "0s")
+    assert r.returncode == 2 and "--exit-grace" in r.stderr
+    r = run("agent", "--controller", "127.0.0.1:1", "--secret-file", str(good), "--exit-grace", "x", "--", "true")
+    assert r.returncode == 2 and "--exit-grace" in r.stderr
     r = run("agent", "--controller", "nohostport", "--secret-file", str(good), "--", "true")
     assert r.returncode == 2 and "--controller" in r.stderr
     r = run("agent", "--controller", "127.0.0.1:1", "--secret-file", str(good))

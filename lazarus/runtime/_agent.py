@@ -47,7 +47,13 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_LEAVE_TIMEOUT = 3
 EXIT_CONTROLLER_LOST = 4
+EXIT_GRACE_EXPIRED = 6
 EXIT_INTERRUPTED = 130
+
+
+def _exit_status(returncode: int) -> int:
+    """A process's exit status as a shell reports it (killed by signal N -> 128 + N)."""
+    return returncode if 0 <= returncode < 256 else 128 + (-returncode if returncode < 0 else 1)
 
 
 class _Worker:
@@ -62,6 +68,7 @@ class _Worker:
         self.step: int | None = None
         self.killed = False  # stopped on purpose (evict / shutdown / leave timeout)
         self.done = False    # reported that training finished; never killed after that
+        self.grace_task: asyncio.Task[Any] | None = None
 
     @property
     def alive(self) -> bool:
@@ -139,8 +146,11 @@ class Agent:
                 t.cancel()
             await self._stop_worker(kill=False)
             if self._cw is not None:
+                with contextlib.suppress(Exception):  # last reports (worker_exit) go out first
+                    await asyncio.wait_for(self._cw.drain(), 2.0)
                 with contextlib.suppress(Exception):
                     self._cw.close()
+                    await asyncio.wait_for(self._cw.wait_closed(), 2.0)
             if rc == EXIT_OK:
                 shutil.rmtree(cfg.snapshot_dir, ignore_errors=True)
         log.info("agent %s: exit %d", self.node_id, rc)
@@ -202,16 +212,25 @@ class Agent:
                 msg = await read_frame(reader, secret, limit)
                 await self._on_controller(msg)
         except (ConnectionClosed, ConnectionError, ProtocolError, OSError) as exc:
-            wk = self._worker
-            if wk is not None and wk.done and wk.alive and self._exit is not None and not self._exit.done():
-                log.info("agent %s: controller gone (%s) after the worker finished; waiting for it to exit",
-                         self.node_id, exc)
-                self._spawn_task(self._await_finished_worker(wk))
-                return
-            if self._exit is not None and not self._exit.done():
-                log.error("agent %s: lost the controller connection (%s); stopping the worker",
-                          self.node_id, exc)
-                self._finish(EXIT_OK if self._shutdown else EXIT_CONTROLLER_LOST)
+            self._on_controller_lost(exc)
+
+    def _on_controller_lost(self, exc: BaseException) -> None:
+        if self._exit is None or self._exit.done():
+            return
+        wk = self._worker
+        if wk is not None and wk.done and wk.alive:
+            # A finished worker runs its own code to the end (exports, digests): never
+            # kill it; the watcher exits with its code, the deadline bounds the wait.
+            log.info("agent %s: controller gone (%s) after the worker finished; waiting for it to exit",
+                     self.node_id, exc)
+            self._await_finished_worker(wk)
+            return
+        if self._shutdown:
+            if wk is None or not wk.alive:
+                self._finish(EXIT_OK)
+            return  # the shutdown deadline is running
+        log.error("agent %s: lost the controller connection (%s); stopping the worker", self.node_id, exc)
+        self._finish(EXIT_CONTROLLER_LOST)
 
     async def _on_controller(self, msg: dict[str, Any]) -> None:
         kind = msg["type"]
@@ -220,11 +239,16 @@ class Agent:
         elif kind == "shutdown":
             log.info("agent %s: shutdown (%s)", self.node_id, msg.get("reason"))
             self._shutdown = True
-            self._to_worker({"type": "stop", "reason": msg.get("reason")})
             wk = self._worker
             if wk is None or not wk.alive:
                 self._finish(EXIT_OK)
+            elif wk.done:
+                # The job is done and this worker said so: tell it, and let it finish its
+                # own code (never killed before exit_grace).
+                self._to_worker({"type": "stop", "reason": msg.get("reason")})
+                self._await_finished_worker(wk)
             else:
+                self._to_worker({"type": "stop", "reason": msg.get("reason")})
                 self._spawn_task(self._shutdown_deadline(wk))
         elif kind == "evicted":
             log.warning("agent %s: evicted by the controller; restarting the worker as a new member",
@@ -252,17 +276,20 @@ class Agent:
             return
         self._to_worker(plan)
 
-    async def _await_finished_worker(self, wk: _Worker) -> None:
+    def _await_finished_worker(self, wk: _Worker) -> None:
         """A worker that reported done runs its own code to the end (exports, digests):
-        wait up to ``exit_grace`` and exit with its code."""
+        its watcher exits with its code; this bounds the wait by ``exit_grace``."""
+        if wk.grace_task is None:
+            wk.grace_task = self._spawn_task(self._finished_worker_deadline(wk))
+
+    async def _finished_worker_deadline(self, wk: _Worker) -> None:
+        grace = self.config.exit_grace.total_seconds()
         try:
-            rc = await asyncio.wait_for(asyncio.shield(wk.proc.wait()), self.config.exit_grace.total_seconds())
+            await asyncio.wait_for(asyncio.shield(wk.proc.wait()), grace)
         except asyncio.TimeoutError:
-            log.error("agent %s: finished worker still running after %s; stopping it", self.node_id,
-                      self.config.exit_grace)
-            self._finish(EXIT_CONTROLLER_LOST)
-            return
-        self._finish(EXIT_OK if rc == 0 else EXIT_FAILED)
+            log.error("agent %s: the worker reported done %.0f s ago and is still running (--exit-grace); "
+                      "stopping it", self.node_id, grace)
+            self._finish(EXIT_GRACE_EXPIRED)
 
     async def _shutdown_deadline(self, wk: _Worker) -> None:
         try:
@@ -343,6 +370,11 @@ class Agent:
         self._to_controller({"type": "worker_exit", "node": self.node_id, "returncode": rc,
                              "incarnation": wk.incarnation})
         if wk is not self._worker or wk.killed:
+            return
+        if wk.done:
+            code = _exit_status(rc)
+            log.info("agent %s: the finished worker exited with %d; exiting with %d", self.node_id, rc, code)
+            self._finish(code)
             return
         if self._leaving or self._shutdown or rc == 0:
             self._finish(EXIT_OK)

@@ -97,6 +97,8 @@ def register_controller(sub: argparse._SubParsersAction) -> None:
                    help="relative max-load improvement needed to rebalance (default 0.05)")
     p.add_argument("--events", metavar="FILE", default=None, help="append JSON-lines events here")
     p.add_argument("--keep-running", action="store_true", help="do not exit when the job is done")
+    p.add_argument("--exit-grace", type=_duration("--exit-grace"), default="5m",
+                   help="once the job is done, wait this long for the agents to leave (default 5m)")
     p.add_argument("-v", "--verbose", action="store_true", help="log every event to stderr")
     p.set_defaults(handler=_run_controller)
 
@@ -108,7 +110,7 @@ _CONTROLLER_OPTIONS = {
     "handshake_timeout": "--handshake-timeout", "max_message_bytes": "--max-message-bytes",
     "expected_nodes": "--expected-nodes", "min_nodes": "--min-nodes",
     "rebalance_every": "--rebalance-every", "rebalance_min_gain": "--rebalance-min-gain",
-    "secret": "--secret-file",
+    "secret": "--secret-file", "exit_grace": "--exit-grace",
 }
 
 
@@ -126,6 +128,7 @@ def _run_controller(args: argparse.Namespace) -> int:
             min_nodes=args.min_nodes, rebalance_every=args.rebalance_every,
             rebalance_min_gain=args.rebalance_min_gain, events_path=args.events,
             exit_when_done=not args.keep_running, advertise_host=args.advertise_host,
+            exit_grace=args.exit_grace,
         )
     except ValueError as exc:
         raise _config_error(exc, _CONTROLLER_OPTIONS) from None
@@ -174,6 +177,9 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
                    help="give up reaching the controller after this (default 30s)")
     p.add_argument("--leave-timeout", type=_duration("--leave-timeout"), default="60s",
                    help="after SIGTERM, wait this long for the hand-over (default 60s)")
+    p.add_argument("--exit-grace", type=_duration("--exit-grace"), default="5m",
+                   help="a worker that reported done is never killed: wait this long for it to exit, "
+                        "then exit with its status (default 5m)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment variable for the worker (repeatable)")
     p.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
@@ -185,8 +191,8 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
 _AGENT_OPTIONS = {
     "node_id": "--node-id", "slots": "--slots", "heartbeat_interval": "--heartbeat-interval",
     "respawn_delay": "--respawn-delay", "connect_timeout": "--connect-timeout",
-    "leave_timeout": "--leave-timeout", "job": "--job", "controller_port": "--controller",
-    "controller_host": "--controller", "worker_command": "WORKER_COMMAND",
+    "leave_timeout": "--leave-timeout", "exit_grace": "--exit-grace", "job": "--job",
+    "controller_port": "--controller", "controller_host": "--controller", "worker_command": "WORKER_COMMAND",
 }
 
 
@@ -215,7 +221,7 @@ def _run_agent(args: argparse.Namespace) -> int:
             slots=args.slots, heartbeat_interval=args.heartbeat_interval,
             snapshot_dir=args.snapshot_dir, job=args.job, respawn=not args.no_respawn,
             respawn_delay=args.respawn_delay, connect_timeout=args.connect_timeout,
-            leave_timeout=args.leave_timeout, env=env, **kwargs,
+            leave_timeout=args.leave_timeout, exit_grace=args.exit_grace, env=env, **kwargs,
         )
     except ValueError as exc:
         raise _config_error(exc, _AGENT_OPTIONS) from None

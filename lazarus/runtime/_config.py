@@ -88,7 +88,10 @@ class ControllerConfig:
         expected_nodes: wait for this many ready nodes before the first plan (None: start
             ``join_window`` after the first ready node).
         events_path: JSON-lines event log (None: log lines only).
-        exit_when_done: stop serving once every member's worker reported ``done``.
+        exit_when_done: stop serving once every member's worker reported ``done`` and the
+            agents, told so, have left (or ``exit_grace`` has passed).
+        exit_grace: after the job is done, how long to wait for the agents to leave (each
+            waits for its finished worker to exit, up to its own ``exit_grace``).
         advertise_host: store address written into plans (default: ``host``, or the
             machine's hostname when ``host`` is a wildcard address).
         store_timeout: timeout of the hosted TCPStore's operations.
@@ -112,6 +115,7 @@ class ControllerConfig:
     expected_nodes: int | None = None
     events_path: str | os.PathLike[str] | None = None
     exit_when_done: bool = True
+    exit_grace: timedelta = timedelta(minutes=5)
     advertise_host: str | None = None
     store_timeout: timedelta = timedelta(minutes=5)
     routing_window: int = 8
@@ -131,6 +135,7 @@ class ControllerConfig:
         _check_td("join_window", self.join_window, positive=False)
         _check_td("handshake_timeout", self.handshake_timeout)
         _check_td("store_timeout", self.store_timeout)
+        _check_td("exit_grace", self.exit_grace)
         _check_int("max_message_bytes", self.max_message_bytes, 256, 1 << 30)
         _check_int("rebalance_every", self.rebalance_every, 0)
         if isinstance(self.rebalance_min_gain, bool) or not isinstance(self.rebalance_min_gain, (int, float)) \
@@ -176,7 +181,8 @@ class AgentConfig:
         leave_timeout: after SIGTERM, how long to wait for the hand-over before giving up.
         stop_timeout: how long a stopped worker may take to exit before it is killed.
         exit_grace: how long a worker that reported done may take to exit (its code after
-            ``trainer.run()``) when the controller goes away; it is never killed before.
+            ``trainer.run()``: exports, evaluations) once the job is done or the controller
+            is gone; it is never killed before. The agent then exits with its status.
         max_message_bytes: largest accepted message body.
     """
 

@@ -76,6 +76,7 @@ class Controller(Membership):
         self._conns: set[_Conn] = set()
         self._nodes: dict[str, _Node] = {}
         self._stopping = False
+        self._end_task: asyncio.Task[None] | None = None
         self._init_membership()
 
     # ------------------------------------------------------------------ lifecycle
@@ -168,6 +169,26 @@ class Controller(Membership):
                 pass
         if join and self._thread is not None and threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
+
+    def _end_job(self) -> None:
+        self._end_task = asyncio.ensure_future(self._stop_when_agents_left())
+
+    async def _stop_when_agents_left(self) -> None:
+        """After ``done``: every agent waits for its finished worker to exit (exports,
+        digests), then disconnects. Stop once none is connected, or after ``exit_grace``."""
+        t0 = time.monotonic()
+        deadline = t0 + self.config.exit_grace.total_seconds()
+
+        def connected() -> list[str]:
+            return sorted(n.node_id for n in self._nodes.values() if not n.dead and not n.conn.closed)
+
+        while connected() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        still = connected()
+        self._event("job_end", level=logging.WARNING if still else logging.INFO,
+                    waited_s=round(time.monotonic() - t0, 3), still_connected=still)
+        assert self._stop is not None
+        self._stop.set()
 
     # ------------------------------------------------------------------ events
     def _event(self, name: str, level: int = logging.INFO, **fields: Any) -> None:
@@ -314,6 +335,8 @@ class Controller(Membership):
         self._send_conn(conn, {"type": "registered", "node": node_id,
                                "slots": self.config.slots_per_node,
                                "heartbeat_timeout_s": self.config.heartbeat_timeout.total_seconds()})
+        if self._finished:
+            self._send_conn(conn, {"type": "shutdown", "reason": "done"})
         return True
 
     def _dispatch(self, conn: _Conn, msg: dict[str, Any]) -> None:

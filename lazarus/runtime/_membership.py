@@ -136,6 +136,8 @@ class Membership(ABC):
         node.worker_pid = _req(msg, "pid", int, optional=True)
         self._holdings.pop(node.node_id, None)
         self._event("worker_ready", node=node.node_id, incarnation=inc, pid=node.worker_pid)
+        if self._finished:
+            return
         if not self._members and not self._stalled:
             self._schedule_start()
         elif node.node_id not in self._members and not node.leaving:
@@ -277,7 +279,11 @@ class Membership(ABC):
         for node_id in list(self._nodes):
             self._send(node_id, {"type": "shutdown", "reason": "done"})
         if self.config.exit_when_done:
-            self._loop.call_later(0.3, self._stop.set)
+            self._end_job()
+
+    @abstractmethod
+    def _end_job(self) -> None:
+        """The job is done and the agents were told: stop once they have left."""
 
     # ------------------------------------------------------------------ membership logic
     def _eligible(self, node_id: str) -> bool:
@@ -351,6 +357,8 @@ class Membership(ABC):
 
     def _maybe_between_steps(self) -> None:
         """Issue the next queued between-steps plan, if none is in flight."""
+        if self._finished:
+            return
         if self._inflight is not None or self._failure_timer is not None or self._collective_timer is not None:
             return
         if not self._members and not self._stalled:
