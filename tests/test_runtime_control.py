@@ -273,11 +273,12 @@ class Cluster:
 def cluster_factory(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
     made: list[Cluster] = []
 
-    def make(*ctl_args: str, nodes: tuple[str, ...] = ("a", "b", "c"), **worker_env: str) -> Cluster:
+    def make(*ctl_args: str, nodes: tuple[str, ...] = ("a", "b", "c"), agent_args: tuple[str, ...] = (),
+             **worker_env: str) -> Cluster:
         c = Cluster(tmp_path, list(ctl_args), worker_env)
         made.append(c)
         for n in nodes:
-            c.add_agent(n)
+            c.add_agent(n, *agent_args)
         return c
 
     yield make
@@ -498,8 +499,10 @@ def process_alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(60)
-def test_controller_loss_stops_agents_and_orphaned_workers_exit(cluster_factory: Callable[..., Cluster]) -> None:
-    c = cluster_factory("--expected-nodes", "3")
+def test_controller_gone_for_good_agents_keep_workers_until_reconnect_timeout(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    c = cluster_factory("--expected-nodes", "3", agent_args=("--reconnect-timeout", "3s"))
     started(c, ["a", "b", "c"])
     workers = {e["node"]: e["pid"] for e in c.events("worker_ready")}
     # an agent killed on its own: its worker notices the lost channel and exits by itself
@@ -507,11 +510,49 @@ def test_controller_loss_stops_agents_and_orphaned_workers_exit(cluster_factory:
     wait_for(lambda: not process_alive(workers["c"]), 5, "orphaned worker of c to exit")
     plan = c.wait_plan(5, reason="failure")
     assert plan["members"] == ["a", "b"]
-    # the controller dies: agents stop their workers and exit 4 (no reconnect)
+    # the controller dies for good: the workers keep running while their agents try to
+    # reconnect; once --reconnect-timeout has passed the agents stop them and exit 4
+    t_kill = time.time()
     c.kill_group(c.ctl)
+    time.sleep(1.5)
+    for n in ("a", "b"):
+        assert c.agents[n].poll() is None and process_alive(workers[n])
     for n in ("a", "b"):
         assert c.agents[n].wait(timeout=15) == 4
+        assert time.time() - t_kill >= 2.9
         assert not process_alive(workers[n])
+        assert "--reconnect-timeout" in (c.tmp / f"agent-{n}.log").read_text()
+
+
+@pytest.mark.timeout(90)
+def test_crash_loop_is_capped_then_the_node_leaves_naming_the_error(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    """c's worker raises at its 3rd step in every incarnation: restarted twice with a
+    doubling pause, then the node leaves, the agent exits 5 naming the error, and the
+    job goes on without it."""
+    c = cluster_factory("--expected-nodes", "3", nodes=("a", "b"))
+    c.add_agent("c", "--env", "FAKE_CRASH_AT_STEP=3", "--max-restarts", "2", "--restart-window", "1m",
+                "--respawn-delay", "300ms")
+    started(c, ["a", "b", "c"])
+    assert c.agents["c"].wait(timeout=60) == 5
+    log_c = (c.tmp / "agent-c.log").read_text()
+    assert "RuntimeError: injected crash at step 3 on node c" in log_c      # relayed stderr
+    assert "crashed 3 times" in log_c and "last error: exit 1: RuntimeError: injected crash at step 3" in log_c
+    leave = c.wait_event("leave", 5, node="c")
+    assert leave["reason"] == "crash_loop" and "RuntimeError: injected crash at step 3" in leave["error"]
+    exits = [e for e in c.events("worker_exit", node="c") if not e.get("stale")]
+    assert [e["incarnation"] for e in exits] == [1, 2, 3]
+    assert all(e["returncode"] == 1 and "injected crash" in e["error"] for e in exits)
+    # exponential backoff: the k-th restart waits 0.3 s * 2**k
+    readies = {e["incarnation"]: e["t"] for e in c.events("worker_ready", node="c")}
+    assert sorted(readies) == [1, 2, 3]
+    assert readies[2] - exits[0]["t"] >= 0.3 and readies[3] - exits[1]["t"] >= 0.6
+    # the others keep training without c
+    last = c.events("plan")[-1]
+    assert "c" not in last["members"] and sorted(last["members"]) == ["a", "b"]
+    assert c.agents["a"].poll() is None and c.agents["b"].poll() is None
+    assert not c.events("node_failed", node="a") and not c.events("node_failed", node="b")
 
 
 @pytest.mark.timeout(20)

@@ -157,7 +157,9 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
         description=(
             "Run a Lazarus node agent: it registers with the controller, heartbeats, starts "
             "WORKER_COMMAND (after --) with a channel to the agent, relays plans and reports, "
-            "and restarts a crashed worker as a new member. SIGTERM = graceful leave."
+            "and restarts a crashed worker as a new member (capped by --max-restarts). If the "
+            "controller goes away the worker keeps training while the agent reconnects. "
+            "SIGTERM = graceful leave."
         ),
     )
     p.add_argument("--controller", required=True, metavar="HOST:PORT", help="controller address")
@@ -173,8 +175,17 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-respawn", action="store_true", help="do not restart a crashed worker")
     p.add_argument("--respawn-delay", type=_duration("--respawn-delay"), default="1s",
                    help="pause before restarting a crashed worker (default 1s)")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="restarts of a crashing worker allowed within --restart-window; past that the node "
+                        "leaves the job and the agent exits 5 naming the worker's last error (default 5)")
+    p.add_argument("--restart-window", type=_duration("--restart-window"), default="10m",
+                   help="the sliding window --max-restarts counts in (default 10m); the pause before a "
+                        "restart doubles from --respawn-delay with every restart in it (at most 60s)")
     p.add_argument("--connect-timeout", type=_duration("--connect-timeout"), default="30s",
                    help="give up reaching the controller after this (default 30s)")
+    p.add_argument("--reconnect-timeout", type=_duration("--reconnect-timeout"), default="5m",
+                   help="when the controller goes away, the worker keeps training while the agent "
+                        "reconnects for this long; then it stops the worker and exits 4 (default 5m)")
     p.add_argument("--leave-timeout", type=_duration("--leave-timeout"), default="60s",
                    help="after SIGTERM, wait this long for the hand-over (default 60s)")
     p.add_argument("--exit-grace", type=_duration("--exit-grace"), default="5m",
@@ -191,6 +202,8 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
 _AGENT_OPTIONS = {
     "node_id": "--node-id", "slots": "--slots", "heartbeat_interval": "--heartbeat-interval",
     "respawn_delay": "--respawn-delay", "connect_timeout": "--connect-timeout",
+    "max_restarts": "--max-restarts", "restart_window": "--restart-window",
+    "reconnect_timeout": "--reconnect-timeout",
     "leave_timeout": "--leave-timeout", "exit_grace": "--exit-grace", "job": "--job",
     "controller_port": "--controller", "controller_host": "--controller", "worker_command": "WORKER_COMMAND",
 }
@@ -221,6 +234,8 @@ def _run_agent(args: argparse.Namespace) -> int:
             slots=args.slots, heartbeat_interval=args.heartbeat_interval,
             snapshot_dir=args.snapshot_dir, job=args.job, respawn=not args.no_respawn,
             respawn_delay=args.respawn_delay, connect_timeout=args.connect_timeout,
+            max_restarts=args.max_restarts, restart_window=args.restart_window,
+            reconnect_timeout=args.reconnect_timeout,
             leave_timeout=args.leave_timeout, exit_grace=args.exit_grace, env=env, **kwargs,
         )
     except ValueError as exc:

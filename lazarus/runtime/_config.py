@@ -175,7 +175,13 @@ class AgentConfig:
             ``/dev/shm/lazarus-<job>/<node_id>``); created at start, removed on a normal exit.
         job: job name used in the default snapshot_dir.
         respawn: restart a worker that exits abnormally (the new incarnation rejoins).
-        respawn_delay: pause before a respawn.
+        respawn_delay: pause before the first restart; it doubles with every restart within
+            ``restart_window`` (at most 60 s).
+        max_restarts: restarts allowed within ``restart_window``; at the next crash the node
+            leaves the job and the agent exits 5 naming the worker's last error.
+        restart_window: the sliding window ``max_restarts`` counts in.
+        reconnect_timeout: when the controller connection breaks, keep the worker running
+            and reconnect for this long before stopping it and exiting 4.
         env: extra environment variables for the worker.
         connect_timeout: give up connecting to the controller after this long.
         leave_timeout: after SIGTERM, how long to wait for the hand-over before giving up.
@@ -197,6 +203,9 @@ class AgentConfig:
     job: str = "job"
     respawn: bool = True
     respawn_delay: timedelta = timedelta(seconds=1)
+    max_restarts: int = 5
+    restart_window: timedelta = timedelta(minutes=10)
+    reconnect_timeout: timedelta = timedelta(minutes=5)
     env: dict[str, str] = field(default_factory=dict)
     connect_timeout: timedelta = timedelta(seconds=30)
     leave_timeout: timedelta = timedelta(seconds=60)
@@ -221,6 +230,9 @@ class AgentConfig:
             _check_int("slots", self.slots, 1)
         _check_td("heartbeat_interval", self.heartbeat_interval, lo=timedelta(milliseconds=10))
         _check_td("respawn_delay", self.respawn_delay, positive=False)
+        _check_int("max_restarts", self.max_restarts, 0)
+        _check_td("restart_window", self.restart_window)
+        _check_td("reconnect_timeout", self.reconnect_timeout)
         _check_td("connect_timeout", self.connect_timeout)
         _check_td("leave_timeout", self.leave_timeout)
         _check_td("stop_timeout", self.stop_timeout)

@@ -369,7 +369,7 @@ class Controller(Membership):
         elif kind == "worker_exit":
             self._on_worker_exit(node, msg)
         elif kind == "leaving":
-            self._on_leaving(node)
+            self._on_leaving(node, msg)
         elif kind == "worker":
             inner = msg.get("msg")
             if not isinstance(inner, dict) or not isinstance(inner.get("type"), str):

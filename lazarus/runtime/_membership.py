@@ -146,15 +146,17 @@ class Membership(ABC):
     def _on_worker_exit(self, node: _Node, msg: dict[str, Any]) -> None:
         rc = _req(msg, "returncode", int, optional=True)
         inc = _req(msg, "incarnation", int, optional=True)
+        error = _req(msg, "error", str, optional=True)
+        detail = {"error": error[:500]} if error else {}
         if inc is not None and inc != node.incarnation:
-            self._event("worker_exit", node=node.node_id, returncode=rc, incarnation=inc, stale=True)
+            self._event("worker_exit", node=node.node_id, returncode=rc, incarnation=inc, stale=True, **detail)
             return
         was_ready = node.ready
         node.ready = False
         node.worker_pid = None
         self._holdings.pop(node.node_id, None)
         self._pending_joins.discard(node.node_id)
-        self._event("worker_exit", node=node.node_id, returncode=rc, incarnation=node.incarnation)
+        self._event("worker_exit", node=node.node_id, returncode=rc, incarnation=node.incarnation, **detail)
         if (was_ready and node.node_id in self._members and node.node_id not in self._done):
             self._declare_failure(node.node_id, "worker_exit", returncode=rc)
 
@@ -253,13 +255,22 @@ class Membership(ABC):
             self._rebalance_due = True
             self._maybe_between_steps()
 
-    def _on_leaving(self, node: _Node) -> None:
+    def _on_leaving(self, node: _Node, msg: dict[str, Any] | None = None) -> None:
         if node.leaving:
             return
         node.leaving = True
-        self._event("leave", node=node.node_id)
+        msg = msg or {}
+        reason = _req(msg, "reason", str, optional=True) if msg else None
+        error = _req(msg, "error", str, optional=True) if msg else None
+        detail = {"reason": reason[:64]} if reason else {}
+        if error:
+            detail["error"] = error[:500]
+        self._event("leave", level=logging.WARNING if reason == "crash_loop" else logging.INFO,
+                    node=node.node_id, **detail)
         self._pending_joins.discard(node.node_id)
-        if node.node_id not in self._members:
+        if node.node_id not in self._members or not node.ready:
+            # nothing to hand over (a crash-looping node's worker is gone): go now; a
+            # member without a worker is being replaced by a failure plan already
             self._send(node.node_id, {"type": "shutdown", "reason": "leave"})
             return
         self._pending_leaves.add(node.node_id)
