@@ -214,12 +214,16 @@ class Cluster:
         self.secret_file.write_bytes(SECRET + b"\n")
         self.worker_env = dict(worker_env or {})
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
-        self.ctl_out = open(tmp / "controller.out", "w+")
-        self.ctl = subprocess.Popen(
-            [sys.executable, "-m", "lazarus.cli", "controller", "--port", "0", "--store-port", "0",
-             "--secret-file", str(self.secret_file), "--events", str(self.events_path), "-v",
-             *COMMON_CTL, *ctl_args],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=self.ctl_out, start_new_session=True)
+        self.ctl_out = open(tmp / "controller.out", "a+")
+        self.ctl_cmd = [sys.executable, "-m", "lazarus.cli", "controller", "--port", "0", "--store-port", "0",
+                        "--secret-file", str(self.secret_file), "--events", str(self.events_path), "-v",
+                        *COMMON_CTL, *ctl_args]
+        self.start_controller()
+
+    def start_controller(self) -> None:
+        """Start the controller (again: the same command line, so it resumes from its state)."""
+        self.ctl = subprocess.Popen(self.ctl_cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.ctl_out,
+                                    start_new_session=True)
         line = self.ctl.stdout.readline().decode()
         assert line.startswith("lazarus controller: listening on 127.0.0.1:"), line
         self.port = int(line.split("listening on 127.0.0.1:")[1].split(",")[0])
@@ -479,6 +483,14 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path: Path) -> None:
     assert r.returncode == 2 and "--heartbeat-timeout" in r.stderr
     r = run("controller", "--secret-file", str(good), "--slots", "0")
     assert r.returncode == 2 and "--slots" in r.stderr
+    bad_state = tmp_path / "state"
+    bad_state.mkdir()
+    (bad_state / "state.json").write_text("{torn")
+    r = run("controller", "--secret-file", str(good), "--port", "0", "--store-port", "0", "--state-dir", str(bad_state))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "--state-dir:" in r.stderr and "is not JSON" in r.stderr
+    r = run("controller", "--secret-file", str(good), "--state-dir", str(good))
+    assert r.returncode == 2 and "--state-dir" in r.stderr and "is a file" in r.stderr
     r = run("controller", "--secret-file", str(good), "--exit-grace", "0s")
     assert r.returncode == 2 and "--exit-grace" in r.stderr
     r = run("agent", "--controller", "127.0.0.1:1", "--secret-file", str(good), "--exit-grace", "x", "--", "true")
@@ -522,6 +534,104 @@ def test_controller_gone_for_good_agents_keep_workers_until_reconnect_timeout(
         assert time.time() - t_kill >= 2.9
         assert not process_alive(workers[n])
         assert "--reconnect-timeout" in (c.tmp / f"agent-{n}.log").read_text()
+
+
+def saved_state(c: Cluster) -> dict[str, Any]:
+    return json.loads((c.tmp / "events.state" / "state.json").read_text())
+
+
+def progress_steps(c: Cluster) -> int:
+    """Rank 0's last reported step, as the controller saved it (within a second)."""
+    return saved_state(c)["last_step"] or 0
+
+
+@pytest.mark.timeout(60)
+def test_controller_restart_resumes_the_job_without_touching_the_workers(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    c = cluster_factory("--expected-nodes", "3", "--resume-grace", "5s")
+    plan = started(c, ["a", "b", "c"])
+    workers = {e["node"]: e["pid"] for e in c.events("worker_ready")}
+    state = saved_state(c)
+    assert state["generation"] == 1 and state["members"] == ["a", "b", "c"] and state["epoch"] == 1
+    port, store_port = c.port, c.store_port
+    c.kill_group(c.ctl)
+    c.ctl.wait(timeout=10)
+    time.sleep(1.0)                       # away for a while: agents retry, workers go on
+    for n in ("a", "b", "c"):
+        assert c.agents[n].poll() is None and process_alive(workers[n])
+    c.start_controller()                  # the same command line (--port 0 --store-port 0)
+    assert (c.port, c.store_port) == (port, store_port)   # the job's ports, from the state
+    started_ev = [e for e in c.events("controller_started") if e.get("resumed")]
+    assert len(started_ev) == 1 and started_ev[0]["epoch"] == 2 and started_ev[0]["generation"] == 1
+    resumed = c.wait_event("resumed", 10)
+    assert sorted(resumed["back"]) == ["a", "b", "c"] and resumed["missing"] == [] and resumed["lost"] == []
+    for n in ("a", "b", "c"):
+        ev = c.events("node_resumed", node=n)[0]
+        assert ev["same_worker"] and ev["member"] and ev["worker_alive"]
+        assert process_alive(workers[n])  # never restarted
+    assert not c.events("node_failed") and len(c.events("plan")) == 1
+    # the job goes on under the new controller: progress is counted, and a failure
+    # gets a plan whose store is the new one (epoch 2)
+    before = progress_steps(c)
+    wait_for(lambda: progress_steps(c) > before + 5, 10, "progress reports to the new controller")
+    c.kill_group(c.agents["b"])
+    fail = c.wait_plan(10, reason="failure")
+    assert fail["members"] == ["a", "c"] and fail["generation"] == plan["generation"] + 1
+    state = saved_state(c)
+    assert state["generation"] == 2 and state["members"] == ["a", "c"] and state["epoch"] == 2
+    assert state["plan"]["store"] == {"host": "127.0.0.1", "port": store_port, "epoch": 2}
+
+
+@pytest.mark.timeout(60)
+def test_failure_while_the_controller_is_away_is_handled_when_it_returns(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    c = cluster_factory("--expected-nodes", "3", "--resume-grace", "3s")
+    started(c, ["a", "b", "c"])
+    c.kill_group(c.ctl)
+    c.ctl.wait(timeout=10)
+    c.kill_group(c.agents["b"])           # a whole node dies while nobody watches
+    c.agents["b"].wait(timeout=10)
+    time.sleep(0.5)
+    t_back = time.time()
+    c.start_controller()
+    resumed = c.wait_event("resumed", 10)
+    assert resumed["missing"] == ["b"] and resumed["lost"] == ["b"] and sorted(resumed["back"]) == ["a", "c"]
+    assert resumed["t"] - t_back >= 2.5   # b had --resume-grace to come back
+    failed = c.events("node_failed", node="b")[0]
+    assert failed["cause"] == "not_back_after_restart"
+    plan = c.wait_plan(5, reason="failure")
+    assert plan["members"] == ["a", "c"] and plan["lost"] == ["b"] and plan["generation"] == 2
+    assert saved_state(c)["plan"]["store"]["epoch"] == 2
+    c.wait_event("reconfigured", 5, node="a", generation=2)
+
+
+@pytest.mark.timeout(60)
+def test_worker_crash_while_the_controller_is_away_is_handled_when_it_returns(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    """Reports queued by the agent (the crash, the respawned worker) reach the new
+    controller: a failure plan without b, then b's new worker joins."""
+    c = cluster_factory("--expected-nodes", "3", "--resume-grace", "5s")
+    started(c, ["a", "b", "c"])
+    old_b = c.events("worker_ready", node="b")[0]["pid"]
+    c.kill_group(c.ctl)
+    c.ctl.wait(timeout=10)
+    os.kill(old_b, signal.SIGKILL)
+    wait_for(lambda: "worker incarnation 2 started" in (c.tmp / "agent-b.log").read_text(), 10, "b's respawn")
+    c.start_controller()
+    resumed = c.wait_event("resumed", 10)
+    assert sorted(resumed["back"]) == ["a", "b", "c"] and resumed["lost"] == ["b"]
+    ev = c.events("node_resumed", node="b")[0]
+    assert ev["incarnation"] == 2 and ev["planned_incarnation"] == 1 and not ev["same_worker"]
+    assert c.events("node_failed", node="b")[0]["cause"] == "worker_lost_while_away"
+    assert c.wait_event("worker_exit", 5, node="b", incarnation=1)["returncode"] == -signal.SIGKILL
+    plan = c.wait_plan(5, reason="failure")
+    assert plan["members"] == ["a", "c"] and plan["lost"] == ["b"]
+    join = c.wait_plan(10, reason="join")
+    assert join["members"] == ["a", "c", "b"] and saved_state(c)["plan"]["incarnations"]["b"] == 2
+    c.wait_event("reconfigured", 5, node="a", generation=join["generation"])
 
 
 @pytest.mark.timeout(90)

@@ -10,6 +10,7 @@ the job ran on exactly the nodes that are alive.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -198,3 +199,36 @@ def test_rebalance_from_routing_history_between_steps(tmp_path: Path) -> None:
         assert not _failure_reconfigs(c)
         _finish(c, tmp_path, NODES)
         _survivors_not_restarted(c, NODES)
+
+
+@pytest.mark.timeout(400)
+def test_controller_sigkill_training_goes_on_restart_resumes_and_a_failure_while_away_is_handled(
+        tmp_path: Path) -> None:
+    steps = 130
+    with _cluster(tmp_path, steps=steps, extra_controller=("--resume-grace", "4s")) as c:
+        c.start(NODES)
+        c.wait_step(15, timeout=180)
+        # 1. the controller dies (with its rendezvous store): the workers keep training
+        c.kill_controller()
+        s0 = c.current_step()
+        c.wait_step(s0 + 8, timeout=60)
+        # 2. the same command line again: it resumes, every member comes back as it is
+        c.restart_controller()
+        resumed = c.wait_for(lambda: [e for e in c.events() if e.get("event") == "resumed"], 30, "the resume")[0]
+        assert sorted(resumed["back"]) == NODES and resumed["lost"] == [] and not resumed["unapplied_plan"]
+        started = [e for e in c.events() if e.get("event") == "controller_started"]
+        assert [e["epoch"] for e in started] == [1, 2] and started[1]["resumed"]
+        assert not c.reconfigurations()[1:]                  # nobody re-formed a group
+        c.wait_step(c.current_step() + 5, timeout=60)
+        # 3. away again, and a node dies meanwhile: handled once the controller is back
+        c.kill_controller()
+        c.kill_node("n2")
+        time.sleep(1.0)
+        c.restart_controller()
+        c.wait_for(lambda: _failure_reconfigs(c), 90, "reconfiguration after the failure while away")
+        rec = _failure_reconfigs(c)[0]
+        assert rec["world_size"] == 3 and "n2" not in rec["members"] and rec["lost_experts"] == []
+        lost = [e for e in c.events() if e.get("event") == "node_failed" and e.get("node") == "n2"]
+        assert lost and lost[0]["cause"] == "not_back_after_restart"
+        _finish(c, tmp_path, ["n0", "n1", "n3"], steps=steps)
+        _survivors_not_restarted(c, ["n0", "n1", "n3"])

@@ -275,11 +275,13 @@ class Agent:
             log.info("agent %s: controller gone (%s) after the worker finished; waiting for it to exit",
                      self.node_id, exc)
             self._await_finished_worker(wk)
+        timeout = self.config.reconnect_timeout.total_seconds()
         if self._lost_since is None:
             self._lost_since = time.monotonic()
-        timeout = self.config.reconnect_timeout.total_seconds()
-        log.warning("agent %s: lost the controller connection (%s); the worker keeps running, reconnecting "
-                    "for up to %.0f s (--reconnect-timeout)", self.node_id, exc, timeout)
+            log.warning("agent %s: lost the controller connection (%s); the worker keeps running, reconnecting "
+                        "for up to %.0f s (--reconnect-timeout)", self.node_id, exc, timeout)
+        else:   # a connection made while reconnecting broke again (e.g. refused during a restart)
+            log.info("agent %s: controller connection broke again (%s); still reconnecting", self.node_id, exc)
         if not self._reconnecting:
             self._reconnecting = True
             self._spawn_task(self._reconnect())

@@ -68,7 +68,8 @@ def register_controller(sub: argparse._SubParsersAction) -> None:
             "Run the Lazarus controller: agents register with it, it detects node failures "
             "(disconnects, missed heartbeats, worker exits, collective errors), computes "
             "replica allocations and MRO placements, sends plans to the agents, and hosts the "
-            "TCPStore the workers rendezvous on. Durations accept 500ms, 3s, 2m."
+            "TCPStore the workers rendezvous on. Its state is kept in --state-dir: run the same "
+            "command again after a crash and it resumes the job. Durations accept 500ms, 3s, 2m."
         ),
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
@@ -96,6 +97,12 @@ def register_controller(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rebalance-min-gain", type=float, default=0.05,
                    help="relative max-load improvement needed to rebalance (default 0.05)")
     p.add_argument("--events", metavar="FILE", default=None, help="append JSON-lines events here")
+    p.add_argument("--state-dir", metavar="DIR", default=None,
+                   help="keep the controller's state here (atomically replaced), so that the same command "
+                        "run again resumes the job (default: beside --events, events.jsonl -> events.state)")
+    p.add_argument("--resume-grace", type=_duration("--resume-grace"), default="10s",
+                   help="after a restart, members not reconnected within this are handled as failed "
+                        "(default 10s)")
     p.add_argument("--keep-running", action="store_true", help="do not exit when the job is done")
     p.add_argument("--exit-grace", type=_duration("--exit-grace"), default="5m",
                    help="once the job is done, wait this long for the agents to leave (default 5m)")
@@ -110,7 +117,8 @@ _CONTROLLER_OPTIONS = {
     "handshake_timeout": "--handshake-timeout", "max_message_bytes": "--max-message-bytes",
     "expected_nodes": "--expected-nodes", "min_nodes": "--min-nodes",
     "rebalance_every": "--rebalance-every", "rebalance_min_gain": "--rebalance-min-gain",
-    "secret": "--secret-file", "exit_grace": "--exit-grace",
+    "secret": "--secret-file", "exit_grace": "--exit-grace", "state_dir": "--state-dir",
+    "resume_grace": "--resume-grace",
 }
 
 
@@ -128,7 +136,7 @@ def _run_controller(args: argparse.Namespace) -> int:
             min_nodes=args.min_nodes, rebalance_every=args.rebalance_every,
             rebalance_min_gain=args.rebalance_min_gain, events_path=args.events,
             exit_when_done=not args.keep_running, advertise_host=args.advertise_host,
-            exit_grace=args.exit_grace,
+            exit_grace=args.exit_grace, state_dir=args.state_dir, resume_grace=args.resume_grace,
         )
     except ValueError as exc:
         raise _config_error(exc, _CONTROLLER_OPTIONS) from None
@@ -140,6 +148,11 @@ def _run_controller(args: argparse.Namespace) -> int:
 
     try:
         return Controller(cfg, on_ready=ready).run()
+    except ValueError as exc:
+        text = str(exc)
+        if text.startswith("state_dir: "):
+            raise ValueError("--state-dir: " + text[len("state_dir: "):]) from None
+        raise
     except OSError as exc:
         text = str(exc)
         if text.startswith("store_port: "):

@@ -96,6 +96,12 @@ class ControllerConfig:
             machine's hostname when ``host`` is a wildcard address).
         store_timeout: timeout of the hosted TCPStore's operations.
         routing_window: routing reports summed into the load estimate.
+        state_dir: where the controller keeps its state (generation, members, plans,
+            routing history), replaced atomically on every change, so that a controller
+            started again with the same settings resumes the job. Default: beside
+            ``events_path`` (``events.jsonl`` -> ``events.state/``); None without events.
+        resume_grace: after a restart, how long the members of the saved plan have to
+            reconnect; those that have not are handled as failed.
     """
 
     secret: bytes
@@ -119,6 +125,8 @@ class ControllerConfig:
     advertise_host: str | None = None
     store_timeout: timedelta = timedelta(minutes=5)
     routing_window: int = 8
+    state_dir: str | os.PathLike[str] | None = None
+    resume_grace: timedelta = timedelta(seconds=10)
 
     def __post_init__(self) -> None:
         self.secret = _check_secret(self.secret)
@@ -145,6 +153,15 @@ class ControllerConfig:
         if self.expected_nodes is not None:
             _check_int("expected_nodes", self.expected_nodes, max(1, self.min_nodes))
         _check_int("routing_window", self.routing_window, 1)
+        _check_td("resume_grace", self.resume_grace)
+        if self.state_dir is None and self.events_path is not None:
+            self.state_dir = Path(self.events_path).with_suffix(".state")
+        if self.state_dir is not None:
+            if not str(self.state_dir):
+                raise ValueError("state_dir must be a directory path or None, got ''")
+            self.state_dir = Path(self.state_dir)
+            if self.state_dir.exists() and not self.state_dir.is_dir():
+                raise ValueError(f"state_dir must be a directory, {str(self.state_dir)!r} is a file")
 
     @property
     def store_host(self) -> str:

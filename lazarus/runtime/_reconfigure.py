@@ -64,7 +64,8 @@ class Reconfigurer:
         self._pending_lost_mine: set[str] = set()
         self._dense: list[nn.Parameter] | None = None
         self._store = None
-        self._store_addr: tuple[str, int] | None = None
+        self._store_addr: tuple[str, int, int] | None = None
+        self.group_epoch: int | None = None   # store epoch (controller incarnation) of the current group
         self.sockets = SocketTracker()
 
     # -- groups ----------------------------------------------------------------------------
@@ -88,18 +89,29 @@ class Reconfigurer:
                 log.warning("node %s: moc detach failed: %s", t.node, exc)
             t.ckpt = None
 
-    def _store_client(self, host: str, port: int):
-        if self._store is None or self._store_addr != (host, port):
+    def _store_client(self, host: str, port: int, epoch: int):
+        """A client of the controller's store. A restarted controller hosts a new store
+        (a new epoch, maybe on the same port): the old client is dropped."""
+        if self._store is None or self._store_addr != (host, port, epoch):
+            self._store = None
             self._store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                         timeout=self.t.config.rendezvous_timeout)
-            self._store_addr = (host, port)
+            self._store_addr = (host, port, epoch)
         return self._store
 
     def _rendezvous(self, plan: dict[str, Any]) -> None:
+        try:
+            self._rendezvous_inner(plan)
+        except BaseException:
+            self._store = None   # it may be the store of a controller that died: reconnect next time
+            raise
+
+    def _rendezvous_inner(self, plan: dict[str, Any]) -> None:
         t = self.t
         members = plan["members"]
         rank, world = members.index(t.node), len(members)
-        store = self._store_client(plan["store"]["host"], int(plan["store"]["port"]))
+        epoch = int(plan["store"].get("epoch", 0))
+        store = self._store_client(plan["store"]["host"], int(plan["store"]["port"]), epoch)
         prefix = plan["prefix"]
         store.add(f"{prefix}/arrived", 1)
         deadline = time.monotonic() + t.config.rendezvous_timeout.total_seconds()
@@ -114,6 +126,7 @@ class Reconfigurer:
             dist.init_process_group("gloo", store=dist.PrefixStore(prefix + "/pg", store), rank=rank,
                                     world_size=world, timeout=t.config.collective_timeout)
         t.rank, t.world, t.members, t.generation = rank, world, list(members), int(plan["generation"])
+        self.group_epoch = epoch
 
     # -- the plan ----------------------------------------------------------------------------
     def apply(self, plan: dict[str, Any], t_error: float | None) -> None:
@@ -134,7 +147,9 @@ class Reconfigurer:
                 self.retire_group()
                 t._left = True
                 return
-            same_group = members == t.members
+            # A group formed on the store of an earlier controller incarnation is re-formed
+            # on the new store: moc's groups (and any later new_group) need a live store.
+            same_group = members == t.members and int(plan["store"].get("epoch", 0)) == self.group_epoch
             if not same_group:
                 self.retire_group()
                 t1 = time.time()
