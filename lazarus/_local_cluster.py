@@ -226,3 +226,49 @@ class LocalCluster:
 
     def reconfigurations(self) -> list[dict[str, Any]]:
         return [m for m in self.metrics() if m.get("kind") == "reconfigured"]
+
+    # -- end-of-job checks (fault tests, make soak) -------------------------------------------
+    @staticmethod
+    def read_digests(pattern: str, nodes: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The digest files the example worker writes at the end (``--digests``, with
+        ``{node}`` in ``pattern``) of ``nodes``; absent files are left out."""
+        out = {}
+        for node in nodes:
+            path = Path(pattern.replace("{node}", node))
+            if path.exists():
+                out[node] = json.loads(path.read_text())
+        return out
+
+    @staticmethod
+    def final_state_problems(digests: dict[str, dict[str, Any]], alive: Sequence[str], steps: int,
+                             expert_units: int) -> list[str]:
+        """What is wrong with the end of a job (empty when nothing): every live node
+        finished every step in one world made of exactly the live nodes, every replica of
+        every expert is identical (weights and optimizer state), the dense state is
+        identical on every rank, and every expert is held somewhere."""
+        problems = [f"node {n} wrote no digests (did not finish)" for n in alive if n not in digests]
+        if problems:
+            return problems
+        if {d["step"] for d in digests.values()} != {steps}:
+            problems.append(f"final steps {sorted({d['step'] for d in digests.values()})} != {steps}")
+        if {d["world"] for d in digests.values()} != {len(alive)}:
+            problems.append(f"final world sizes {sorted({d['world'] for d in digests.values()})} != {len(alive)}")
+        if sorted(d["rank"] for d in digests.values()) != list(range(len(alive))):
+            problems.append(f"final ranks {sorted(d['rank'] for d in digests.values())}")
+        by_unit: dict[str, set[str]] = {}
+        for d in digests.values():
+            for unit, h in d["experts"].items():
+                by_unit.setdefault(unit, set()).add(h)
+        if len(by_unit) != expert_units:
+            problems.append(f"{len(by_unit)} expert units held, expected {expert_units}: {sorted(by_unit)}")
+        diverged = sorted(u for u, h in by_unit.items() if len(h) > 1)
+        if diverged:
+            problems.append(f"replicas differ for {diverged}")
+        if len({d["dense"] for d in digests.values()}) != 1:
+            problems.append("dense state differs across ranks")
+        return problems
+
+    def loss_drop(self, n: int = 10) -> tuple[float, float]:
+        """Mean loss of the first and of the last ``n`` recorded steps."""
+        losses = [m["loss"] for m in sorted(self.steps(), key=lambda m: (m["step"], m["t"]))]
+        return sum(losses[:n]) / len(losses[:n]), sum(losses[-n:]) / len(losses[-n:])

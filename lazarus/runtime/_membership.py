@@ -189,6 +189,12 @@ class Membership(ABC):
             self._event("worker_done", node=node.node_id, step=msg.get("step"))
             if not self._check_done():
                 self._save_state(now=True)
+        elif kind == "storage":   # moc checkpoints failing to reach storage, or reaching it again
+            ok = msg.get("ok") is True
+            self._event("storage_recovered" if ok else "storage_degraded",
+                        level=logging.INFO if ok else logging.WARNING, node=node.node_id,
+                        **{k: msg.get(k) for k in ("step", "persist_failures", "last_persisted_step", "error")
+                           if msg.get(k) is not None})
         else:
             self._event("worker_message", node=node.node_id, msg=msg)
 

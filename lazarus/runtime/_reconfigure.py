@@ -27,8 +27,10 @@ import gc
 import hashlib
 import logging
 import os
+import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -67,6 +69,7 @@ class Reconfigurer:
         self._store_addr: tuple[str, int, int] | None = None
         self.group_epoch: int | None = None   # store epoch (controller incarnation) of the current group
         self.sockets = SocketTracker()
+        self._store_sockets = SocketTracker()
 
     # -- groups ----------------------------------------------------------------------------
     def retire_group(self) -> None:
@@ -94,8 +97,10 @@ class Reconfigurer:
         (a new epoch, maybe on the same port): the old client is dropped."""
         if self._store is None or self._store_addr != (host, port, epoch):
             self._store = None
-            self._store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                        timeout=self.t.config.rendezvous_timeout)
+            self._store_sockets = SocketTracker()
+            with self._store_sockets.track():
+                self._store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                            timeout=self.t.config.rendezvous_timeout)
             self._store_addr = (host, port, epoch)
         return self._store
 
@@ -128,8 +133,56 @@ class Reconfigurer:
         t.rank, t.world, t.members, t.generation = rank, world, list(members), int(plan["generation"])
         self.group_epoch = epoch
 
+    @contextmanager
+    def _interruptible(self, plan: dict[str, Any]) -> Iterator[list[int]]:
+        """While applying ``plan``: when a newer immediate plan arrives (a member died or
+        froze meanwhile), shut down the connections opened for this plan (the new group,
+        moc's groups, connects being retried) and the store client, so that whatever
+        blocks (``init_process_group``, ``new_group``, a store wait) fails now instead of
+        after its timeout. Yields a list that holds the newer generation once that happened."""
+        interrupted: list[int] = []
+        before = SocketTracker.open_sockets()
+        stop = threading.Event()
+        gen = int(plan["generation"])
+
+        def watch() -> None:
+            while not stop.wait(0.05):
+                if not interrupted:
+                    latest = self.t.channel.latest_plan()
+                    if latest is None or latest.get("mode") != "immediate" or int(latest["generation"]) <= gen:
+                        continue
+                    interrupted.append(int(latest["generation"]))
+                    n = SocketTracker.shutdown_opened_since(before) + self._store_sockets.shutdown_all()
+                    log.warning("node %s: plan %d arrived while applying generation %d; interrupted %d connections",
+                                self.t.node, latest["generation"], gen, n)
+                else:   # connects retried meanwhile
+                    SocketTracker.shutdown_opened_since(before)
+
+        th = threading.Thread(target=watch, name=f"lazarus-apply-{gen}", daemon=True)
+        th.start()
+        try:
+            yield interrupted
+        finally:
+            stop.set()
+            th.join()
+            if interrupted:
+                self._store = None   # its connection was shut down: a new client next time
+
     # -- the plan ----------------------------------------------------------------------------
     def apply(self, plan: dict[str, Any], t_error: float | None) -> None:
+        """Apply ``plan`` (see the module docstring). Raises :class:`Superseded` when a
+        newer immediate plan arrived meanwhile (what was blocked is interrupted)."""
+        with self._interruptible(plan) as interrupted:
+            try:
+                self._apply(plan, t_error)
+            except Exception:
+                if interrupted:
+                    raise Superseded() from None
+                raise
+        if interrupted:   # done anyway, but a newer immediate plan replaces it
+            raise Superseded()
+
+    def _apply(self, plan: dict[str, Any], t_error: float | None) -> None:
         t = self.t
         t0 = time.time()
         timings: dict[str, float] = {}
