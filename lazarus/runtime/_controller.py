@@ -11,7 +11,11 @@ for them); joins, graceful leaves and rebalances are applied between steps. At m
 between-steps plan is in flight; the next kind waits until it was applied (a
 ``reconfigured`` report for its generation) or superseded by a failure plan.
 
-Every decision is written to the events file (JSON lines) and logged.
+Every decision is written to the events file (JSON lines) and logged. The state that
+plans depend on is kept in ``state_dir`` (atomically replaced); a controller started
+again with the same settings resumes the job (:mod:`._resume`). When every member's
+worker reported done, the agents are told and the controller waits (``exit_grace``)
+until they have left.
 """
 
 from __future__ import annotations
