@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: test demo demo-moc docs-heatmap bench bench-store bench-placement bench-dispatch bench-moc bench-simulate bench-runtime install clean
+.PHONY: test demo demo-moc docs-heatmap bench bench-store bench-placement bench-dispatch bench-moc bench-simulate bench-runtime soak install clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -52,6 +52,12 @@ bench-runtime: $(STAMP)
 
 bench-simulate: $(STAMP)
 	$(VPY) benchmarks/simulate/main.py
+
+# Chaos soak of a live job (not part of `make test`): MINUTES of seeded random faults.
+MINUTES ?= 10
+SEED ?= 0
+soak: $(STAMP)
+	$(VPY) benchmarks/soak/main.py --minutes $(MINUTES) --seed $(SEED)
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

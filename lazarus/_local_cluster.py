@@ -4,7 +4,9 @@ Used by ``make demo`` (:mod:`lazarus.demo`) and the fault-injection tests. Each 
 an agent process started in its own session, so ``kill_node`` takes down the agent and
 its worker together (SIGKILL to the process group), like a machine that vanishes;
 ``freeze_node`` stops them (SIGSTOP), like a hung host; ``kill_worker`` kills only the
-training process; ``leave`` sends the agent SIGTERM, like a spot-preemption notice.
+training process; ``leave`` sends the agent SIGTERM, like a spot-preemption notice;
+``kill_controller`` / ``restart_controller`` take the controller down and bring it back
+with the same command line (it resumes from its state directory).
 """
 
 from __future__ import annotations
@@ -68,10 +70,14 @@ class LocalCluster:
         self.address = ""
         self.agents: dict[str, subprocess.Popen] = {}
         self.kill_times: dict[str, float] = {}
+        self.controller_down = False   # killed on purpose (kill_controller) and not started again
 
     # -- processes -------------------------------------------------------------------------
     def start_controller(self, timeout: float = 60.0) -> str:
-        log = open(self.dir / "controller.log", "w")
+        """Start ``lazarus controller`` (again: the same command line, so a restarted
+        controller finds its state beside the events file and its old ports)."""
+        self.controller_down = False
+        log = open(self.dir / "controller.log", "a")
         self.controller = subprocess.Popen(
             [sys.executable, "-m", "lazarus.cli", "controller", "--port", "0", "--store-port", "0",
              "--secret-file", str(self.secret_path), "--events", str(self.events_path), *self.controller_args],
@@ -103,6 +109,19 @@ class LocalCluster:
         self.start_controller()
         for n in nodes:
             self.add_node(n)
+
+    def kill_controller(self) -> float:
+        """SIGKILL the controller (and the rendezvous store it hosts)."""
+        assert self.controller is not None
+        t = time.time()
+        self.controller_down = True
+        os.killpg(self.controller.pid, signal.SIGKILL)
+        self.controller.wait(timeout=10)
+        return t
+
+    def restart_controller(self, timeout: float = 60.0) -> str:
+        """Start the controller again with the same command line; it resumes the job."""
+        return self.start_controller(timeout)
 
     def kill_node(self, node: str) -> float:
         """SIGKILL the agent and its worker (the whole node)."""
@@ -193,7 +212,7 @@ class LocalCluster:
             value = predicate()
             if value:
                 return value
-            if self.controller is not None and self.controller.poll() is not None:
+            if self.controller is not None and not self.controller_down and self.controller.poll() is not None:
                 raise RuntimeError(f"controller exited ({self.controller.returncode}) while waiting for {what}")
             time.sleep(poll)
         raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}; see {self.dir}")
@@ -207,3 +226,49 @@ class LocalCluster:
 
     def reconfigurations(self) -> list[dict[str, Any]]:
         return [m for m in self.metrics() if m.get("kind") == "reconfigured"]
+
+    # -- end-of-job checks (fault tests, make soak) -------------------------------------------
+    @staticmethod
+    def read_digests(pattern: str, nodes: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The digest files the example worker writes at the end (``--digests``, with
+        ``{node}`` in ``pattern``) of ``nodes``; absent files are left out."""
+        out = {}
+        for node in nodes:
+            path = Path(pattern.replace("{node}", node))
+            if path.exists():
+                out[node] = json.loads(path.read_text())
+        return out
+
+    @staticmethod
+    def final_state_problems(digests: dict[str, dict[str, Any]], alive: Sequence[str], steps: int,
+                             expert_units: int) -> list[str]:
+        """What is wrong with the end of a job (empty when nothing): every live node
+        finished every step in one world made of exactly the live nodes, every replica of
+        every expert is identical (weights and optimizer state), the dense state is
+        identical on every rank, and every expert is held somewhere."""
+        problems = [f"node {n} wrote no digests (did not finish)" for n in alive if n not in digests]
+        if problems:
+            return problems
+        if {d["step"] for d in digests.values()} != {steps}:
+            problems.append(f"final steps {sorted({d['step'] for d in digests.values()})} != {steps}")
+        if {d["world"] for d in digests.values()} != {len(alive)}:
+            problems.append(f"final world sizes {sorted({d['world'] for d in digests.values()})} != {len(alive)}")
+        if sorted(d["rank"] for d in digests.values()) != list(range(len(alive))):
+            problems.append(f"final ranks {sorted(d['rank'] for d in digests.values())}")
+        by_unit: dict[str, set[str]] = {}
+        for d in digests.values():
+            for unit, h in d["experts"].items():
+                by_unit.setdefault(unit, set()).add(h)
+        if len(by_unit) != expert_units:
+            problems.append(f"{len(by_unit)} expert units held, expected {expert_units}: {sorted(by_unit)}")
+        diverged = sorted(u for u, h in by_unit.items() if len(h) > 1)
+        if diverged:
+            problems.append(f"replicas differ for {diverged}")
+        if len({d["dense"] for d in digests.values()}) != 1:
+            problems.append("dense state differs across ranks")
+        return problems
+
+    def loss_drop(self, n: int = 10) -> tuple[float, float]:
+        """Mean loss of the first and of the last ``n`` recorded steps."""
+        losses = [m["loss"] for m in sorted(self.steps(), key=lambda m: (m["step"], m["t"]))]
+        return sum(losses[:n]) / len(losses[:n]), sum(losses[-n:]) / len(losses[-n:])

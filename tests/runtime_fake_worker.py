@@ -5,8 +5,11 @@ a small model (``FAKE_LAYERS`` layers x ``FAKE_EXPERTS`` experts), then every
 ``FAKE_STEP_S`` seconds counts a step and reports ``progress`` (rank 0 also ``routing``).
 On a new plan it replies ``reconfigured``; if it is in the plan's ``leaving`` list it exits
 0 after that. After ``FAKE_STEPS`` steps (0 = never) it reports ``done`` and waits for
-``stop``. Writing ``collective_error`` into the file ``$FAKE_CONTROL_DIR/<node>`` makes it
-report a collective error once.
+``stop``. With ``FAKE_CRASH_AT_STEP`` it raises at that step of every incarnation (a
+deterministic crash loop). Writing ``collective_error`` into the file ``$FAKE_CONTROL_DIR/<node>`` makes it
+report a collective error once. After ``stop`` it lingers ``FAKE_LINGER_S`` seconds (user
+code after ``trainer.run()``: an export, an evaluation), writes ``$FAKE_CONTROL_DIR/<node>.finished``
+and exits ``FAKE_EXIT_CODE`` (default 0).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def main() -> int:
     step_s = float(os.environ.get("FAKE_STEP_S", "0.05"))
     total = int(os.environ.get("FAKE_STEPS", "0"))
     control = os.environ.get("FAKE_CONTROL_DIR")
+    crash_at = int(os.environ.get("FAKE_CRASH_AT_STEP", "0"))
     names = [f"layers.{i}.moe" for i in range(layers)]
     ch.hello({"layers": {n: experts for n in names}, "top_k": 2})
     gen, step, done_sent = 0, 0, False
@@ -53,6 +57,8 @@ def main() -> int:
                          "world_size": len(members), "t": time.time()})
                 skew = [[(e + 1) ** 3 * 10 for e in range(experts)] for _ in names]
                 ch.send({"type": "routing", "step": step, "layers": dict(zip(names, skew))})
+            if crash_at and step >= crash_at:
+                raise RuntimeError(f"injected crash at step {step} on node {ch.node_id}")
             if total and step >= total and not done_sent:
                 ch.send({"type": "done", "step": step})
                 done_sent = True
@@ -62,7 +68,10 @@ def main() -> int:
                 f.unlink()
                 ch.send({"type": "collective_error", "generation": gen, "error": "fake: peer gone"})
         time.sleep(step_s)
-    return 0
+    time.sleep(float(os.environ.get("FAKE_LINGER_S", "0")))
+    if control:
+        (Path(control) / f"{ch.node_id}.finished").write_text(str(time.time()))
+    return int(os.environ.get("FAKE_EXIT_CODE", "0"))
 
 
 if __name__ == "__main__":

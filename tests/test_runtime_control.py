@@ -214,12 +214,16 @@ class Cluster:
         self.secret_file.write_bytes(SECRET + b"\n")
         self.worker_env = dict(worker_env or {})
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
-        self.ctl_out = open(tmp / "controller.out", "w+")
-        self.ctl = subprocess.Popen(
-            [sys.executable, "-m", "lazarus.cli", "controller", "--port", "0", "--store-port", "0",
-             "--secret-file", str(self.secret_file), "--events", str(self.events_path), "-v",
-             *COMMON_CTL, *ctl_args],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=self.ctl_out, start_new_session=True)
+        self.ctl_out = open(tmp / "controller.out", "a+")
+        self.ctl_cmd = [sys.executable, "-m", "lazarus.cli", "controller", "--port", "0", "--store-port", "0",
+                        "--secret-file", str(self.secret_file), "--events", str(self.events_path), "-v",
+                        *COMMON_CTL, *ctl_args]
+        self.start_controller()
+
+    def start_controller(self) -> None:
+        """Start the controller (again: the same command line, so it resumes from its state)."""
+        self.ctl = subprocess.Popen(self.ctl_cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.ctl_out,
+                                    start_new_session=True)
         line = self.ctl.stdout.readline().decode()
         assert line.startswith("lazarus controller: listening on 127.0.0.1:"), line
         self.port = int(line.split("listening on 127.0.0.1:")[1].split(",")[0])
@@ -273,11 +277,12 @@ class Cluster:
 def cluster_factory(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
     made: list[Cluster] = []
 
-    def make(*ctl_args: str, nodes: tuple[str, ...] = ("a", "b", "c"), **worker_env: str) -> Cluster:
+    def make(*ctl_args: str, nodes: tuple[str, ...] = ("a", "b", "c"), agent_args: tuple[str, ...] = (),
+             **worker_env: str) -> Cluster:
         c = Cluster(tmp_path, list(ctl_args), worker_env)
         made.append(c)
         for n in nodes:
-            c.add_agent(n)
+            c.add_agent(n, *agent_args)
         return c
 
     yield make
@@ -414,6 +419,50 @@ def test_done_shuts_everything_down(cluster_factory: Callable[..., Cluster]) -> 
         assert proc.wait(timeout=10) == 0
 
 
+@pytest.mark.timeout(60)
+def test_clean_end_waits_for_finished_workers_and_exits_with_their_status(
+    cluster_factory: Callable[..., Cluster], tmp_path: Path,
+) -> None:
+    """After done, workers run their own code (an export) for 3 s: nobody is killed, the
+    agents exit with the workers' status, and the controller waits for the agents."""
+    control = tmp_path / "control"
+    control.mkdir()
+    c = cluster_factory("--expected-nodes", "2", nodes=("a", "b"), FAKE_STEPS="10", FAKE_LINGER_S="3",
+                        FAKE_EXIT_CODE="7", FAKE_CONTROL_DIR=str(control))
+    started(c, ["a", "b"])
+    done = c.wait_event("done", 10)
+    assert c.ctl.wait(timeout=30) == 0
+    t_ctl_exit = time.time()
+    for node in ("a", "b"):
+        assert c.agents[node].wait(timeout=10) == 7      # the worker's own status
+        finished = float((control / f"{node}.finished").read_text())
+        assert finished - done["t"] >= 2.9               # it ran its code to the end
+        assert finished <= t_ctl_exit                    # the controller waited for it
+    end = c.wait_event("job_end", 5)
+    assert end["still_connected"] == [] and end["waited_s"] >= 2.9
+    assert not c.events("node_failed")
+    exits = c.events("worker_exit")
+    assert sorted(e["node"] for e in exits) == ["a", "b"] and {e["returncode"] for e in exits} == {7}
+
+
+@pytest.mark.timeout(60)
+def test_finished_worker_is_stopped_only_after_exit_grace(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, ["--expected-nodes", "2", "--exit-grace", "20s"], {"FAKE_STEPS": "5", "FAKE_LINGER_S": "60"})
+    try:
+        for node in ("a", "b"):
+            c.add_agent(node, "--exit-grace", "2s")
+        started(c, ["a", "b"])
+        done = c.wait_event("done", 10)
+        for node in ("a", "b"):
+            assert c.agents[node].wait(timeout=20) == 6     # EXIT_GRACE_EXPIRED
+            assert "still running (--exit-grace)" in (tmp_path / f"agent-{node}.log").read_text()
+        assert time.time() - done["t"] >= 1.9
+        assert c.ctl.wait(timeout=10) == 0
+        assert c.wait_event("job_end", 5)["still_connected"] == []
+    finally:
+        c.close()
+
+
 @pytest.mark.timeout(30)
 def test_cli_bad_input_is_one_line_exit_2(tmp_path: Path) -> None:
     def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -434,6 +483,18 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path: Path) -> None:
     assert r.returncode == 2 and "--heartbeat-timeout" in r.stderr
     r = run("controller", "--secret-file", str(good), "--slots", "0")
     assert r.returncode == 2 and "--slots" in r.stderr
+    bad_state = tmp_path / "state"
+    bad_state.mkdir()
+    (bad_state / "state.json").write_text("{torn")
+    r = run("controller", "--secret-file", str(good), "--port", "0", "--store-port", "0", "--state-dir", str(bad_state))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "--state-dir:" in r.stderr and "is not JSON" in r.stderr
+    r = run("controller", "--secret-file", str(good), "--state-dir", str(good))
+    assert r.returncode == 2 and "--state-dir" in r.stderr and "is a file" in r.stderr
+    r = run("controller", "--secret-file", str(good), "--exit-grace", "0s")
+    assert r.returncode == 2 and "--exit-grace" in r.stderr
+    r = run("agent", "--controller", "127.0.0.1:1", "--secret-file", str(good), "--exit-grace", "x", "--", "true")
+    assert r.returncode == 2 and "--exit-grace" in r.stderr
     r = run("agent", "--controller", "nohostport", "--secret-file", str(good), "--", "true")
     assert r.returncode == 2 and "--controller" in r.stderr
     r = run("agent", "--controller", "127.0.0.1:1", "--secret-file", str(good))
@@ -450,8 +511,10 @@ def process_alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(60)
-def test_controller_loss_stops_agents_and_orphaned_workers_exit(cluster_factory: Callable[..., Cluster]) -> None:
-    c = cluster_factory("--expected-nodes", "3")
+def test_controller_gone_for_good_agents_keep_workers_until_reconnect_timeout(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    c = cluster_factory("--expected-nodes", "3", agent_args=("--reconnect-timeout", "3s"))
     started(c, ["a", "b", "c"])
     workers = {e["node"]: e["pid"] for e in c.events("worker_ready")}
     # an agent killed on its own: its worker notices the lost channel and exits by itself
@@ -459,11 +522,147 @@ def test_controller_loss_stops_agents_and_orphaned_workers_exit(cluster_factory:
     wait_for(lambda: not process_alive(workers["c"]), 5, "orphaned worker of c to exit")
     plan = c.wait_plan(5, reason="failure")
     assert plan["members"] == ["a", "b"]
-    # the controller dies: agents stop their workers and exit 4 (no reconnect)
+    # the controller dies for good: the workers keep running while their agents try to
+    # reconnect; once --reconnect-timeout has passed the agents stop them and exit 4
+    t_kill = time.time()
     c.kill_group(c.ctl)
+    time.sleep(1.5)
+    for n in ("a", "b"):
+        assert c.agents[n].poll() is None and process_alive(workers[n])
     for n in ("a", "b"):
         assert c.agents[n].wait(timeout=15) == 4
+        assert time.time() - t_kill >= 2.9
         assert not process_alive(workers[n])
+        assert "--reconnect-timeout" in (c.tmp / f"agent-{n}.log").read_text()
+
+
+def saved_state(c: Cluster) -> dict[str, Any]:
+    return json.loads((c.tmp / "events.state" / "state.json").read_text())
+
+
+def progress_steps(c: Cluster) -> int:
+    """Rank 0's last reported step, as the controller saved it (within a second)."""
+    return saved_state(c)["last_step"] or 0
+
+
+@pytest.mark.timeout(60)
+def test_controller_restart_resumes_the_job_without_touching_the_workers(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    c = cluster_factory("--expected-nodes", "3", "--resume-grace", "5s")
+    plan = started(c, ["a", "b", "c"])
+    workers = {e["node"]: e["pid"] for e in c.events("worker_ready")}
+    state = saved_state(c)
+    assert state["generation"] == 1 and state["members"] == ["a", "b", "c"] and state["epoch"] == 1
+    port, store_port = c.port, c.store_port
+    c.kill_group(c.ctl)
+    c.ctl.wait(timeout=10)
+    time.sleep(1.0)                       # away for a while: agents retry, workers go on
+    for n in ("a", "b", "c"):
+        assert c.agents[n].poll() is None and process_alive(workers[n])
+    c.start_controller()                  # the same command line (--port 0 --store-port 0)
+    assert (c.port, c.store_port) == (port, store_port)   # the job's ports, from the state
+    started_ev = [e for e in c.events("controller_started") if e.get("resumed")]
+    assert len(started_ev) == 1 and started_ev[0]["epoch"] == 2 and started_ev[0]["generation"] == 1
+    resumed = c.wait_event("resumed", 10)
+    assert sorted(resumed["back"]) == ["a", "b", "c"] and resumed["missing"] == [] and resumed["lost"] == []
+    for n in ("a", "b", "c"):
+        ev = c.events("node_resumed", node=n)[0]
+        assert ev["same_worker"] and ev["member"] and ev["worker_alive"]
+        assert process_alive(workers[n])  # never restarted
+    assert not c.events("node_failed") and len(c.events("plan")) == 1
+    # the job goes on under the new controller: progress is counted, and a failure
+    # gets a plan whose store is the new one (epoch 2)
+    before = progress_steps(c)
+    wait_for(lambda: progress_steps(c) > before + 5, 10, "progress reports to the new controller")
+    c.kill_group(c.agents["b"])
+    fail = c.wait_plan(10, reason="failure")
+    assert fail["members"] == ["a", "c"] and fail["generation"] == plan["generation"] + 1
+    state = saved_state(c)
+    assert state["generation"] == 2 and state["members"] == ["a", "c"] and state["epoch"] == 2
+    assert state["plan"]["store"] == {"host": "127.0.0.1", "port": store_port, "epoch": 2}
+
+
+@pytest.mark.timeout(60)
+def test_failure_while_the_controller_is_away_is_handled_when_it_returns(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    c = cluster_factory("--expected-nodes", "3", "--resume-grace", "3s")
+    started(c, ["a", "b", "c"])
+    c.kill_group(c.ctl)
+    c.ctl.wait(timeout=10)
+    c.kill_group(c.agents["b"])           # a whole node dies while nobody watches
+    c.agents["b"].wait(timeout=10)
+    time.sleep(0.5)
+    t_back = time.time()
+    c.start_controller()
+    resumed = c.wait_event("resumed", 10)
+    assert resumed["missing"] == ["b"] and resumed["lost"] == ["b"] and sorted(resumed["back"]) == ["a", "c"]
+    assert resumed["t"] - t_back >= 2.5   # b had --resume-grace to come back
+    failed = c.events("node_failed", node="b")[0]
+    assert failed["cause"] == "not_back_after_restart"
+    plan = c.wait_plan(5, reason="failure")
+    assert plan["members"] == ["a", "c"] and plan["lost"] == ["b"] and plan["generation"] == 2
+    assert saved_state(c)["plan"]["store"]["epoch"] == 2
+    c.wait_event("reconfigured", 5, node="a", generation=2)
+
+
+@pytest.mark.timeout(60)
+def test_worker_crash_while_the_controller_is_away_is_handled_when_it_returns(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    """Reports queued by the agent (the crash, the respawned worker) reach the new
+    controller: a failure plan without b, then b's new worker joins."""
+    c = cluster_factory("--expected-nodes", "3", "--resume-grace", "5s")
+    started(c, ["a", "b", "c"])
+    old_b = c.events("worker_ready", node="b")[0]["pid"]
+    c.kill_group(c.ctl)
+    c.ctl.wait(timeout=10)
+    os.kill(old_b, signal.SIGKILL)
+    wait_for(lambda: "worker incarnation 2 started" in (c.tmp / "agent-b.log").read_text(), 10, "b's respawn")
+    c.start_controller()
+    resumed = c.wait_event("resumed", 10)
+    assert sorted(resumed["back"]) == ["a", "b", "c"] and resumed["lost"] == ["b"]
+    ev = c.events("node_resumed", node="b")[0]
+    assert ev["incarnation"] == 2 and ev["planned_incarnation"] == 1 and not ev["same_worker"]
+    assert c.events("node_failed", node="b")[0]["cause"] == "worker_lost_while_away"
+    assert c.wait_event("worker_exit", 5, node="b", incarnation=1)["returncode"] == -signal.SIGKILL
+    plan = c.wait_plan(5, reason="failure")
+    assert plan["members"] == ["a", "c"] and plan["lost"] == ["b"]
+    join = c.wait_plan(10, reason="join")
+    assert join["members"] == ["a", "c", "b"] and saved_state(c)["plan"]["incarnations"]["b"] == 2
+    c.wait_event("reconfigured", 5, node="a", generation=join["generation"])
+
+
+@pytest.mark.timeout(90)
+def test_crash_loop_is_capped_then_the_node_leaves_naming_the_error(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    """c's worker raises at its 3rd step in every incarnation: restarted twice with a
+    doubling pause, then the node leaves, the agent exits 5 naming the error, and the
+    job goes on without it."""
+    c = cluster_factory("--expected-nodes", "3", nodes=("a", "b"))
+    c.add_agent("c", "--env", "FAKE_CRASH_AT_STEP=3", "--max-restarts", "2", "--restart-window", "1m",
+                "--respawn-delay", "300ms")
+    started(c, ["a", "b", "c"])
+    assert c.agents["c"].wait(timeout=60) == 5
+    log_c = (c.tmp / "agent-c.log").read_text()
+    assert "RuntimeError: injected crash at step 3 on node c" in log_c      # relayed stderr
+    assert "crashed 3 times" in log_c and "last error: exit 1: RuntimeError: injected crash at step 3" in log_c
+    leave = c.wait_event("leave", 5, node="c")
+    assert leave["reason"] == "crash_loop" and "RuntimeError: injected crash at step 3" in leave["error"]
+    exits = [e for e in c.events("worker_exit", node="c") if not e.get("stale")]
+    assert [e["incarnation"] for e in exits] == [1, 2, 3]
+    assert all(e["returncode"] == 1 and "injected crash" in e["error"] for e in exits)
+    # exponential backoff: the k-th restart waits 0.3 s * 2**k
+    readies = {e["incarnation"]: e["t"] for e in c.events("worker_ready", node="c")}
+    assert sorted(readies) == [1, 2, 3]
+    assert readies[2] - exits[0]["t"] >= 0.3 and readies[3] - exits[1]["t"] >= 0.6
+    # the others keep training without c
+    last = c.events("plan")[-1]
+    assert "c" not in last["members"] and sorted(last["members"]) == ["a", "b"]
+    assert c.agents["a"].poll() is None and c.agents["b"].poll() is None
+    assert not c.events("node_failed", node="a") and not c.events("node_failed", node="b")
 
 
 @pytest.mark.timeout(20)

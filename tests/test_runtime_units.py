@@ -11,6 +11,8 @@ import pytest
 
 from lazarus.runtime import ElasticConfig, is_collective_error
 from lazarus.runtime._abort import SocketTracker
+from lazarus.runtime._state import STATE_FILE, read_state, write_state
+from lazarus.runtime._agent_worker import RestartPolicy, describe_exit, exit_status, last_error_line
 from lazarus.runtime._transfer import Move, choose_moves
 from moc import MoCConfig
 from moc._restore import plan_units
@@ -99,3 +101,68 @@ def test_elastic_config_names_the_bad_field(kwargs: dict, field: str) -> None:
 def test_elastic_config_accepts_a_moc_config() -> None:
     cfg = ElasticConfig(moc=MoCConfig(storage="memory://x"), collective_timeout=timedelta(seconds=2))
     assert cfg.rendezvous_timeout > cfg.collective_timeout
+
+
+def test_restart_policy_caps_restarts_in_a_sliding_window_with_doubling_delays() -> None:
+    now = [0.0]
+    policy = RestartPolicy(3, timedelta(seconds=60), timedelta(milliseconds=500), clock=lambda: now[0])
+    assert [policy.next_delay() for _ in range(3)] == [0.5, 1.0, 2.0]
+    assert policy.next_delay() is None            # the 4th crash within the window: give up
+    now[0] = 61.0                                 # the window slid past all three
+    assert policy.recent() == 0 and policy.next_delay() == 0.5
+    many = RestartPolicy(100, timedelta(hours=1), timedelta(seconds=1), clock=lambda: 0.0)
+    assert max(many.next_delay() for _ in range(20)) == 60.0   # capped
+    assert RestartPolicy(0, timedelta(seconds=1), timedelta(0)).next_delay() is None
+    with pytest.raises(ValueError, match="max_restarts"):
+        RestartPolicy(-1, timedelta(seconds=1), timedelta(0))
+
+
+def test_last_error_is_the_last_exception_line_of_stderr() -> None:
+    tail = (b"step 3 loss 2.1\nTraceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+            b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\nexiting\n")
+    assert last_error_line(tail) == "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB"
+    assert last_error_line(b"just a message\n\n") == "just a message"
+    assert last_error_line(b"") is None
+    assert describe_exit(1) == "exit 1" and describe_exit(-9) == "killed by SIGKILL"
+    assert exit_status(-15) == 143 and exit_status(7) == 7
+
+
+def _state(**over):
+    base = {"epoch": 2, "port": 29400, "store_port": 29401, "generation": 3, "plan": {"generation": 3},
+            "members": ["a", "b"], "stalled": False, "applied_gen": 3, "holdings": {"a": {"l": [0, 1]}},
+            "model": {"layers": {"l": 4}}, "routing": {"l": [[1.0, 2.0, 3.0, 4.0]]}, "last_step": 40,
+            "last_rebalance_step": 20, "done": [], "left": [], "finished": False}
+    base.update(over)
+    return base
+
+
+def test_controller_state_round_trips_and_is_replaced_atomically(tmp_path) -> None:
+    assert read_state(tmp_path) is None
+    path = write_state(tmp_path / "st", _state())
+    assert path.name == STATE_FILE and read_state(tmp_path / "st")["members"] == ["a", "b"]
+    write_state(tmp_path / "st", _state(generation=4))
+    assert read_state(tmp_path / "st")["generation"] == 4
+    assert [p.name for p in (tmp_path / "st").iterdir()] == [STATE_FILE]   # no temporaries left
+    # a writer killed before its rename leaves only a temporary: the old state stands
+    (tmp_path / "st" / ".state-x.tmp").write_text('{"torn":')
+    assert read_state(tmp_path / "st")["generation"] == 4
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{not json", "is not JSON"),
+    ("[1, 2]", "must hold a JSON object"),
+    ('{"version": 99}', "has version 99"),
+])
+def test_unreadable_controller_state_is_named(tmp_path, text: str, match: str) -> None:
+    (tmp_path / STATE_FILE).write_text(text)
+    with pytest.raises(ValueError, match=match) as err:
+        read_state(tmp_path)
+    assert str(tmp_path / STATE_FILE) in str(err.value)
+
+
+@pytest.mark.parametrize("field, value", [("generation", "3"), ("members", [1, 2]), ("finished", 1),
+                                          ("plan", 5), ("epoch", None)])
+def test_controller_state_fields_are_checked(tmp_path, field: str, value) -> None:
+    write_state(tmp_path, _state(**{field: value}))
+    with pytest.raises(ValueError, match=repr(field)):
+        read_state(tmp_path)

@@ -176,6 +176,14 @@ def test_config_validation_names_fields() -> None:
         AgentConfig(secret=SECRET, worker_command=[])
     with pytest.raises(ValueError, match="node_id"):
         AgentConfig(secret=SECRET, worker_command=["true"], node_id="bad id/with slash")
+    with pytest.raises(ValueError, match=r"max_restarts must be an integer >= 0"):
+        AgentConfig(secret=SECRET, worker_command=["true"], max_restarts=-1)
+    with pytest.raises(ValueError, match="restart_window"):
+        AgentConfig(secret=SECRET, worker_command=["true"], restart_window=timedelta(0))
+    with pytest.raises(ValueError, match="reconnect_timeout must be a datetime.timedelta"):
+        AgentConfig(secret=SECRET, worker_command=["true"], reconnect_timeout=30)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="exit_grace"):
+        ControllerConfig(secret=SECRET, exit_grace=timedelta(seconds=-1))
     cfg = AgentConfig(secret=SECRET, worker_command=["true"], node_id="n1", job="j")
     assert cfg.snapshot_dir.endswith("lazarus-j/n1")
     assert parse_duration("500ms") == timedelta(milliseconds=500)

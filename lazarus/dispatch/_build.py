@@ -1,7 +1,7 @@
 """Build and load the C++ (and, where CUDA is usable, CUDA) dispatcher ops on first use.
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` into a cache directory
-keyed by the torch version, the CUDA flag and a hash of the sources, so a later process
+keyed by the torch version, the CUDA flag, the source directory and a hash of the sources, so a later process
 (or a spawned rank) only loads the shared object; editing ``csrc/`` rebuilds. Nothing is
 ever downloaded. Any failure (no compiler, no ninja, a compile error) logs a warning and
 leaves the pure-torch implementation in charge, which gives the same numbers.
@@ -74,6 +74,9 @@ def _tag(src: Path, with_cuda: bool) -> str:
     h = hashlib.sha1()
     h.update(torch.__version__.encode())
     h.update(b"cuda" if with_cuda else b"cpu")
+    # The build file names the sources by path: checkouts sharing one cache (worktrees)
+    # would rewrite it in turn, rebuilding while every other process waits on torch's lock.
+    h.update(str(src.resolve()).encode())
     for name in CPU_SOURCES + HEADERS + (CUDA_SOURCES if with_cuda else ()):
         path = src / name
         if path.exists():

@@ -2,9 +2,12 @@
 
 * :class:`Controller` (one per job) — membership, failure detection (disconnects, missed
   heartbeats, worker exits, collective errors), replica allocation + MRO placement +
-  migration planning, plans to the agents, and the rendezvous ``TCPStore``.
-* :class:`Agent` (one per node) — registers, heartbeats, runs and watches the worker,
-  relays plans down and reports up, turns SIGTERM into a graceful leave.
+  migration planning, plans to the agents, and the rendezvous ``TCPStore``. Its state
+  lives in a state directory: restarted, it resumes the job.
+* :class:`Agent` (one per node) — registers, heartbeats, runs and watches the worker
+  (restarts capped against crash loops), relays plans down and reports up, turns SIGTERM
+  into a graceful leave, keeps the worker training while it reconnects to a lost
+  controller, and never kills a worker that reported done.
 * :class:`AgentChannel` — the worker's end of the agent connection (inside the trainer).
 * :class:`ElasticTrainer` (+ :class:`ElasticConfig`) — the training process: step loop,
   in-process reconfiguration on a broken collective, peer transfers, moc fallback.

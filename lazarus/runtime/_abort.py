@@ -52,6 +52,19 @@ class SocketTracker:
                 if before.get(fd) != inode:
                     self._fds[fd] = inode
 
+    @staticmethod
+    def open_sockets() -> dict[int, str]:
+        """This process's socket descriptors now (for :meth:`shutdown_opened_since`)."""
+        return _socket_fds()
+
+    @classmethod
+    def shutdown_opened_since(cls, before: dict[int, str]) -> int:
+        """Shut down the connected TCP sockets opened since ``before`` was taken (by any
+        thread: a blocked ``init_process_group`` is interrupted this way)."""
+        tracker = cls()
+        tracker._fds = {fd: inode for fd, inode in _socket_fds().items() if before.get(fd) != inode}
+        return tracker.shutdown_all()
+
     def shutdown_all(self) -> int:
         """``shutdown(SHUT_RDWR)`` every tracked socket still open (the same inode);
         returns how many were shut down."""

@@ -8,20 +8,33 @@ One agent per node. It
   in both directions: the worker's ``hello`` becomes ``worker_ready``, its other messages
   go up wrapped as ``{"type": "worker", ...}``, plans and ``stop`` come down;
 * watches the worker: an exit is reported (``worker_exit``); an abnormal exit is followed
-  by a respawn (new incarnation, which rejoins) unless ``respawn`` is off;
+  by a restart (new incarnation, which rejoins) with exponential backoff, at most
+  ``max_restarts`` times within ``restart_window``. Past that the node leaves the job
+  and the agent exits 5, naming the worker's last error (from its stderr, which the
+  agent relays);
 * keeps the node-memory directory (``snapshot_dir``) across worker crashes and removes it
   when it exits normally.
+
+Controller loss: the worker keeps training (its process group does not need the
+controller between reconfigurations) while the agent reconnects with backoff for up to
+``reconnect_timeout``. Worker reports meanwhile are queued (the newest ``progress`` and
+``routing``, every other message) and sent after the agent registered again with a
+``resume`` record (worker incarnation, whether it is alive and ready, the newest plan it
+was given, whether it is done), from which a restarted controller rebuilds its view.
+Only once the timeout has passed does the agent stop the worker and exit 4.
+
+Clean end: a worker that reported ``done`` is never killed: when the job is done (or the
+controller is gone) the agent waits up to ``exit_grace`` for it to exit and then exits
+with its status.
 
 Signals: SIGTERM (spot notice) -> ``leaving``; the agent waits for the plan without this
 node, lets the worker finish its hand-over and exit, then exits 0 (exit 3 if that takes
 longer than ``leave_timeout``). SIGINT -> stop the worker and exit 130.
 
-If the controller connection drops, the node can no longer be coordinated: the agent
-stops its worker and exits 4 (no reconnect; a supervisor may restart it, and it then
-joins as a new member).
-
 Exit codes: 0 normal (shutdown, leave, worker finished), 1 cannot connect / registration
-refused / worker failed without respawn, 3 leave timed out, 4 controller lost, 130 SIGINT.
+refused / worker failed without respawn, 3 leave timed out, 4 controller unreachable for
+``reconnect_timeout``, 5 crash loop (``max_restarts`` reached), 6 a finished worker still
+running after ``exit_grace``, 130 SIGINT; after a finished worker exits: its status.
 """
 
 from __future__ import annotations
@@ -32,10 +45,11 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import time
+from collections import OrderedDict
 from typing import Any
 
+from ._agent_worker import RestartPolicy, WorkerProcess, describe_exit, exit_status, spawn_worker, worker_env
 from ._config import AgentConfig
 from ._wire import PLAN_MAX_MESSAGE_BYTES, ConnectionClosed, ProtocolError, encode_frame, read_frame
 
@@ -47,25 +61,15 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_LEAVE_TIMEOUT = 3
 EXIT_CONTROLLER_LOST = 4
+EXIT_CRASH_LOOP = 5
+EXIT_GRACE_EXPIRED = 6
 EXIT_INTERRUPTED = 130
 
-
-class _Worker:
-    """One worker incarnation and its channel."""
-
-    def __init__(self, incarnation: int, proc: asyncio.subprocess.Process,
-                 writer: asyncio.StreamWriter) -> None:
-        self.incarnation = incarnation
-        self.proc = proc
-        self.writer = writer
-        self.ready = False
-        self.step: int | None = None
-        self.killed = False  # stopped on purpose (evict / shutdown / leave timeout)
-        self.done = False    # reported that training finished; never killed after that
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.returncode is None
+#: Worker reports of which only the newest matters while the controller is away.
+_LATEST_ONLY = ("progress", "routing")
+#: Most messages queued while the controller is away (the oldest are dropped beyond).
+_MAX_QUEUED = 4096
+_RECONNECT_MAX_DELAY = 1.0
 
 
 class Agent:
@@ -80,9 +84,15 @@ class Agent:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._exit: asyncio.Future[int] | None = None
         self._cw: asyncio.StreamWriter | None = None
-        self._worker: _Worker | None = None
+        self._worker: WorkerProcess | None = None
         self._leaving = False
         self._shutdown = False
+        self._gave_up: str | None = None     # the crash loop's last error, once given up
+        self._lost_since: float | None = None  # monotonic time the controller connection broke
+        self._reconnecting = False
+        self._queued: list[dict[str, Any]] = []
+        self._queued_latest: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._restarts = RestartPolicy(config.max_restarts, config.restart_window, config.respawn_delay)
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ------------------------------------------------------------------ public
@@ -104,7 +114,7 @@ class Agent:
             return
         self._leaving = True
         log.info("agent %s: leaving (SIGTERM)", self.node_id)
-        self._to_controller({"type": "leaving", "node": self.node_id})
+        self._to_controller({"type": "leaving", "node": self.node_id}, queue=True)
         if self._worker is None or not self._worker.alive:
             self._finish(EXIT_OK)
             return
@@ -121,7 +131,7 @@ class Agent:
         self._loop = asyncio.get_running_loop()
         self._exit = self._loop.create_future()
         try:
-            reader, self._cw = await self._connect()
+            reader, self._cw = await self._connect(cfg.connect_timeout.total_seconds())
         except OSError as exc:
             log.error("agent %s: cannot reach the controller at %s:%s: %s", self.node_id,
                       cfg.controller_host, cfg.controller_port, exc)
@@ -130,7 +140,7 @@ class Agent:
         rc = EXIT_FAILED
         try:
             self._register()
-            self._spawn_task(self._read_controller(reader))
+            self._spawn_task(self._read_controller(reader, self._cw))
             self._spawn_task(self._heartbeats())
             await self._start_worker()
             rc = await self._exit
@@ -139,10 +149,17 @@ class Agent:
                 t.cancel()
             await self._stop_worker(kill=False)
             if self._cw is not None:
+                with contextlib.suppress(Exception):  # last reports (worker_exit, leaving) go out first
+                    await asyncio.wait_for(self._cw.drain(), 2.0)
                 with contextlib.suppress(Exception):
                     self._cw.close()
+                    await asyncio.wait_for(self._cw.wait_closed(), 2.0)
             if rc == EXIT_OK:
                 shutil.rmtree(cfg.snapshot_dir, ignore_errors=True)
+        if self._gave_up is not None:
+            log.error("agent %s: exit %d: the worker crashed %d times within %s (--max-restarts %d, "
+                      "--restart-window); last error: %s", self.node_id, rc, cfg.max_restarts + 1,
+                      cfg.restart_window, cfg.max_restarts, self._gave_up)
         log.info("agent %s: exit %d", self.node_id, rc)
         return rc
 
@@ -157,19 +174,35 @@ class Agent:
         if self._exit is not None and not self._exit.done():
             self._exit.set_result(rc)
 
-    def _to_controller(self, msg: dict[str, Any]) -> None:
+    @property
+    def _exiting(self) -> bool:
+        return self._exit is None or self._exit.done()
+
+    def _to_controller(self, msg: dict[str, Any], *, queue: bool = False) -> bool:
+        """Send ``msg``; while the controller is away, keep it for later when ``queue``."""
         w = self._cw
         if w is not None and not w.transport.is_closing():
             w.write(encode_frame(self.config.secret, msg))
+            return True
+        if queue:
+            inner = msg.get("msg") if msg.get("type") == "worker" else None
+            kind = inner.get("type") if isinstance(inner, dict) else None
+            if kind in _LATEST_ONLY:
+                self._queued_latest.pop(kind, None)
+                self._queued_latest[kind] = msg
+            else:
+                self._queued.append(msg)
+                del self._queued[:-_MAX_QUEUED]
+        return False
 
     def _to_worker(self, msg: dict[str, Any]) -> None:
         wk = self._worker
         if wk is not None and wk.alive and not wk.writer.transport.is_closing():
             wk.writer.write(encode_frame(self.config.secret, msg))
 
-    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _connect(self, timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         cfg = self.config
-        deadline = time.monotonic() + cfg.connect_timeout.total_seconds()
+        deadline = time.monotonic() + timeout
         delay = 0.05
         while True:
             try:
@@ -182,9 +215,25 @@ class Agent:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
-    def _register(self) -> None:
-        self._to_controller({"type": "register", "node": self.node_id, "slots": self.config.slots,
-                             "incarnation": self.incarnation + 1, "pid": os.getpid()})
+    def _register(self, resume: bool = False) -> None:
+        wk = self._worker
+        msg: dict[str, Any] = {"type": "register", "node": self.node_id, "slots": self.config.slots,
+                               "incarnation": self.incarnation + (0 if resume and wk is not None else 1),
+                               "pid": os.getpid()}
+        if resume:
+            msg["resume"] = {
+                "incarnation": wk.incarnation if wk is not None else 0,
+                "worker_alive": bool(wk is not None and wk.alive),
+                "worker_ready": bool(wk is not None and wk.alive and wk.ready),
+                "worker_pid": wk.pid if wk is not None else None,
+                "model": wk.model if wk is not None else {},
+                "plan_generation": wk.plan_generation if wk is not None else 0,
+                "generation": wk.generation if wk is not None else None,
+                "step": wk.step if wk is not None else None,
+                "done": bool(wk is not None and wk.done),
+                "leaving": self._leaving,
+            }
+        self._to_controller(msg)
 
     async def _heartbeats(self) -> None:
         period = self.config.heartbeat_interval.total_seconds()
@@ -195,36 +244,128 @@ class Agent:
                                  "step": wk.step if wk is not None else None})
             await asyncio.sleep(period)
 
-    async def _read_controller(self, reader: asyncio.StreamReader) -> None:
+    # ------------------------------------------------------------------ controller link
+    async def _read_controller(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         secret, limit = self.config.secret, max(self.config.max_message_bytes, PLAN_MAX_MESSAGE_BYTES)
         try:
             while True:
                 msg = await read_frame(reader, secret, limit)
                 await self._on_controller(msg)
         except (ConnectionClosed, ConnectionError, ProtocolError, OSError) as exc:
-            wk = self._worker
-            if wk is not None and wk.done and wk.alive and self._exit is not None and not self._exit.done():
-                log.info("agent %s: controller gone (%s) after the worker finished; waiting for it to exit",
-                         self.node_id, exc)
-                self._spawn_task(self._await_finished_worker(wk))
+            if writer is self._cw:
+                self._on_controller_lost(exc)
+
+    def _on_controller_lost(self, exc: BaseException) -> None:
+        if self._exiting:
+            return
+        with contextlib.suppress(Exception):
+            if self._cw is not None:
+                self._cw.close()
+        self._cw = None
+        wk = self._worker
+        if self._shutdown:   # told the job is over: nothing to reconnect to
+            if wk is None or not wk.alive:
+                self._finish(EXIT_OK)
+            elif wk.done:
+                self._await_finished_worker(wk)
+            return           # the shutdown deadline is running
+        if wk is not None and wk.done and wk.alive:
+            # A finished worker runs its own code to the end (exports, digests): never
+            # kill it; the watcher exits with its code, the deadline bounds the wait.
+            log.info("agent %s: controller gone (%s) after the worker finished; waiting for it to exit",
+                     self.node_id, exc)
+            self._await_finished_worker(wk)
+        timeout = self.config.reconnect_timeout.total_seconds()
+        if self._lost_since is None:
+            self._lost_since = time.monotonic()
+            log.warning("agent %s: lost the controller connection (%s); the worker keeps running, reconnecting "
+                        "for up to %.0f s (--reconnect-timeout)", self.node_id, exc, timeout)
+        else:   # a connection made while reconnecting broke again (e.g. refused during a restart)
+            log.info("agent %s: controller connection broke again (%s); still reconnecting", self.node_id, exc)
+        if not self._reconnecting:
+            self._reconnecting = True
+            self._spawn_task(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        try:
+            assert self._lost_since is not None
+            deadline = self._lost_since + self.config.reconnect_timeout.total_seconds()
+            delay = 0.1
+            while not self._exiting:
+                try:
+                    reader, writer = await asyncio.open_connection(self.config.controller_host,
+                                                                   self.config.controller_port)
+                    break
+                except OSError as exc:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        self._controller_gone(exc)
+                        return
+                    await asyncio.sleep(min(delay, left))
+                    delay = min(delay * 2, _RECONNECT_MAX_DELAY)
+            else:
                 return
-            if self._exit is not None and not self._exit.done():
-                log.error("agent %s: lost the controller connection (%s); stopping the worker",
-                          self.node_id, exc)
-                self._finish(EXIT_OK if self._shutdown else EXIT_CONTROLLER_LOST)
+        finally:
+            self._reconnecting = False
+        self._cw = writer
+        self._register(resume=True)
+        self._spawn_task(self._read_controller(reader, writer))
+        log.info("agent %s: reconnected to the controller; registered again with the worker's state",
+                 self.node_id)
+        # A controller that refuses us (or dies again) breaks this connection: the reader
+        # then calls _on_controller_lost, which reconnects within the same deadline.
+
+    def _controller_gone(self, exc: BaseException) -> None:
+        secs = self.config.reconnect_timeout.total_seconds()
+        wk = self._worker
+        if wk is not None and wk.done:
+            log.error("agent %s: controller unreachable for %.0f s (%s); the worker finished", self.node_id,
+                      secs, exc)
+            if wk.alive:
+                self._await_finished_worker(wk)
+            else:
+                self._finish(exit_status(wk.proc.returncode or 0))
+            return
+        log.error("agent %s: controller unreachable for %.0f s (--reconnect-timeout; %s); stopping the worker",
+                  self.node_id, secs, exc)
+        self._finish(EXIT_CONTROLLER_LOST)
+
+    def _flush_queued(self) -> None:
+        msgs = self._queued + list(self._queued_latest.values())
+        self._queued, self._queued_latest = [], OrderedDict()
+        for msg in msgs:
+            self._to_controller(msg, queue=True)
+        if msgs:
+            log.info("agent %s: sent %d report(s) queued while the controller was away", self.node_id, len(msgs))
 
     async def _on_controller(self, msg: dict[str, Any]) -> None:
         kind = msg["type"]
         if kind == "plan":
             self._on_plan(msg)
+        elif kind == "registered":
+            if self._lost_since is not None:
+                log.info("agent %s: controller back after %.1f s", self.node_id,
+                         time.monotonic() - self._lost_since)
+                self._lost_since = None
+            self._flush_queued()
+            wk = self._worker
+            if wk is not None and not wk.alive and wk.done and not self._exiting:
+                self._finish(exit_status(wk.proc.returncode or 0))  # its done and exit are delivered now
         elif kind == "shutdown":
             log.info("agent %s: shutdown (%s)", self.node_id, msg.get("reason"))
             self._shutdown = True
-            self._to_worker({"type": "stop", "reason": msg.get("reason")})
             wk = self._worker
-            if wk is None or not wk.alive:
-                self._finish(EXIT_OK)
+            if self._gave_up is not None:
+                self._finish(EXIT_CRASH_LOOP)
+            elif wk is None or not wk.alive:
+                self._finish(EXIT_OK if wk is None or not wk.done else exit_status(wk.proc.returncode or 0))
+            elif wk.done:
+                # The job is done and this worker said so: tell it, and let it finish its
+                # own code (never killed before exit_grace).
+                self._to_worker({"type": "stop", "reason": msg.get("reason")})
+                self._await_finished_worker(wk)
             else:
+                self._to_worker({"type": "stop", "reason": msg.get("reason")})
                 self._spawn_task(self._shutdown_deadline(wk))
         elif kind == "evicted":
             log.warning("agent %s: evicted by the controller; restarting the worker as a new member",
@@ -238,7 +379,7 @@ class Agent:
         elif kind == "error":
             log.error("agent %s: controller refused us: %s", self.node_id, msg.get("reason"))
             self._finish(EXIT_FAILED)
-        elif kind in ("registered", "pong"):
+        elif kind == "pong":
             pass
         else:
             log.warning("agent %s: ignoring controller message %r", self.node_id, kind)
@@ -250,21 +391,27 @@ class Agent:
             log.info("agent %s: plan %s not for the current worker; dropped", self.node_id,
                      plan.get("generation"))
             return
+        gen = plan.get("generation")
+        if isinstance(gen, int) and gen > wk.plan_generation:
+            wk.plan_generation = gen
         self._to_worker(plan)
 
-    async def _await_finished_worker(self, wk: _Worker) -> None:
+    def _await_finished_worker(self, wk: WorkerProcess) -> None:
         """A worker that reported done runs its own code to the end (exports, digests):
-        wait up to ``exit_grace`` and exit with its code."""
-        try:
-            rc = await asyncio.wait_for(asyncio.shield(wk.proc.wait()), self.config.exit_grace.total_seconds())
-        except asyncio.TimeoutError:
-            log.error("agent %s: finished worker still running after %s; stopping it", self.node_id,
-                      self.config.exit_grace)
-            self._finish(EXIT_CONTROLLER_LOST)
-            return
-        self._finish(EXIT_OK if rc == 0 else EXIT_FAILED)
+        its watcher exits with its code; this bounds the wait by ``exit_grace``."""
+        if wk.grace_task is None:
+            wk.grace_task = self._spawn_task(self._finished_worker_deadline(wk))
 
-    async def _shutdown_deadline(self, wk: _Worker) -> None:
+    async def _finished_worker_deadline(self, wk: WorkerProcess) -> None:
+        grace = self.config.exit_grace.total_seconds()
+        try:
+            await asyncio.wait_for(asyncio.shield(wk.proc.wait()), grace)
+        except asyncio.TimeoutError:
+            log.error("agent %s: the worker reported done %.0f s ago and is still running (--exit-grace); "
+                      "stopping it", self.node_id, grace)
+            self._finish(EXIT_GRACE_EXPIRED)
+
+    async def _shutdown_deadline(self, wk: WorkerProcess) -> None:
         try:
             await asyncio.wait_for(asyncio.shield(wk.proc.wait()), self.config.stop_timeout.total_seconds())
         except asyncio.TimeoutError:
@@ -282,34 +429,21 @@ class Agent:
         cfg = self.config
         self.incarnation += 1
         inc = self.incarnation
-        parent, child = socket.socketpair()
-        env = dict(os.environ)
-        env.update(cfg.env)
-        env.update({
-            "LAZARUS_AGENT_FD": str(child.fileno()),
-            "LAZARUS_NODE_ID": self.node_id,
-            "LAZARUS_SNAPSHOT_DIR": str(cfg.snapshot_dir),
-            "LAZARUS_INCARNATION": str(inc),
-            "LAZARUS_SECRET": cfg.secret.hex(),
-            "LAZARUS_MAX_MESSAGE_BYTES": str(max(cfg.max_message_bytes, PLAN_MAX_MESSAGE_BYTES)),
-        })
+        env = worker_env(dict(os.environ), cfg.env, node_id=self.node_id, snapshot_dir=str(cfg.snapshot_dir),
+                         incarnation=str(inc), secret=cfg.secret.hex(),
+                         max_message_bytes=str(max(cfg.max_message_bytes, PLAN_MAX_MESSAGE_BYTES)))
         try:
-            proc = await asyncio.create_subprocess_exec(*cfg.worker_command, pass_fds=(child.fileno(),),
-                                                        env=env)
+            wk, reader = await spawn_worker(cfg.worker_command, env, inc)
         except OSError as exc:
-            parent.close()
             log.error("agent %s: cannot start the worker %r: %s", self.node_id, cfg.worker_command, exc)
             self._finish(EXIT_FAILED)
             return
-        finally:
-            child.close()
-        reader, writer = await asyncio.open_unix_connection(sock=parent)
-        wk = self._worker = _Worker(inc, proc, writer)
-        log.info("agent %s: worker incarnation %d started (pid %d)", self.node_id, inc, proc.pid)
+        self._worker = wk
+        log.info("agent %s: worker incarnation %d started (pid %d)", self.node_id, inc, wk.pid)
         self._spawn_task(self._read_worker(wk, reader))
         self._spawn_task(self._watch_worker(wk))
 
-    async def _read_worker(self, wk: _Worker, reader: asyncio.StreamReader) -> None:
+    async def _read_worker(self, wk: WorkerProcess, reader: asyncio.StreamReader) -> None:
         secret, limit = self.config.secret, self.config.max_message_bytes
         try:
             while True:
@@ -319,15 +453,18 @@ class Agent:
                 kind = msg["type"]
                 if kind == "hello":
                     wk.ready = True
+                    wk.model = msg.get("model") if isinstance(msg.get("model"), dict) else {}
+                    # not queued: a reconnect's resume record says the worker is ready
                     self._to_controller({"type": "worker_ready", "node": self.node_id,
-                                         "incarnation": wk.incarnation, "model": msg.get("model") or {},
-                                         "pid": wk.proc.pid})
+                                         "incarnation": wk.incarnation, "model": wk.model, "pid": wk.pid})
                     continue
                 if kind == "progress" and isinstance(msg.get("step"), int):
                     wk.step = msg["step"]
+                if kind in ("progress", "reconfigured") and isinstance(msg.get("generation"), int):
+                    wk.generation = msg["generation"]
                 if kind == "done":
                     wk.done = True
-                self._to_controller({"type": "worker", "node": self.node_id, "msg": msg})
+                self._to_controller({"type": "worker", "node": self.node_id, "msg": msg}, queue=True)
         except ProtocolError as exc:
             log.warning("agent %s: bad frame from worker %d (%s); closing its channel",
                         self.node_id, wk.incarnation, exc)
@@ -335,24 +472,56 @@ class Agent:
         except (ConnectionClosed, ConnectionError, OSError):
             pass
 
-    async def _watch_worker(self, wk: _Worker) -> None:
+    async def _watch_worker(self, wk: WorkerProcess) -> None:
         rc = await wk.proc.wait()
         with contextlib.suppress(Exception):
             wk.writer.close()
+        await wk.stderr_done()
         log.info("agent %s: worker incarnation %d exited with %d", self.node_id, wk.incarnation, rc)
         self._to_controller({"type": "worker_exit", "node": self.node_id, "returncode": rc,
-                             "incarnation": wk.incarnation})
+                             "incarnation": wk.incarnation, "error": None if rc == 0 else wk.last_error()},
+                            queue=True)
         if wk is not self._worker or wk.killed:
+            return
+        if wk.done:
+            if self._cw is None and not self._shutdown:
+                log.info("agent %s: the finished worker exited with %d; waiting for the controller to "
+                         "deliver its reports", self.node_id, rc)
+                return   # exits once registered again (or when the reconnect timeout has passed)
+            code = exit_status(rc)
+            log.info("agent %s: the finished worker exited with %d; exiting with %d", self.node_id, rc, code)
+            self._finish(code)
             return
         if self._leaving or self._shutdown or rc == 0:
             self._finish(EXIT_OK)
-        elif self.config.respawn:
-            await asyncio.sleep(self.config.respawn_delay.total_seconds())
-            if wk is self._worker and not (self._exit is None or self._exit.done()):
-                await self._start_worker()
-        else:
-            log.error("agent %s: worker failed (exit %d) and respawn is off", self.node_id, rc)
+            return
+        if not self.config.respawn:
+            log.error("agent %s: worker failed (%s) and respawn is off; last error: %s", self.node_id,
+                      describe_exit(rc), wk.last_error())
             self._finish(EXIT_FAILED)
+            return
+        delay = self._restarts.next_delay()
+        if delay is None:
+            await self._give_up(wk)
+            return
+        log.warning("agent %s: worker incarnation %d failed (%s); restart %d of at most %d within %s in %.2f s",
+                    self.node_id, wk.incarnation, wk.last_error(), self._restarts.recent(),
+                    self.config.max_restarts, self.config.restart_window, delay)
+        await asyncio.sleep(delay)
+        if wk is self._worker and not self._exiting and not self._leaving and not self._shutdown:
+            await self._start_worker()
+
+    async def _give_up(self, wk: WorkerProcess) -> None:
+        """Past ``max_restarts``: the node leaves the job; exit 5 naming the last error."""
+        self._gave_up = wk.last_error()
+        self._leaving = True
+        log.error("agent %s: worker crashed %d times within %s; leaving the job. Last error: %s", self.node_id,
+                  self.config.max_restarts + 1, self.config.restart_window, self._gave_up)
+        sent = self._to_controller({"type": "leaving", "node": self.node_id, "reason": "crash_loop",
+                                    "error": self._gave_up})
+        if sent:   # the controller answers with shutdown; don't wait for it forever
+            await asyncio.sleep(min(5.0, self.config.leave_timeout.total_seconds()))
+        self._finish(EXIT_CRASH_LOOP)
 
     async def _stop_worker(self, *, kill: bool) -> None:
         """Stop the current worker: SIGKILL (``kill``) or SIGTERM, SIGKILL after stop_timeout."""

@@ -68,7 +68,8 @@ def register_controller(sub: argparse._SubParsersAction) -> None:
             "Run the Lazarus controller: agents register with it, it detects node failures "
             "(disconnects, missed heartbeats, worker exits, collective errors), computes "
             "replica allocations and MRO placements, sends plans to the agents, and hosts the "
-            "TCPStore the workers rendezvous on. Durations accept 500ms, 3s, 2m."
+            "TCPStore the workers rendezvous on. Its state is kept in --state-dir: run the same "
+            "command again after a crash and it resumes the job. Durations accept 500ms, 3s, 2m."
         ),
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
@@ -96,7 +97,15 @@ def register_controller(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rebalance-min-gain", type=float, default=0.05,
                    help="relative max-load improvement needed to rebalance (default 0.05)")
     p.add_argument("--events", metavar="FILE", default=None, help="append JSON-lines events here")
+    p.add_argument("--state-dir", metavar="DIR", default=None,
+                   help="keep the controller's state here (atomically replaced), so that the same command "
+                        "run again resumes the job (default: beside --events, events.jsonl -> events.state)")
+    p.add_argument("--resume-grace", type=_duration("--resume-grace"), default="10s",
+                   help="after a restart, members not reconnected within this are handled as failed "
+                        "(default 10s)")
     p.add_argument("--keep-running", action="store_true", help="do not exit when the job is done")
+    p.add_argument("--exit-grace", type=_duration("--exit-grace"), default="5m",
+                   help="once the job is done, wait this long for the agents to leave (default 5m)")
     p.add_argument("-v", "--verbose", action="store_true", help="log every event to stderr")
     p.set_defaults(handler=_run_controller)
 
@@ -108,7 +117,8 @@ _CONTROLLER_OPTIONS = {
     "handshake_timeout": "--handshake-timeout", "max_message_bytes": "--max-message-bytes",
     "expected_nodes": "--expected-nodes", "min_nodes": "--min-nodes",
     "rebalance_every": "--rebalance-every", "rebalance_min_gain": "--rebalance-min-gain",
-    "secret": "--secret-file",
+    "secret": "--secret-file", "exit_grace": "--exit-grace", "state_dir": "--state-dir",
+    "resume_grace": "--resume-grace",
 }
 
 
@@ -126,6 +136,7 @@ def _run_controller(args: argparse.Namespace) -> int:
             min_nodes=args.min_nodes, rebalance_every=args.rebalance_every,
             rebalance_min_gain=args.rebalance_min_gain, events_path=args.events,
             exit_when_done=not args.keep_running, advertise_host=args.advertise_host,
+            exit_grace=args.exit_grace, state_dir=args.state_dir, resume_grace=args.resume_grace,
         )
     except ValueError as exc:
         raise _config_error(exc, _CONTROLLER_OPTIONS) from None
@@ -137,6 +148,11 @@ def _run_controller(args: argparse.Namespace) -> int:
 
     try:
         return Controller(cfg, on_ready=ready).run()
+    except ValueError as exc:
+        text = str(exc)
+        if text.startswith("state_dir: "):
+            raise ValueError("--state-dir: " + text[len("state_dir: "):]) from None
+        raise
     except OSError as exc:
         text = str(exc)
         if text.startswith("store_port: "):
@@ -154,7 +170,9 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
         description=(
             "Run a Lazarus node agent: it registers with the controller, heartbeats, starts "
             "WORKER_COMMAND (after --) with a channel to the agent, relays plans and reports, "
-            "and restarts a crashed worker as a new member. SIGTERM = graceful leave."
+            "and restarts a crashed worker as a new member (capped by --max-restarts). If the "
+            "controller goes away the worker keeps training while the agent reconnects. "
+            "SIGTERM = graceful leave."
         ),
     )
     p.add_argument("--controller", required=True, metavar="HOST:PORT", help="controller address")
@@ -170,10 +188,22 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-respawn", action="store_true", help="do not restart a crashed worker")
     p.add_argument("--respawn-delay", type=_duration("--respawn-delay"), default="1s",
                    help="pause before restarting a crashed worker (default 1s)")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="restarts of a crashing worker allowed within --restart-window; past that the node "
+                        "leaves the job and the agent exits 5 naming the worker's last error (default 5)")
+    p.add_argument("--restart-window", type=_duration("--restart-window"), default="10m",
+                   help="the sliding window --max-restarts counts in (default 10m); the pause before a "
+                        "restart doubles from --respawn-delay with every restart in it (at most 60s)")
     p.add_argument("--connect-timeout", type=_duration("--connect-timeout"), default="30s",
                    help="give up reaching the controller after this (default 30s)")
+    p.add_argument("--reconnect-timeout", type=_duration("--reconnect-timeout"), default="5m",
+                   help="when the controller goes away, the worker keeps training while the agent "
+                        "reconnects for this long; then it stops the worker and exits 4 (default 5m)")
     p.add_argument("--leave-timeout", type=_duration("--leave-timeout"), default="60s",
                    help="after SIGTERM, wait this long for the hand-over (default 60s)")
+    p.add_argument("--exit-grace", type=_duration("--exit-grace"), default="5m",
+                   help="a worker that reported done is never killed: wait this long for it to exit, "
+                        "then exit with its status (default 5m)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment variable for the worker (repeatable)")
     p.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
@@ -185,8 +215,10 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
 _AGENT_OPTIONS = {
     "node_id": "--node-id", "slots": "--slots", "heartbeat_interval": "--heartbeat-interval",
     "respawn_delay": "--respawn-delay", "connect_timeout": "--connect-timeout",
-    "leave_timeout": "--leave-timeout", "job": "--job", "controller_port": "--controller",
-    "controller_host": "--controller", "worker_command": "WORKER_COMMAND",
+    "max_restarts": "--max-restarts", "restart_window": "--restart-window",
+    "reconnect_timeout": "--reconnect-timeout",
+    "leave_timeout": "--leave-timeout", "exit_grace": "--exit-grace", "job": "--job",
+    "controller_port": "--controller", "controller_host": "--controller", "worker_command": "WORKER_COMMAND",
 }
 
 
@@ -215,7 +247,9 @@ def _run_agent(args: argparse.Namespace) -> int:
             slots=args.slots, heartbeat_interval=args.heartbeat_interval,
             snapshot_dir=args.snapshot_dir, job=args.job, respawn=not args.no_respawn,
             respawn_delay=args.respawn_delay, connect_timeout=args.connect_timeout,
-            leave_timeout=args.leave_timeout, env=env, **kwargs,
+            max_restarts=args.max_restarts, restart_window=args.restart_window,
+            reconnect_timeout=args.reconnect_timeout,
+            leave_timeout=args.leave_timeout, exit_grace=args.exit_grace, env=env, **kwargs,
         )
     except ValueError as exc:
         raise _config_error(exc, _AGENT_OPTIONS) from None

@@ -88,11 +88,20 @@ class ControllerConfig:
         expected_nodes: wait for this many ready nodes before the first plan (None: start
             ``join_window`` after the first ready node).
         events_path: JSON-lines event log (None: log lines only).
-        exit_when_done: stop serving once every member's worker reported ``done``.
+        exit_when_done: stop serving once every member's worker reported ``done`` and the
+            agents, told so, have left (or ``exit_grace`` has passed).
+        exit_grace: after the job is done, how long to wait for the agents to leave (each
+            waits for its finished worker to exit, up to its own ``exit_grace``).
         advertise_host: store address written into plans (default: ``host``, or the
             machine's hostname when ``host`` is a wildcard address).
         store_timeout: timeout of the hosted TCPStore's operations.
         routing_window: routing reports summed into the load estimate.
+        state_dir: where the controller keeps its state (generation, members, plans,
+            routing history), replaced atomically on every change, so that a controller
+            started again with the same settings resumes the job. Default: beside
+            ``events_path`` (``events.jsonl`` -> ``events.state/``); None without events.
+        resume_grace: after a restart, how long the members of the saved plan have to
+            reconnect; those that have not are handled as failed.
     """
 
     secret: bytes
@@ -112,9 +121,12 @@ class ControllerConfig:
     expected_nodes: int | None = None
     events_path: str | os.PathLike[str] | None = None
     exit_when_done: bool = True
+    exit_grace: timedelta = timedelta(minutes=5)
     advertise_host: str | None = None
     store_timeout: timedelta = timedelta(minutes=5)
     routing_window: int = 8
+    state_dir: str | os.PathLike[str] | None = None
+    resume_grace: timedelta = timedelta(seconds=10)
 
     def __post_init__(self) -> None:
         self.secret = _check_secret(self.secret)
@@ -131,6 +143,7 @@ class ControllerConfig:
         _check_td("join_window", self.join_window, positive=False)
         _check_td("handshake_timeout", self.handshake_timeout)
         _check_td("store_timeout", self.store_timeout)
+        _check_td("exit_grace", self.exit_grace)
         _check_int("max_message_bytes", self.max_message_bytes, 256, 1 << 30)
         _check_int("rebalance_every", self.rebalance_every, 0)
         if isinstance(self.rebalance_min_gain, bool) or not isinstance(self.rebalance_min_gain, (int, float)) \
@@ -140,6 +153,15 @@ class ControllerConfig:
         if self.expected_nodes is not None:
             _check_int("expected_nodes", self.expected_nodes, max(1, self.min_nodes))
         _check_int("routing_window", self.routing_window, 1)
+        _check_td("resume_grace", self.resume_grace)
+        if self.state_dir is None and self.events_path is not None:
+            self.state_dir = Path(self.events_path).with_suffix(".state")
+        if self.state_dir is not None:
+            if not str(self.state_dir):
+                raise ValueError("state_dir must be a directory path or None, got ''")
+            self.state_dir = Path(self.state_dir)
+            if self.state_dir.exists() and not self.state_dir.is_dir():
+                raise ValueError(f"state_dir must be a directory, {str(self.state_dir)!r} is a file")
 
     @property
     def store_host(self) -> str:
@@ -170,13 +192,20 @@ class AgentConfig:
             ``/dev/shm/lazarus-<job>/<node_id>``); created at start, removed on a normal exit.
         job: job name used in the default snapshot_dir.
         respawn: restart a worker that exits abnormally (the new incarnation rejoins).
-        respawn_delay: pause before a respawn.
+        respawn_delay: pause before the first restart; it doubles with every restart within
+            ``restart_window`` (at most 60 s).
+        max_restarts: restarts allowed within ``restart_window``; at the next crash the node
+            leaves the job and the agent exits 5 naming the worker's last error.
+        restart_window: the sliding window ``max_restarts`` counts in.
+        reconnect_timeout: when the controller connection breaks, keep the worker running
+            and reconnect for this long before stopping it and exiting 4.
         env: extra environment variables for the worker.
         connect_timeout: give up connecting to the controller after this long.
         leave_timeout: after SIGTERM, how long to wait for the hand-over before giving up.
         stop_timeout: how long a stopped worker may take to exit before it is killed.
         exit_grace: how long a worker that reported done may take to exit (its code after
-            ``trainer.run()``) when the controller goes away; it is never killed before.
+            ``trainer.run()``: exports, evaluations) once the job is done or the controller
+            is gone; it is never killed before. The agent then exits with its status.
         max_message_bytes: largest accepted message body.
     """
 
@@ -191,6 +220,9 @@ class AgentConfig:
     job: str = "job"
     respawn: bool = True
     respawn_delay: timedelta = timedelta(seconds=1)
+    max_restarts: int = 5
+    restart_window: timedelta = timedelta(minutes=10)
+    reconnect_timeout: timedelta = timedelta(minutes=5)
     env: dict[str, str] = field(default_factory=dict)
     connect_timeout: timedelta = timedelta(seconds=30)
     leave_timeout: timedelta = timedelta(seconds=60)
@@ -215,6 +247,9 @@ class AgentConfig:
             _check_int("slots", self.slots, 1)
         _check_td("heartbeat_interval", self.heartbeat_interval, lo=timedelta(milliseconds=10))
         _check_td("respawn_delay", self.respawn_delay, positive=False)
+        _check_int("max_restarts", self.max_restarts, 0)
+        _check_td("restart_window", self.restart_window)
+        _check_td("reconnect_timeout", self.reconnect_timeout)
         _check_td("connect_timeout", self.connect_timeout)
         _check_td("leave_timeout", self.leave_timeout)
         _check_td("stop_timeout", self.stop_timeout)

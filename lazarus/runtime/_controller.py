@@ -11,7 +11,11 @@ for them); joins, graceful leaves and rebalances are applied between steps. At m
 between-steps plan is in flight; the next kind waits until it was applied (a
 ``reconfigured`` report for its generation) or superseded by a failure plan.
 
-Every decision is written to the events file (JSON lines) and logged.
+Every decision is written to the events file (JSON lines) and logged. The state that
+plans depend on is kept in ``state_dir`` (atomically replaced); a controller started
+again with the same settings resumes the job (:mod:`._resume`). When every member's
+worker reported done, the agents are told and the controller waits (``exit_grace``)
+until they have left.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._config import ControllerConfig
-from ._membership import Membership, _Node, _req
+from ._membership import _Node, _req
+from ._resume import Resumable
 from ._wire import ConnectionClosed, MalformedMessageError, ProtocolError, encode_frame, read_frame
 
 __all__ = ["Controller"]
@@ -51,7 +56,7 @@ def _peer(writer: asyncio.StreamWriter) -> str:
     return str(p)
 
 
-class Controller(Membership):
+class Controller(Resumable):
     """The job's controller. See the module docstring and DESIGN.md section 5.
 
     Use ``run()`` (blocking, e.g. from the CLI), ``await serve()`` inside an event loop,
@@ -76,30 +81,42 @@ class Controller(Membership):
         self._conns: set[_Conn] = set()
         self._nodes: dict[str, _Node] = {}
         self._stopping = False
+        self._end_task: asyncio.Task[None] | None = None
         self._init_membership()
+        self._init_resume()
 
     # ------------------------------------------------------------------ lifecycle
     async def serve(self) -> None:
-        """Run until :meth:`stop` (or until done with ``exit_when_done``)."""
+        """Run until :meth:`stop` (or until done with ``exit_when_done``). With a saved
+        state of an unfinished job in ``state_dir``, resume it (see :mod:`._resume`)."""
         cfg = self.config
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         try:
-            import torch.distributed as dist
-
-            try:
-                self._store = dist.TCPStore(cfg.host, cfg.store_port, is_master=True,
-                                            wait_for_workers=False, timeout=cfg.store_timeout)
-            except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError
-                raise OSError(f"store_port: cannot host the TCPStore on {cfg.host}:{cfg.store_port}: {exc}") from None
+            state = self._load_state()
+            port, store_port = cfg.port, cfg.store_port
+            if state is not None:   # the same ports as before (0 means "any" only the first time)
+                port = port or int(state["port"])
+                store_port = store_port or int(state["store_port"])
+            self._store = self._host_store(store_port, fallback=state is not None and not cfg.store_port)
             self.store_port = int(self._store.port)
-            server = await asyncio.start_server(self._handle_conn, cfg.host, cfg.port)
+            try:
+                server = await asyncio.start_server(self._handle_conn, cfg.host, port)
+            except OSError as exc:
+                if port != cfg.port:
+                    raise OSError(exc.errno, f"cannot listen again on port {port} of the job being resumed "
+                                             f"({exc.strerror})") from None
+                raise
         except BaseException as exc:
             self._start_error = exc
             self._ready.set()
             raise
         self.port = int(server.sockets[0].getsockname()[1])
-        self._event("controller_started", host=cfg.host, port=self.port, store_port=self.store_port)
+        self._event("controller_started", host=cfg.host, port=self.port, store_port=self.store_port,
+                    epoch=self.epoch, resumed=self._resuming, generation=self.generation,
+                    state_dir=str(cfg.state_dir) if cfg.state_dir is not None else None)
+        self._save_state(now=True)
+        self._start_resume()
         self._ready.set()
         if self._on_ready is not None:
             self._on_ready(self)
@@ -117,11 +134,44 @@ class Controller(Membership):
             except (asyncio.TimeoutError, Exception):  # noqa: BLE001
                 pass
             for t in (self._failure_timer, self._collective_timer, self._start_timer,
-                      self._join_timer, self._leave_timer):
+                      self._join_timer, self._leave_timer, self._resume_timer):
                 if t is not None:
                     t.cancel()
+            if self._save_timer is not None:
+                self._save_state(now=True)
             self._event("controller_stopped", generation=self.generation)
             self._store = None
+
+    def _load_state(self) -> dict[str, Any] | None:
+        """The saved state of an unfinished job to resume, or None (fresh start)."""
+        if self.config.state_dir is None:
+            return None
+        from ._state import read_state
+
+        state = read_state(self.config.state_dir)
+        if state is None:
+            return None
+        if state["finished"] or not state["generation"]:
+            log.info("state in %s is of a %s job; starting a new one", self.config.state_dir,
+                     "finished" if state["finished"] else "never started")
+            self.epoch = int(state["epoch"]) + 1
+            return None
+        self._restore_state(state)
+        return state
+
+    def _host_store(self, port: int, fallback: bool) -> Any:
+        """The rendezvous TCPStore (a fresh one after a restart: the old one died with us)."""
+        import torch.distributed as dist
+
+        cfg = self.config
+        try:
+            return dist.TCPStore(cfg.host, port, is_master=True, wait_for_workers=False,
+                                 timeout=cfg.store_timeout)
+        except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError
+            if fallback:  # plans carry the store's address: any free port will do
+                log.warning("store port %d of the resumed job is taken (%s); using another", port, exc)
+                return self._host_store(0, fallback=False)
+            raise OSError(f"store_port: cannot host the TCPStore on {cfg.host}:{port}: {exc}") from None
 
     def run(self) -> int:
         """Blocking: serve until stopped (SIGINT/SIGTERM stop it too). Returns 0."""
@@ -168,6 +218,26 @@ class Controller(Membership):
                 pass
         if join and self._thread is not None and threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
+
+    def _end_job(self) -> None:
+        self._end_task = asyncio.ensure_future(self._stop_when_agents_left())
+
+    async def _stop_when_agents_left(self) -> None:
+        """After ``done``: every agent waits for its finished worker to exit (exports,
+        digests), then disconnects. Stop once none is connected, or after ``exit_grace``."""
+        t0 = time.monotonic()
+        deadline = t0 + self.config.exit_grace.total_seconds()
+
+        def connected() -> list[str]:
+            return sorted(n.node_id for n in self._nodes.values() if not n.dead and not n.conn.closed)
+
+        while connected() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        still = connected()
+        self._event("job_end", level=logging.WARNING if still else logging.INFO,
+                    waited_s=round(time.monotonic() - t0, 3), still_connected=still)
+        assert self._stop is not None
+        self._stop.set()
 
     # ------------------------------------------------------------------ events
     def _event(self, name: str, level: int = logging.INFO, **fields: Any) -> None:
@@ -291,15 +361,23 @@ class Controller(Membership):
             raise MalformedMessageError("register: bad node id or slots")
         if conn.node_id is not None and conn.node_id != node_id:
             raise MalformedMessageError(f"register: connection already belongs to node {conn.node_id!r}")
+        resume = msg.get("resume")
+        if resume is not None and not isinstance(resume, dict):
+            raise MalformedMessageError("register: field 'resume' must be an object")
         old = self._nodes.get(node_id)
         if old is not None and old.conn is not conn and not old.dead and not old.conn.closed:
-            self._event("register_rejected", level=logging.WARNING, node=node_id, peer=conn.peer,
-                        reason="node id already registered and alive")
-            self._send_conn(conn, {"type": "error", "reason": f"node id {node_id!r} is already registered"})
-            return False
+            if resume is None or pid is None or old.pid != pid:
+                self._event("register_rejected", level=logging.WARNING, node=node_id, peer=conn.peer,
+                            reason="node id already registered and alive")
+                self._send_conn(conn, {"type": "error", "reason": f"node id {node_id!r} is already registered"})
+                return False
+            # the same agent reconnected before its old connection was seen to break
+            self._event("connection_replaced", node=node_id, peer=conn.peer, old_peer=old.conn.peer)
         if old is not None and old.conn is not conn:
             old.conn.node_id = None
             self._close(old.conn)
+        if resume is not None:
+            return self._on_resume(conn, node_id, slots, pid, resume)
         rejoin = old is not None
         if rejoin and node_id in self._members and not old.dead:  # re-register on a live record
             self._declare_failure(node_id, "reregistered")
@@ -314,6 +392,8 @@ class Controller(Membership):
         self._send_conn(conn, {"type": "registered", "node": node_id,
                                "slots": self.config.slots_per_node,
                                "heartbeat_timeout_s": self.config.heartbeat_timeout.total_seconds()})
+        if self._finished:
+            self._send_conn(conn, {"type": "shutdown", "reason": "done"})
         return True
 
     def _dispatch(self, conn: _Conn, msg: dict[str, Any]) -> None:
@@ -346,7 +426,7 @@ class Controller(Membership):
         elif kind == "worker_exit":
             self._on_worker_exit(node, msg)
         elif kind == "leaving":
-            self._on_leaving(node)
+            self._on_leaving(node, msg)
         elif kind == "worker":
             inner = msg.get("msg")
             if not isinstance(inner, dict) or not isinstance(inner.get("type"), str):

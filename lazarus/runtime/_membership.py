@@ -66,6 +66,8 @@ class Membership(ABC):
     """Cluster view + planning; mixed into :class:`~lazarus.runtime.Controller`."""
 
     config: ControllerConfig
+    epoch: int
+    store_port: int | None
     _loop: asyncio.AbstractEventLoop | None
     _stop: asyncio.Event | None
     _nodes: dict[str, _Node]
@@ -98,6 +100,11 @@ class Membership(ABC):
         self._inflight: dict[str, Any] | None = None  # between-steps plan not yet applied
         self._done: set[str] = set()
         self._finished = False
+        self._resuming = False          # a restarted controller waiting for its members (_resume)
+        self._resume_collective = False
+
+    def _save_state(self, now: bool = False) -> None:
+        """Persist the state (see :mod:`._resume`); nothing here."""
 
     @property
     def members(self) -> list[str]:
@@ -136,6 +143,8 @@ class Membership(ABC):
         node.worker_pid = _req(msg, "pid", int, optional=True)
         self._holdings.pop(node.node_id, None)
         self._event("worker_ready", node=node.node_id, incarnation=inc, pid=node.worker_pid)
+        if self._finished:
+            return
         if not self._members and not self._stalled:
             self._schedule_start()
         elif node.node_id not in self._members and not node.leaving:
@@ -144,15 +153,17 @@ class Membership(ABC):
     def _on_worker_exit(self, node: _Node, msg: dict[str, Any]) -> None:
         rc = _req(msg, "returncode", int, optional=True)
         inc = _req(msg, "incarnation", int, optional=True)
+        error = _req(msg, "error", str, optional=True)
+        detail = {"error": error[:500]} if error else {}
         if inc is not None and inc != node.incarnation:
-            self._event("worker_exit", node=node.node_id, returncode=rc, incarnation=inc, stale=True)
+            self._event("worker_exit", node=node.node_id, returncode=rc, incarnation=inc, stale=True, **detail)
             return
         was_ready = node.ready
         node.ready = False
         node.worker_pid = None
         self._holdings.pop(node.node_id, None)
         self._pending_joins.discard(node.node_id)
-        self._event("worker_exit", node=node.node_id, returncode=rc, incarnation=node.incarnation)
+        self._event("worker_exit", node=node.node_id, returncode=rc, incarnation=node.incarnation, **detail)
         if (was_ready and node.node_id in self._members and node.node_id not in self._done):
             self._declare_failure(node.node_id, "worker_exit", returncode=rc)
 
@@ -176,7 +187,14 @@ class Membership(ABC):
         elif kind == "done":
             self._done.add(node.node_id)
             self._event("worker_done", node=node.node_id, step=msg.get("step"))
-            self._check_done()
+            if not self._check_done():
+                self._save_state(now=True)
+        elif kind == "storage":   # moc checkpoints failing to reach storage, or reaching it again
+            ok = msg.get("ok") is True
+            self._event("storage_recovered" if ok else "storage_degraded",
+                        level=logging.INFO if ok else logging.WARNING, node=node.node_id,
+                        **{k: msg.get(k) for k in ("step", "persist_failures", "last_persisted_step", "error")
+                           if msg.get(k) is not None})
         else:
             self._event("worker_message", node=node.node_id, msg=msg)
 
@@ -192,6 +210,7 @@ class Membership(ABC):
                 continue
             self._routing.setdefault(name, deque(maxlen=self.config.routing_window)).append(
                 [float(x) for x in counts])
+        self._save_state()
 
     def _loads(self) -> dict[str, list[float]]:
         return {name: [sum(col) for col in zip(*hist)] for name, hist in self._routing.items() if hist}
@@ -222,6 +241,7 @@ class Membership(ABC):
                           for i, m in enumerate(plan["members"])}
         if self._inflight is not None and self._inflight["generation"] == gen:
             self._inflight = None
+        self._save_state(now=True)
         self._maybe_between_steps()
 
     def _on_collective_error(self, node: _Node, msg: dict[str, Any]) -> None:
@@ -235,6 +255,9 @@ class Membership(ABC):
 
     def _collective_replan(self, gen: int) -> None:
         self._collective_timer = None
+        if self._resuming:   # handled once the members are back (_end_resume)
+            self._resume_collective = gen == self.generation
+            return
         detected_at, self._collective_at = self._collective_at, None
         if gen != self.generation or self._failure_timer is not None:
             return
@@ -244,6 +267,7 @@ class Membership(ABC):
 
     def _on_step(self, step: int) -> None:
         self._last_step = step
+        self._save_state()
         self._last_rebalance_step = min(self._last_rebalance_step, step)  # resumed from an older step
         every = self.config.rebalance_every
         if every and step - self._last_rebalance_step >= every:
@@ -251,13 +275,22 @@ class Membership(ABC):
             self._rebalance_due = True
             self._maybe_between_steps()
 
-    def _on_leaving(self, node: _Node) -> None:
+    def _on_leaving(self, node: _Node, msg: dict[str, Any] | None = None) -> None:
         if node.leaving:
             return
         node.leaving = True
-        self._event("leave", node=node.node_id)
+        msg = msg or {}
+        reason = _req(msg, "reason", str, optional=True) if msg else None
+        error = _req(msg, "error", str, optional=True) if msg else None
+        detail = {"reason": reason[:64]} if reason else {}
+        if error:
+            detail["error"] = error[:500]
+        self._event("leave", level=logging.WARNING if reason == "crash_loop" else logging.INFO,
+                    node=node.node_id, **detail)
         self._pending_joins.discard(node.node_id)
-        if node.node_id not in self._members:
+        if node.node_id not in self._members or not node.ready:
+            # nothing to hand over (a crash-looping node's worker is gone): go now; a
+            # member without a worker is being replaced by a failure plan already
             self._send(node.node_id, {"type": "shutdown", "reason": "leave"})
             return
         self._pending_leaves.add(node.node_id)
@@ -269,15 +302,24 @@ class Membership(ABC):
         self._leave_timer = None
         self._maybe_between_steps()
 
-    def _check_done(self) -> None:
-        if self._finished or not self._members or not set(self._members) <= self._done:
-            return
+    def _check_done(self) -> bool:
+        """Is the job done (every member's worker reported done)? Ends it the first time."""
+        if self._finished:
+            return True
+        if not self._members or not set(self._members) <= self._done:
+            return False
         self._finished = True
+        self._save_state(now=True)
         self._event("done", generation=self.generation, members=self._members)
         for node_id in list(self._nodes):
             self._send(node_id, {"type": "shutdown", "reason": "done"})
         if self.config.exit_when_done:
-            self._loop.call_later(0.3, self._stop.set)
+            self._end_job()
+        return True
+
+    @abstractmethod
+    def _end_job(self) -> None:
+        """The job is done and the agents were told: stop once they have left."""
 
     # ------------------------------------------------------------------ membership logic
     def _eligible(self, node_id: str) -> bool:
@@ -299,6 +341,8 @@ class Membership(ABC):
 
     def _failure_replan(self) -> None:
         self._failure_timer = None
+        if self._resuming:   # the failures stay in _lost for _end_resume
+            return
         if self._collective_timer is not None:
             self._collective_timer.cancel()
             self._collective_timer = None
@@ -351,6 +395,8 @@ class Membership(ABC):
 
     def _maybe_between_steps(self) -> None:
         """Issue the next queued between-steps plan, if none is in flight."""
+        if self._finished or self._resuming:
+            return
         if self._inflight is not None or self._failure_timer is not None or self._collective_timer is not None:
             return
         if not self._members and not self._stalled:
@@ -447,7 +493,8 @@ class Membership(ABC):
             "type": "plan", "generation": g, "mode": mode, "reason": reason,
             "members": list(members), "leaving": leaving,
             "incarnations": {m: self._nodes[m].incarnation for m in members if m in self._nodes},
-            "store": {"host": cfg.store_host, "port": self.store_port}, "prefix": f"lazarus/gen{g}",
+            "store": {"host": cfg.store_host, "port": self.store_port, "epoch": self.epoch},
+            "prefix": f"lazarus/gen{g}",
             "slots": self._slots(members),
             "layers": res.layers, "lost": list(lost), "joined": list(joined),
             "detected_at": detected_at, "issued_at": time.time(),
@@ -462,6 +509,7 @@ class Membership(ABC):
         self._inflight = plan  # until a worker reports it applied, or an immediate plan supersedes it
         for n in leaving:
             self._pending_leaves.discard(n)
+        self._save_state(now=True)   # before anyone hears of it: a restart resumes from here
         rec = list(res.recovery.values())
         self._event("plan", generation=g, reason=reason, mode=mode, members=members, lost=list(lost),
                     joined=list(joined), leaving=leaving, detected_at=detected_at,
@@ -480,6 +528,7 @@ class Membership(ABC):
             self._stalled = bool(members)
         if not members:
             self._inflight = None
+        self._save_state(now=True)
         self._loop.call_soon(self._maybe_between_steps)  # queued joins may make a plan possible
 
     def _refresh_joins(self) -> None:

@@ -27,8 +27,10 @@ import gc
 import hashlib
 import logging
 import os
+import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -64,8 +66,10 @@ class Reconfigurer:
         self._pending_lost_mine: set[str] = set()
         self._dense: list[nn.Parameter] | None = None
         self._store = None
-        self._store_addr: tuple[str, int] | None = None
+        self._store_addr: tuple[str, int, int] | None = None
+        self.group_epoch: int | None = None   # store epoch (controller incarnation) of the current group
         self.sockets = SocketTracker()
+        self._store_sockets = SocketTracker()
 
     # -- groups ----------------------------------------------------------------------------
     def retire_group(self) -> None:
@@ -88,18 +92,31 @@ class Reconfigurer:
                 log.warning("node %s: moc detach failed: %s", t.node, exc)
             t.ckpt = None
 
-    def _store_client(self, host: str, port: int):
-        if self._store is None or self._store_addr != (host, port):
-            self._store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                        timeout=self.t.config.rendezvous_timeout)
-            self._store_addr = (host, port)
+    def _store_client(self, host: str, port: int, epoch: int):
+        """A client of the controller's store. A restarted controller hosts a new store
+        (a new epoch, maybe on the same port): the old client is dropped."""
+        if self._store is None or self._store_addr != (host, port, epoch):
+            self._store = None
+            self._store_sockets = SocketTracker()
+            with self._store_sockets.track():
+                self._store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                            timeout=self.t.config.rendezvous_timeout)
+            self._store_addr = (host, port, epoch)
         return self._store
 
     def _rendezvous(self, plan: dict[str, Any]) -> None:
+        try:
+            self._rendezvous_inner(plan)
+        except BaseException:
+            self._store = None   # it may be the store of a controller that died: reconnect next time
+            raise
+
+    def _rendezvous_inner(self, plan: dict[str, Any]) -> None:
         t = self.t
         members = plan["members"]
         rank, world = members.index(t.node), len(members)
-        store = self._store_client(plan["store"]["host"], int(plan["store"]["port"]))
+        epoch = int(plan["store"].get("epoch", 0))
+        store = self._store_client(plan["store"]["host"], int(plan["store"]["port"]), epoch)
         prefix = plan["prefix"]
         store.add(f"{prefix}/arrived", 1)
         deadline = time.monotonic() + t.config.rendezvous_timeout.total_seconds()
@@ -114,9 +131,58 @@ class Reconfigurer:
             dist.init_process_group("gloo", store=dist.PrefixStore(prefix + "/pg", store), rank=rank,
                                     world_size=world, timeout=t.config.collective_timeout)
         t.rank, t.world, t.members, t.generation = rank, world, list(members), int(plan["generation"])
+        self.group_epoch = epoch
+
+    @contextmanager
+    def _interruptible(self, plan: dict[str, Any]) -> Iterator[list[int]]:
+        """While applying ``plan``: when a newer immediate plan arrives (a member died or
+        froze meanwhile), shut down the connections opened for this plan (the new group,
+        moc's groups, connects being retried) and the store client, so that whatever
+        blocks (``init_process_group``, ``new_group``, a store wait) fails now instead of
+        after its timeout. Yields a list that holds the newer generation once that happened."""
+        interrupted: list[int] = []
+        before = SocketTracker.open_sockets()
+        stop = threading.Event()
+        gen = int(plan["generation"])
+
+        def watch() -> None:
+            while not stop.wait(0.05):
+                if not interrupted:
+                    latest = self.t.channel.latest_plan()
+                    if latest is None or latest.get("mode") != "immediate" or int(latest["generation"]) <= gen:
+                        continue
+                    interrupted.append(int(latest["generation"]))
+                    n = SocketTracker.shutdown_opened_since(before) + self._store_sockets.shutdown_all()
+                    log.warning("node %s: plan %d arrived while applying generation %d; interrupted %d connections",
+                                self.t.node, latest["generation"], gen, n)
+                else:   # connects retried meanwhile
+                    SocketTracker.shutdown_opened_since(before)
+
+        th = threading.Thread(target=watch, name=f"lazarus-apply-{gen}", daemon=True)
+        th.start()
+        try:
+            yield interrupted
+        finally:
+            stop.set()
+            th.join()
+            if interrupted:
+                self._store = None   # its connection was shut down: a new client next time
 
     # -- the plan ----------------------------------------------------------------------------
     def apply(self, plan: dict[str, Any], t_error: float | None) -> None:
+        """Apply ``plan`` (see the module docstring). Raises :class:`Superseded` when a
+        newer immediate plan arrived meanwhile (what was blocked is interrupted)."""
+        with self._interruptible(plan) as interrupted:
+            try:
+                self._apply(plan, t_error)
+            except Exception:
+                if interrupted:
+                    raise Superseded() from None
+                raise
+        if interrupted:   # done anyway, but a newer immediate plan replaces it
+            raise Superseded()
+
+    def _apply(self, plan: dict[str, Any], t_error: float | None) -> None:
         t = self.t
         t0 = time.time()
         timings: dict[str, float] = {}
@@ -134,7 +200,9 @@ class Reconfigurer:
                 self.retire_group()
                 t._left = True
                 return
-            same_group = members == t.members
+            # A group formed on the store of an earlier controller incarnation is re-formed
+            # on the new store: moc's groups (and any later new_group) need a live store.
+            same_group = members == t.members and int(plan["store"].get("epoch", 0)) == self.group_epoch
             if not same_group:
                 self.retire_group()
                 t1 = time.time()

@@ -103,6 +103,8 @@ class ElasticTrainer:
         self.losses: list[tuple[int, float]] = []
         self._routing: dict[str, torch.Tensor] = {}
         self._metrics = None
+        self._storage_failures = 0       # moc persist failures already reported
+        self._storage_bad_since: int | None = None  # last persisted step when storage went bad
         self._left = False
         self._training = threading.Event()   # set while the step loop runs on a healthy group
         self._watch_lock = threading.Lock()
@@ -255,6 +257,7 @@ class ElasticTrainer:
                 self.channel.send({"type": "routing", "step": self.step,
                                    "layers": {k: [int(x) for x in v.tolist()] for k, v in self._routing.items()}})
             self._routing = {}
+            self._report_storage()
         # Plan agreement: the newest generation any rank has heard of (between-steps plans).
         latest = self.channel.latest_plan()
         pending = int(latest["generation"]) if latest and int(latest["generation"]) > self.generation else 0
@@ -265,6 +268,26 @@ class ElasticTrainer:
         if target > self.generation:
             plan = self._wait_plan(self.generation, at_least=target)
             self._reconfigure_loop(plan, error=None)
+
+    def _report_storage(self) -> None:
+        """Tell the controller (its event log) when checkpoints stop reaching storage and
+        when they reach it again; training itself never waits for storage."""
+        if self.ckpt is None:
+            return
+        st = self.ckpt.status()
+        fails = int(st.get("persist_failures") or 0)
+        persisted = st.get("last_persisted_step")
+        persisted = -1 if persisted is None else int(persisted)
+        if fails > self._storage_failures:
+            self._storage_failures = fails
+            if self._storage_bad_since is None:
+                self._storage_bad_since = persisted
+                self.channel.send({"type": "storage", "ok": False, "step": self.step, "persist_failures": fails,
+                                   "last_persisted_step": persisted, "error": str(st.get("last_error") or "")[:300]})
+        elif self._storage_bad_since is not None and persisted > self._storage_bad_since:
+            self._storage_bad_since = None
+            self.channel.send({"type": "storage", "ok": True, "step": self.step, "persist_failures": fails,
+                               "last_persisted_step": persisted})
 
     # -- failures and reconfiguration --------------------------------------------------------
     def _on_broken_collective(self, error: str) -> None:
@@ -294,7 +317,7 @@ class ElasticTrainer:
 
     def _reconfigure_loop_inner(self, plan: dict[str, Any], error: float | None) -> None:
         while True:
-            broken = False
+            broken = None
             try:
                 self.reconf.apply(plan, t_error=error)
                 return
@@ -303,18 +326,18 @@ class ElasticTrainer:
             except Exception as exc:  # noqa: BLE001
                 if not is_collective_error(exc):
                     raise
-                why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-                log.warning("node %s: reconfiguration to generation %d failed: %s", self.node, plan["generation"], why)
-                # Tell the controller, as for a broken collective: without a report nobody
-                # issues the next plan (a member too slow to connect in time, say).
+                broken = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+                log.warning("node %s: reconfiguration to generation %d failed: %s", self.node,
+                            plan["generation"], broken)
+            if broken is not None:  # outside the except block, see run()
+                self.reconf.retire_group()
+                # Every member may still be alive (one was late, or froze and woke up): without
+                # this report nothing would make the controller issue another plan.
                 try:
                     self.channel.send({"type": "collective_error", "generation": int(plan["generation"]),
-                                       "step": self.step, "error": f"reconfiguration failed: {why}"[:300]})
+                                       "step": self.step, "error": f"reconfiguration failed: {broken}"})
                 except Exception:  # noqa: BLE001 - the agent link has its own watchdog
                     pass
-                broken = True
-            if broken:  # outside the except block, see run()
-                self.reconf.retire_group()
             if error is None:
                 error = time.time()
             plan = self._wait_plan(plan["generation"])

@@ -1,0 +1,190 @@
+"""The agent's side of one worker process: starting it, relaying its stderr (and keeping
+the tail to name its last error), and the restart policy that caps crash loops.
+
+A worker is started with one end of a socketpair in ``LAZARUS_AGENT_FD`` (see
+:mod:`._channel`). Its stderr goes through the agent, which copies it to its own stderr
+unchanged and keeps the last :data:`STDERR_TAIL_BYTES`, so that an agent giving up on a
+crash loop can say *why* the worker keeps dying (``RuntimeError: CUDA out of memory``)
+rather than only *that* it does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import re
+import signal
+import socket
+import sys
+import time
+from datetime import timedelta
+from typing import Any, BinaryIO
+
+__all__ = ["RestartPolicy", "WorkerProcess", "describe_exit", "exit_status", "last_error_line", "spawn_worker",
+           "worker_env"]
+
+#: Bytes of a worker's stderr kept to name its last error.
+STDERR_TAIL_BYTES = 16 << 10
+#: Longest pause between two restarts of a crashing worker.
+MAX_RESTART_DELAY = timedelta(seconds=60)
+
+_ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure|Fault)\b.*)$")
+
+
+def exit_status(returncode: int) -> int:
+    """A process's exit status as a shell reports it (killed by signal N -> 128 + N)."""
+    if 0 <= returncode < 256:
+        return returncode
+    return 128 + (-returncode if returncode < 0 else 1)
+
+
+def describe_exit(returncode: int) -> str:
+    """``exit 1`` / ``killed by SIGKILL``."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit {returncode}"
+
+
+def last_error_line(tail: bytes) -> str | None:
+    """The last line of ``tail`` that names an exception (``ValueError: ...``), else its
+    last non-empty line, else None."""
+    lines = [ln.strip() for ln in tail.decode("utf-8", "replace").splitlines() if ln.strip()]
+    for line in reversed(lines):
+        m = _ERROR_LINE.match(line)
+        if m:
+            return m.group(1)[:500]
+    return lines[-1][:500] if lines else None
+
+
+class WorkerProcess:
+    """One worker incarnation: its process, its channel and what it reported."""
+
+    def __init__(self, incarnation: int, proc: asyncio.subprocess.Process, writer: asyncio.StreamWriter) -> None:
+        self.incarnation = incarnation
+        self.proc = proc
+        self.writer = writer
+        self.started = time.monotonic()
+        self.ready = False                  # said hello
+        self.model: dict[str, Any] = {}     # from its hello
+        self.step: int | None = None        # last progress report
+        self.generation: int | None = None  # generation of its last progress / reconfigured report
+        self.plan_generation = 0            # newest plan relayed to it
+        self.killed = False                 # stopped on purpose (evict / shutdown / leave timeout)
+        self.done = False                   # reported that training finished; never killed after that
+        self.grace_task: asyncio.Task[Any] | None = None
+        self._tail = bytearray()
+        self._stderr_task: asyncio.Task[None] | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.returncode is None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stderr_tail(self) -> bytes:
+        return bytes(self._tail)
+
+    def last_error(self) -> str:
+        """What the worker last said went wrong, with how it ended."""
+        rc = self.proc.returncode
+        how = describe_exit(rc) if rc is not None else "running"
+        line = last_error_line(self.stderr_tail())
+        return f"{how}: {line}" if line else how
+
+    async def stderr_done(self, timeout: float = 2.0) -> None:
+        """Wait (bounded) until the stderr relay has read everything the worker wrote."""
+        if self._stderr_task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._stderr_task), timeout)
+            except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - the tail is best effort
+                pass
+
+    async def _relay_stderr(self, stream: asyncio.StreamReader, sink: BinaryIO) -> None:
+        while True:
+            try:
+                chunk = await stream.read(1 << 16)
+            except (ConnectionError, OSError):
+                return
+            if not chunk:
+                return
+            try:
+                sink.write(chunk)
+                sink.flush()
+            except (OSError, ValueError):
+                pass  # the agent's own stderr is gone; keep the tail anyway
+            self._tail += chunk
+            if len(self._tail) > STDERR_TAIL_BYTES:
+                del self._tail[: len(self._tail) - STDERR_TAIL_BYTES]
+
+
+async def spawn_worker(command: list[str], env: dict[str, str], incarnation: int,
+                       stderr_sink: BinaryIO | None = None) -> tuple[WorkerProcess, asyncio.StreamReader]:
+    """Start ``command`` with a channel to the agent (``LAZARUS_AGENT_FD`` is added to
+    ``env``). Returns the worker and the agent's reader of its channel.
+
+    Raises:
+        OSError: the command cannot be started.
+    """
+    parent, child = socket.socketpair()
+    env = dict(env, LAZARUS_AGENT_FD=str(child.fileno()))
+    try:
+        proc = await asyncio.create_subprocess_exec(*command, pass_fds=(child.fileno(),), env=env,
+                                                    stderr=asyncio.subprocess.PIPE)
+    except OSError:
+        parent.close()
+        raise
+    finally:
+        child.close()
+    reader, writer = await asyncio.open_unix_connection(sock=parent)
+    wk = WorkerProcess(incarnation, proc, writer)
+    assert proc.stderr is not None
+    sink = stderr_sink if stderr_sink is not None else sys.stderr.buffer
+    wk._stderr_task = asyncio.ensure_future(wk._relay_stderr(proc.stderr, sink))
+    return wk, reader
+
+
+class RestartPolicy:
+    """At most ``max_restarts`` restarts within any ``window``; the k-th restart in the
+    window waits ``base_delay * 2**k`` (at most :data:`MAX_RESTART_DELAY`).
+
+    ``next_delay()`` records a restart and returns its delay, or None once the cap is
+    reached (the crash loop is given up).
+    """
+
+    def __init__(self, max_restarts: int, window: timedelta, base_delay: timedelta,
+                 clock: Any = time.monotonic) -> None:
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
+        self.max_restarts = max_restarts
+        self.window = window.total_seconds()
+        self.base = base_delay.total_seconds()
+        self._clock = clock
+        self._times: collections.deque[float] = collections.deque()
+
+    def recent(self) -> int:
+        """Restarts within the window ending now."""
+        now = self._clock()
+        while self._times and now - self._times[0] > self.window:
+            self._times.popleft()
+        return len(self._times)
+
+    def next_delay(self) -> float | None:
+        n = self.recent()
+        if n >= self.max_restarts:
+            return None
+        self._times.append(self._clock())
+        return min(self.base * (2 ** n), MAX_RESTART_DELAY.total_seconds())
+
+
+def worker_env(base: dict[str, str], extra: dict[str, str], **lazarus: str) -> dict[str, str]:
+    """The worker's environment: the agent's, ``extra`` (``--env``), then ``LAZARUS_*``."""
+    env = dict(base)
+    env.update(extra)
+    env.update({f"LAZARUS_{k.upper()}": v for k, v in lazarus.items()})
+    return env
+
