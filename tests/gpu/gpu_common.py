@@ -1,0 +1,34 @@
+"""Shared by the CUDA tests (``make test-gpu``): the marker, the skip, small helpers."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+# Every test module here: ``pytestmark = GPU``. Without CUDA they skip with this reason.
+GPU = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="needs a CUDA GPU (torch.cuda.is_available() is False); CI is CPU-only, "
+                              "run `make test-gpu` on a machine with a GPU"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def to_host(tree):
+    """A nested dict/list of tensors with every tensor on the CPU (DTensors as local shards)."""
+    if isinstance(tree, torch.Tensor):
+        t = tree.to_local() if hasattr(tree, "to_local") else tree
+        return t.detach().cpu().clone()
+    if isinstance(tree, dict):
+        return {k: to_host(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_host(v) for v in tree)
+    return tree
