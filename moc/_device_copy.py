@@ -115,9 +115,12 @@ class CudaCopyBatch:
                 stack.enter_context(torch.cuda.stream(side))
             yield
 
-    def copy(self, plan, start: int, end: int, out: torch.Tensor) -> None:
+    def copy(self, plan, start: int, end: int, out: torch.Tensor, *, non_blocking: bool = True) -> None:
+        """Copy stream bytes ``[start, end)`` of ``plan`` into ``out`` on the side streams:
+        asynchronously into page-locked ``out``; ``non_blocking=False`` (a pageable buffer)
+        returns once the bytes are there."""
         with self.issuing():
-            plan.copy_range(start, end, out, non_blocking=True)
+            plan.copy_range(start, end, out, non_blocking=non_blocking)
 
     def fence(self) -> None:
         """Make the training stream(s) wait for the copies issued so far (state the next

@@ -86,11 +86,12 @@ class SnapshotEngine:
         for r in plan.incoming(self.run.rank):
             landing.append((r, offset))
             offset += r[2] - r[1]
-        batch = None
-        if self.copier.device_async and buf.pinned:
-            # Issue every device-to-host copy now, on the side stream(s) behind this step's
-            # update; state the next forward changes in place is fenced off at once.
-            batch = self.copier.begin()
+        # CUDA: the side stream(s) wait on an event recorded behind this step's update.
+        batch = self.copier.begin() if self.copier.device_async else None
+        issued = batch is not None and buf.pinned
+        if issued:
+            # Issue every device-to-host copy now, asynchronously into the page-locked
+            # buffer; state the next forward changes in place is fenced off at once.
             for first in (True, False):
                 for (name, tplan, start, end, _, _), off in placed:
                     if (name in plan.sync_entries) == first:
@@ -100,22 +101,30 @@ class SnapshotEngine:
             batch.finish()
             self._batch = batch
         else:
-            if self.copier.device_async and not self._fallback_logged:
+            if batch is not None and not self._fallback_logged:
                 self._fallback_logged = True
                 log.warning("%s: snapshot buffer is not page-locked; CUDA tensors are copied by the snapshot "
                             "thread and the optimizer step waits for it", self.run.where())
             for (name, tplan, start, end, _, _), off in placed:
                 if name in plan.sync_entries:
-                    self._host.copy(tplan, start, end, buf.data[off: off + end - start])
-        self.in_flight = self._exec.submit(self._fill, buf, placed, plan, header, landing, batch)
+                    self._copy_now(batch, tplan, start, end, buf.data[off: off + end - start])
+        self.in_flight = self._exec.submit(self._fill, buf, placed, plan, header, landing, batch, issued)
         return self.in_flight
 
+    def _copy_now(self, batch: CudaCopyBatch | None, tplan, start: int, end: int, out) -> None:
+        """A copy complete on return: on the host, or (unpinned buffer) on the side stream
+        behind the step's update event."""
+        if batch is None:
+            self._host.copy(tplan, start, end, out)
+        else:
+            batch.copy(tplan, start, end, out, non_blocking=False)
+
     def _fill(self, buf: SnapshotBuffer, placed, plan: SnapshotPlan, header: dict[str, Any],
-              landing, batch: CudaCopyBatch | None = None) -> SnapshotBuffer:
+              landing, batch: CudaCopyBatch | None = None, issued: bool = False) -> SnapshotBuffer:
         """Background: copy this rank's share into the buffer (or wait for the device to
         have copied it), send/receive the remote copies, checksum everything, publish."""
         t0 = time.perf_counter()
-        if batch is not None:
+        if issued:
             batch.synchronize()
             self.device_copy_seconds = batch.copy_seconds()
         units: dict[str, Any] = {}
@@ -123,8 +132,8 @@ class SnapshotEngine:
         where: dict[tuple[str, int], int] = {}
         for (name, tplan, start, end, spec, owner), off in placed:
             n = end - start
-            if batch is None and name not in plan.sync_entries:
-                self._host.copy(tplan, start, end, buf.data[off: off + n])
+            if not issued and name not in plan.sync_entries:
+                self._copy_now(batch, tplan, start, end, buf.data[off: off + n])
             units[name] = unit_meta(tplan, spec)
             where[(name, start)] = off
             pieces.append({"unit": name, "start": start, "end": end, "offset": off,

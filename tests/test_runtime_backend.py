@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -120,3 +119,22 @@ def test_abort_dispatch_fails_a_blocked_peer_at_once(backend: str, teardown: str
     assert out[0]["initialized_after"] is False
     assert out[1]["error"] is not None and out[1]["collective_error"], out[1]
     assert out[1]["blocked_s"] < timeout_s / 3, out[1]     # failed on the abort, not on the timeout
+
+
+def test_an_interrupted_nccl_step_is_refused_before_the_update() -> None:
+    """NCCL collectives do not raise where they break: after an abort the trainer's health
+    check (before ``optimizer.step()``) must raise a collective error, until the next
+    generation is formed. gloo needs no check (its collectives raise themselves)."""
+    from lazarus.runtime import is_collective_error
+
+    nccl = GroupAborter("nccl")
+    nccl.check_healthy()                       # nothing interrupted, no NCCL group here
+    nccl.interrupt()
+    with pytest.raises(RuntimeError) as info:
+        nccl.check_healthy()
+    assert is_collective_error(info.value) and "NCCL" in str(info.value)
+    nccl.formed()
+    nccl.check_healthy()
+    gloo = GroupAborter("gloo")
+    gloo.interrupt()
+    gloo.check_healthy()

@@ -134,11 +134,39 @@ class GroupAborter:
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         self.backend = backend
         self.sockets = SocketTracker()
+        self.interrupted = False     # set before the communicators are aborted
+
+    def formed(self) -> None:
+        """A new generation's groups exist: nothing of them has been interrupted."""
+        self.interrupted = False
+
+    def check_healthy(self) -> None:
+        """Raise a collective error if the NCCL communicators were aborted (here, or by
+        NCCL's watchdog on an error or timeout) since :meth:`formed`.
+
+        NCCL collectives do not block the host: a communicator aborted while a step's
+        collectives ran leaves garbage in their outputs and raises nothing until the next
+        collective. The trainer calls this after the step's collectives have completed on
+        the device and before ``optimizer.step()``, so such a step is never applied. A
+        no-op for gloo (its collectives raise where they fail)."""
+        if self.backend != "nccl":
+            return
+        if self.interrupted:
+            raise RuntimeError("NCCL communicator aborted during the step (process group interrupted)")
+        for backend in nccl_backends():
+            try:
+                error = backend.get_error()
+            except (AttributeError, RuntimeError):   # not reported by this build
+                continue
+            name = getattr(error, "name", str(error))
+            if name != "SUCCESS":
+                raise RuntimeError(f"NCCL process group reported {name}; its collectives are not valid")
 
     def interrupt(self) -> AbortReport:
         """Make every collective blocked on the current groups fail now (safe from another
         thread: the groups stay registered; :meth:`retire` tears them down)."""
         report = AbortReport(self.backend)
+        self.interrupted = True
         if self.backend == "nccl":
             for backend in nccl_backends():
                 try:

@@ -118,6 +118,7 @@ class Reconfigurer:
             # the watchdog's timeout is the group's (collective_timeout).
             dist.init_process_group(t.backend.init_backend, store=dist.PrefixStore(prefix + "/pg", store),
                                     rank=rank, world_size=world, timeout=t.config.collective_timeout)
+        self.aborter.formed()
         t.rank, t.world, t.members, t.generation = rank, world, list(members), int(plan["generation"])
 
     # -- the plan ----------------------------------------------------------------------------

@@ -201,6 +201,11 @@ class ElasticTrainer:
         self._sync_gradients()
         if self.config.grad_clip is not None:
             self._clip_gradients(self.config.grad_clip)
+        if self.backend.backend == "nccl":
+            # NCCL collectives do not block the host: wait until this step's have run, and
+            # never apply a step whose communicators were aborted meanwhile (garbage).
+            torch.cuda.current_stream(self.device).synchronize()
+            self.reconf.aborter.check_healthy()
         opt.step()
         self.step = step + 1             # applied: from here on the step counts
         for name, layer in moe_layers(model):

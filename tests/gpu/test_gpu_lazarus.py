@@ -55,9 +55,13 @@ def test_nccl_group_is_aborted_and_reformed_in_process(monkeypatch) -> None:
         torch.cuda.synchronize()
         assert float(dev.sum()) == 1024 * (generation + 1) and host.tolist() == [2.0, 2.0, 2.0]
         assert len(nccl_backends()) >= 1
+        aborter.check_healthy()                                # the watchdog saw no error
         report = aborter.retire()
         assert report.backend == "nccl" and report.teardown == "abort" and report.nccl_aborted >= 1, report
         assert not dist.is_initialized()
+        with pytest.raises(RuntimeError, match="NCCL"):       # a step after the abort is refused
+            aborter.check_healthy()
+        aborter.formed()
 
 
 def test_moe_layer_dispatches_with_the_cuda_kernel() -> None:
