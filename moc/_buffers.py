@@ -188,6 +188,11 @@ class BufferPool:
         b.state = SNAPSHOT
         return b
 
+    def unpin(self) -> None:
+        """Release the page-locking of every buffer (the files and their contents stay)."""
+        for b in self.buffers:
+            b._unpin()
+
     def allocated_bytes(self) -> int:
         return sum(b.capacity for b in self.buffers)
 

@@ -57,6 +57,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 from moc import CheckpointManager, MoCConfig  # noqa: E402
 
 GB = 1e9
+SHM = {"root": Path(tempfile.gettempdir())}   # where moc's snapshot buffers go (set in main)
 FULL = dict(dim=2048, hidden=4096, experts=16, layers=2, tokens=32768, window=5, reps=4,
             layer_dim=1024, layer_hidden=4096, layer_experts=16, layer_tokens=16384)
 QUICK = dict(dim=256, hidden=512, experts=8, layers=2, tokens=2048, window=3, reps=2,
@@ -260,7 +261,7 @@ class MoC(Method):
         self.name = f"moc K={'all' if k is None else k}"
 
     def setup(self) -> None:
-        cfg = MoCConfig(storage=str(self.root / f"moc-{self.k}"), snapshot_dir=str(self.root / f"shm-{self.k}"),
+        cfg = MoCConfig(storage=str(self.root / f"moc-{self.k}"), snapshot_dir=str(SHM["root"] / f"shm-{self.k}"),
                         interval=1, k_snapshot=self.k, k_persist=self.k, dynamic_k=False, keep_last=1,
                         storage_options={"fsync": False})
         self.ckpt = CheckpointManager(cfg, model=self.tr.model, optimizer=self.tr.opt)
@@ -328,7 +329,7 @@ def measure(tr: Trainer, method: Method, window: int, reps: int) -> dict[str, An
 # --------------------------------------------------------------------------------------
 # (b) device-to-host bandwidth
 def bandwidth(tr: Trainer, root: Path, reps: int = 3) -> dict[str, float]:
-    cfg = MoCConfig(storage=str(root / "moc-bw"), snapshot_dir=str(root / "shm-bw"), interval=1,
+    cfg = MoCConfig(storage=str(root / "moc-bw"), snapshot_dir=str(SHM["root"] / "shm-bw"), interval=1,
                     k_snapshot=None, dynamic_k=False, keep_last=1, storage_options={"fsync": False})
     out: dict[str, float] = {}
     with CheckpointManager(cfg, model=tr.model, optimizer=tr.opt) as ckpt:
@@ -413,6 +414,18 @@ def moe_layer(p: dict[str, int], device: torch.device, iters: int = 10) -> dict[
 
 
 # --------------------------------------------------------------------------------------
+def pick_shm(needed: int, fallback: Path) -> Path:
+    """A tmpfs folder for moc's snapshot buffers (page-locking file mappings needs shared
+    memory), when /dev/shm has room for them; else ``fallback`` (then reported)."""
+    try:
+        st = os.statvfs("/dev/shm")
+        if st.f_bavail * st.f_frsize >= needed:
+            return Path(tempfile.mkdtemp(prefix="moc-gpu-bench-", dir="/dev/shm"))
+    except OSError:
+        pass
+    return fallback
+
+
 def machine(device: torch.device) -> str:
     cpu = platform.processor() or "unknown"
     try:
@@ -455,9 +468,11 @@ def main(argv: list[str] | None = None) -> int:
                 tr.step()
             tr.sync()
             total, expert = tr.state_bytes()
+            SHM["root"] = pick_shm(3 * total + (1 << 30), root)
             lines += [f"Model: {p['layers']} MoE layers x {p['experts']} experts, d={p['dim']}, h={p['hidden']}, "
                       f"{p['tokens']} tokens/step; bf16 weights + fp32 Adam moments = {total / GB:.2f} GB "
-                      f"({expert / total:.1%} in experts).", ""]
+                      f"({expert / total:.1%} in experts). moc snapshot buffers in {SHM['root']}"
+                      f"{'' if str(SHM['root']).startswith('/dev/shm') else ' (NOT tmpfs: /dev/shm too small)'}.", ""]
             if "stall" not in skip:
                 rows = []
                 for m in (TorchSave(tr, root), DCPAsync(tr, root), MoC(tr, root, None), MoC(tr, root, 1)):
@@ -510,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
+        if str(SHM["root"]).startswith("/dev/shm/moc-gpu-bench-"):
+            shutil.rmtree(SHM["root"], ignore_errors=True)
     text = "\n".join(lines)
     print(text)
     if out is not None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import uuid
 
 import pytest
 import torch
@@ -32,3 +35,29 @@ def to_host(tree):
     if isinstance(tree, (list, tuple)):
         return type(tree)(to_host(v) for v in tree)
     return tree
+
+
+SHM_NEEDED = 8 << 30
+
+
+@pytest.fixture
+def shm_dir(tmp_path):
+    """A snapshot directory on tmpfs (``/dev/shm``, moc's default): page-locking a file
+    mapping with ``cudaHostRegister`` needs shared memory (Linux refuses long-term pins of
+    writable mappings of ordinary files). Falls back to ``tmp_path`` when ``/dev/shm`` is
+    missing or smaller than 8 GiB; tests that check page-locking then fail, naming it."""
+    path = None
+    try:
+        st = os.statvfs("/dev/shm")
+        if st.f_bavail * st.f_frsize >= SHM_NEEDED:
+            path = f"/dev/shm/moc-gpu-test-{uuid.uuid4().hex[:8]}"
+            os.makedirs(path)
+    except OSError:
+        path = None
+    if path is None:
+        yield str(tmp_path / "shm")
+        return
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

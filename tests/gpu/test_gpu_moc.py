@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_common import GPU, free_port, to_host
+from gpu_common import GPU, free_port, shm_dir, to_host  # noqa: F401 - shm_dir is a fixture
 from moc import CheckpointManager, MoCConfig
 from moc._device_copy import CudaCopier
 from moc._toy import BigramTask, ToyMoE
@@ -48,9 +48,9 @@ def snapshot_of_now(model, opt) -> dict:
             "optim": {names[id(p)]: to_host(dict(st)) for p, st in opt.state.items()}}
 
 
-def cfg(tmp_path, **kw) -> MoCConfig:
+def cfg(tmp_path, shm: str, **kw) -> MoCConfig:
     kw.setdefault("interval", 1)
-    return MoCConfig(storage=str(tmp_path / "ckpt"), snapshot_dir=str(tmp_path / "shm"), **kw)
+    return MoCConfig(storage=str(tmp_path / "ckpt"), snapshot_dir=shm, **kw)
 
 
 def assert_units_match(trees: dict, truth: dict) -> int:
@@ -69,9 +69,9 @@ def assert_units_match(trees: dict, truth: dict) -> int:
     return n
 
 
-def test_cuda_snapshot_uses_a_side_stream_and_page_locked_buffers(tmp_path) -> None:
+def test_cuda_snapshot_uses_a_side_stream_and_page_locked_buffers(tmp_path, shm_dir) -> None:
     model, opt, task = make()
-    with CheckpointManager(cfg(tmp_path), model=model, optimizer=opt) as ckpt:
+    with CheckpointManager(cfg(tmp_path, shm_dir), model=model, optimizer=opt) as ckpt:
         for step in range(4):
             train_step(model, opt, task, step, ckpt)
         ckpt.wait(flush=False)
@@ -79,17 +79,18 @@ def test_cuda_snapshot_uses_a_side_stream_and_page_locked_buffers(tmp_path) -> N
         assert isinstance(engine.copier, CudaCopier)
         assert engine.copier.devices == [torch.device("cuda", torch.cuda.current_device())]
         used = [b for b in ckpt.pool.buffers if b.capacity]
-        assert used and all(b.pinned and b.data.is_pinned() for b in used)
+        assert used and all(b.pinned and b.data.is_pinned() for b in used), \
+            f"snapshot buffers in {shm_dir} were not page-locked (is it on tmpfs? see the log's cudaHostRegister line)"
         assert engine.device_copy_seconds is not None and engine.device_copy_seconds > 0
         st = ckpt.status()
         assert st["snapshot_failures"] == 0 and st["last_snapshot_step"] == 3
 
 
-def test_step_returns_before_the_device_copies_finish(tmp_path) -> None:
+def test_step_returns_before_the_device_copies_finish(tmp_path, shm_dir) -> None:
     """The copies run on the device while the host goes on: the host time of ``step()``
     (planning + issuing) is shorter than the copies themselves (~1.6 GB of state)."""
     model, opt, task = make(dim=1024, hidden=4096)
-    with CheckpointManager(cfg(tmp_path), model=model, optimizer=opt) as ckpt:
+    with CheckpointManager(cfg(tmp_path, shm_dir), model=model, optimizer=opt) as ckpt:
         for step in range(4):                   # buffers reach their size at the first ones
             train_step(model, opt, task, step, ckpt)
         ckpt.wait(flush=False)
@@ -97,11 +98,11 @@ def test_step_returns_before_the_device_copies_finish(tmp_path) -> None:
         assert call < copy, (call, copy)
 
 
-def test_snapshot_never_sees_the_next_update(tmp_path) -> None:
+def test_snapshot_never_sees_the_next_update(tmp_path, shm_dir) -> None:
     """The next optimizer step is queued right behind the snapshot's copies; the event the
     update waits on keeps it from overwriting what is being copied."""
     model, opt, task = make(dim=1024, hidden=4096)
-    with CheckpointManager(cfg(tmp_path, interval=3), model=model, optimizer=opt) as ckpt:
+    with CheckpointManager(cfg(tmp_path, shm_dir, interval=3), model=model, optimizer=opt) as ckpt:
         for step in range(3):                      # checkpoints step 0 (a run's first step)
             train_step(model, opt, task, step, ckpt)
         x, y = task.batch(3, 1024)
@@ -121,9 +122,9 @@ def test_snapshot_never_sees_the_next_update(tmp_path) -> None:
         assert changed, "training did not move the weights: the test proves nothing"
 
 
-def test_restore_into_cuda_from_memory_and_from_storage(tmp_path) -> None:
+def test_restore_into_cuda_from_memory_and_from_storage(tmp_path, shm_dir) -> None:
     model, opt, task = make()
-    with CheckpointManager(cfg(tmp_path, interval=2), model=model, optimizer=opt) as ckpt:
+    with CheckpointManager(cfg(tmp_path, shm_dir, interval=2), model=model, optimizer=opt) as ckpt:
         for step in range(5):                      # checkpoints 0, 2, 4
             train_step(model, opt, task, step, ckpt)
         ckpt.wait()
@@ -134,11 +135,11 @@ def test_restore_into_cuda_from_memory_and_from_storage(tmp_path) -> None:
 
     for level in ("memory", "storage"):
         if level == "storage":
-            for name in os.listdir(tmp_path / "shm"):
-                for f in os.listdir(tmp_path / "shm" / name):
-                    os.remove(tmp_path / "shm" / name / f)
+            for name in os.listdir(shm_dir):
+                for f in os.listdir(os.path.join(shm_dir, name)):
+                    os.remove(os.path.join(shm_dir, name, f))
         m2, o2, _ = make(seed=123)
-        with CheckpointManager(cfg(tmp_path, interval=2), model=m2, optimizer=o2) as ck2:
+        with CheckpointManager(cfg(tmp_path, shm_dir, interval=2), model=m2, optimizer=o2) as ck2:
             assert ck2.restore() == 5
             torch.cuda.synchronize()
             got = snapshot_of_now(m2, o2)
@@ -155,7 +156,7 @@ def test_restore_into_cuda_from_memory_and_from_storage(tmp_path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_fsdp2_dtensor_parameters_on_cuda(tmp_path) -> None:
+def test_fsdp2_dtensor_parameters_on_cuda(tmp_path, shm_dir) -> None:
     """FSDP2 on a one-rank NCCL mesh: DTensor shards on the GPU are snapshotted as local
     shards and restored into a fresh FSDP2 model."""
     import torch.distributed as dist
@@ -177,7 +178,7 @@ def test_fsdp2_dtensor_parameters_on_cuda(tmp_path) -> None:
 
         model, opt, task = build(0)
         assert any(hasattr(p, "device_mesh") for p in model.parameters())
-        with CheckpointManager(cfg(tmp_path, interval=2), model=model, optimizer=opt) as ckpt:
+        with CheckpointManager(cfg(tmp_path, shm_dir, interval=2), model=model, optimizer=opt) as ckpt:
             for step in range(3):                  # checkpoints 0, 2
                 train_step(model, opt, task, step, ckpt)
             ckpt.wait()
@@ -186,7 +187,7 @@ def test_fsdp2_dtensor_parameters_on_cuda(tmp_path) -> None:
         torch.cuda.synchronize()
         truth = snapshot_of_now(model, opt)
         m2, o2, _ = build(77)
-        with CheckpointManager(cfg(tmp_path, interval=2), model=m2, optimizer=o2) as ck2:
+        with CheckpointManager(cfg(tmp_path, shm_dir, interval=2), model=m2, optimizer=o2) as ck2:
             assert ck2.restore() == 3
             torch.cuda.synchronize()
             got = snapshot_of_now(m2, o2)
