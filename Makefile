@@ -23,8 +23,11 @@ test: $(STAMP)
 	$(VPY) -m pytest -q
 
 # Only the CUDA tests (tests/gpu, marker `gpu`); they skip, with the reason, without a GPU.
-test-gpu: $(STAMP)
-	$(VPY) -m pytest -q -m gpu tests/gpu
+# GPU_PY=python3 uses an interpreter that already has a CUDA torch (no .venv is made).
+GPU_PY ?= $(VPY)
+GPU_DEPS := $(if $(filter $(VPY),$(GPU_PY)),$(STAMP))
+test-gpu: $(GPU_DEPS)
+	$(GPU_PY) -m pytest -q -m gpu tests/gpu
 
 demo: $(STAMP)
 	$(VPY) -m lazarus.demo --dir runs/lazarus-demo
@@ -58,8 +61,8 @@ bench-simulate: $(STAMP)
 
 # Not part of `make bench`: needs a CUDA GPU (moc stall vs DCP / torch.save, D2H bandwidth,
 # MoE layer with the CUDA dispatch kernel).
-bench-gpu: $(STAMP)
-	$(VPY) benchmarks/gpu/main.py
+bench-gpu: $(GPU_DEPS)
+	$(GPU_PY) benchmarks/gpu/main.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info
