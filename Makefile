@@ -1,4 +1,4 @@
-# Two commands: `make test` and `make demo`. Each creates .venv when absent and installs
+# Two commands: `make test` and `make demo` (`make test-gpu` / `make bench-gpu` where a GPU is). Each creates .venv when absent and installs
 # torch (the pinned CPU wheel when no torch is importable) and the project with its extras.
 PY ?= python3
 VENV := .venv
@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: test demo demo-moc docs-heatmap bench bench-store bench-placement bench-dispatch bench-moc bench-simulate bench-runtime soak install clean
+.PHONY: test test-gpu demo demo-moc docs-heatmap bench bench-store bench-placement bench-dispatch bench-moc bench-simulate bench-runtime bench-gpu soak install clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,13 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(VPY) -m pytest -q
+
+# Only the CUDA tests (tests/gpu, marker `gpu`); they skip, with the reason, without a GPU.
+# GPU_PY=python3 uses an interpreter that already has a CUDA torch (no .venv is made).
+GPU_PY ?= $(VPY)
+GPU_DEPS := $(if $(filter $(VPY),$(GPU_PY)),$(STAMP))
+test-gpu: $(GPU_DEPS)
+	$(GPU_PY) -m pytest -q -m gpu tests/gpu
 
 demo: $(STAMP)
 	$(VPY) -m lazarus.demo --dir runs/lazarus-demo
@@ -58,6 +65,11 @@ MINUTES ?= 10
 SEED ?= 0
 soak: $(STAMP)
 	$(VPY) benchmarks/soak/main.py --minutes $(MINUTES) --seed $(SEED)
+
+# Not part of `make bench`: needs a CUDA GPU (moc stall vs DCP / torch.save, D2H bandwidth,
+# MoE layer with the CUDA dispatch kernel).
+bench-gpu: $(GPU_DEPS)
+	$(GPU_PY) benchmarks/gpu/main.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -10,6 +10,11 @@ States cycle SNAPSHOT (being filled) -> PERSIST (being written to storage) -> RE
 (the newest complete copy, kept for fast restore); a buffer not needed by either of those
 roles is FREE. A buffer grows when a snapshot outgrows it and shrinks when it is more than
 twice the size its next snapshot needs (the first, full checkpoint's buffer, typically).
+
+For snapshots of CUDA tensors a buffer is page-locked (``cudaHostRegister`` of its
+mapping, :func:`moc._device_copy.host_register`) so device-to-host copies into it are
+asynchronous. A resize unregisters the old range first and registers the new one after:
+a registration pins the pages it saw, and a truncated-then-regrown file has new pages.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import Any
 
 import torch
 import xxhash
+
+from ._device_copy import host_register, host_unregister
 
 __all__ = ["SnapshotBuffer", "BufferPool", "FREE", "SNAPSHOT", "READY", "PERSIST"]
 
@@ -52,6 +59,8 @@ class SnapshotBuffer:
     _map: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8), repr=False)
     _mapped: int = 0
     _shrinking: threading.Thread | None = field(default=None, repr=False)
+    pinned: bool = False          # page-locked for asynchronous device-to-host copies
+    _pin_failed: bool = field(default=False, repr=False)
 
     @property
     def path(self) -> str:
@@ -61,8 +70,8 @@ class SnapshotBuffer:
     def header_path(self) -> str:
         return os.path.join(self.directory, f"buf{self.index}.json")
 
-    def ensure(self, nbytes: int) -> None:
-        """Make the buffer at least ``nbytes`` long.
+    def ensure(self, nbytes: int, *, pin: bool = False) -> None:
+        """Make the buffer at least ``nbytes`` long (and page-locked with ``pin``).
 
         It grows when it must, and shrinks when it is more than twice what is needed: the
         first checkpoint holds every unit, later partial ones a fraction of that, and
@@ -93,6 +102,17 @@ class SnapshotBuffer:
             self._shrinking.start()
         self.capacity = capacity
         self.data = self._map[:capacity]
+        if pin and not self._pin_failed:
+            self._pin()
+
+    def _pin(self) -> None:
+        self.pinned = host_register(self.data, where=f"snapshot buffer {self.path}")
+        self._pin_failed = not self.pinned
+
+    def _unpin(self) -> None:
+        if self.pinned:
+            host_unregister(self.data, where=f"snapshot buffer {self.path}")
+            self.pinned = False
 
     def _settle(self) -> None:
         if self._shrinking is not None:
@@ -168,12 +188,18 @@ class BufferPool:
         b.state = SNAPSHOT
         return b
 
+    def unpin(self) -> None:
+        """Release the page-locking of every buffer (the files and their contents stay)."""
+        for b in self.buffers:
+            b._unpin()
+
     def allocated_bytes(self) -> int:
         return sum(b.capacity for b in self.buffers)
 
     def remove_files(self) -> None:
         for b in self.buffers:
             b.invalidate()
+            b._unpin()
             b._settle()
             b.data = b._map = torch.empty(0, dtype=torch.uint8)
             b.capacity = b._mapped = 0

@@ -83,10 +83,11 @@ class Comm:
     def exchange(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], *,
                  snapshot: bool = False) -> torch.Tensor:
         """One uneven all-to-all of uint8 bytes (training-thread group, or the snapshot
-        thread's with ``snapshot=True``)."""
+        thread's with ``snapshot=True``); the result is on ``send``'s device (a CUDA
+        ``send`` on a group with an NCCL backend moves over NCCL)."""
         if not self.distributed:
             return send
-        recv = torch.empty(sum(recv_splits), dtype=torch.uint8)
+        recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
         group = self.snapshot_group if snapshot else self.group
         dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
         return recv

@@ -423,6 +423,8 @@ class CheckpointManager:
             self.persister.shutdown(wait=True)
             if not keep_snapshots:
                 self.engine.pool.remove_files()
+            else:
+                self.engine.pool.unpin()   # the files stay for a restart; the driver's pins go
 
     # -- reporting -----------------------------------------------------------------------
     def snapshot_state(self) -> tuple[int, dict[str, Any]] | None:

@@ -1,9 +1,14 @@
-"""The first level: copies of this rank's shares into shared-memory buffers, made by a
-background thread while the next forward/backward runs.
+"""The first level: copies of this rank's shares into shared-memory buffers, made while
+the next forward/backward runs.
 
-The optimizer's step pre-hook waits for the copy in flight (the only stall), so no
-snapshot ever sees the next update. Failures are counted; ``max_consecutive_failures``
-in a row end training with :class:`moc.CheckpointError` (decided by all ranks together).
+CPU tensors are copied by a background thread; the optimizer's step pre-hook waits for
+it (the only stall), so no snapshot ever sees the next update. CUDA tensors are copied on
+a side stream into page-locked buffers (:mod:`moc._device_copy`): the copies are issued in
+``step()`` after an event recorded behind ``optimizer.step()``, the pre-hook orders the
+next update after their completion event on the device, and the background thread only
+waits for that event, then checksums and publishes. Failures are counted;
+``max_consecutive_failures`` in a row end training with :class:`moc.CheckpointError`
+(decided by all ranks together).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import xxhash
 from ._buffers import FREE, PERSIST, READY, SNAPSHOT, BufferPool, SnapshotBuffer
 from ._codec import TensorMeta, decode_tree
 from ._config import MoCConfig
+from ._device_copy import CudaCopier, CudaCopyBatch, HostCopier, copier_for
 from ._dist import Comm
 from ._errors import CheckpointError
 from ._run_state import RunState
@@ -56,13 +62,21 @@ class SnapshotEngine:
         self.stall_last = 0.0
         self.stall_total = 0.0
         self.stalls = 0
+        self._host = HostCopier()        # copies that complete in the call (CPU, or unpinned)
+        self.copier: HostCopier | CudaCopier = self._host
+        self.device_copy_seconds: float | None = None  # device time of the newest CUDA snapshot's copies
+        self._batch: CudaCopyBatch | None = None        # CUDA copies the next update must wait for
+        self._stall_batch: CudaCopyBatch | None = None  # whose device-side wait is not measured yet
+        self._fallback_logged = False
 
     # -- taking a snapshot -----------------------------------------------------------------
     def start(self, plan: SnapshotPlan, header: dict[str, Any]) -> Future:
         """Reserve a buffer, copy the state the next forward may change now, and leave the
         rest (parameters, optimizer state, remote copies, checksums) to the background."""
+        self.collect_device_stall()
+        self.copier = copier_for((src for e in plan.entries for src in e[1].sources), self.copier)
         buf = self.pool.acquire()
-        buf.ensure(plan.nbytes(self.run.rank))
+        buf.ensure(plan.nbytes(self.run.rank), pin=self.copier.pins_buffers)
         offset = 0
         placed = []
         for entry in plan.entries:
@@ -72,24 +86,54 @@ class SnapshotEngine:
         for r in plan.incoming(self.run.rank):
             landing.append((r, offset))
             offset += r[2] - r[1]
-        for entry, off in placed:
-            if entry[0] in plan.sync_entries:
-                entry[1].copy_range(entry[2], entry[3], buf.data[off: off + entry[3] - entry[2]])
-        self.in_flight = self._exec.submit(self._fill, buf, placed, plan, header, landing)
+        # CUDA: the side stream(s) wait on an event recorded behind this step's update.
+        batch = self.copier.begin() if self.copier.device_async else None
+        issued = batch is not None and buf.pinned
+        if issued:
+            # Issue every device-to-host copy now, asynchronously into the page-locked
+            # buffer; state the next forward changes in place is fenced off at once.
+            for first in (True, False):
+                for (name, tplan, start, end, _, _), off in placed:
+                    if (name in plan.sync_entries) == first:
+                        batch.copy(tplan, start, end, buf.data[off: off + end - start])
+                if first:
+                    batch.fence()
+            batch.finish()
+            self._batch = batch
+        else:
+            if batch is not None and not self._fallback_logged:
+                self._fallback_logged = True
+                log.warning("%s: snapshot buffer is not page-locked; CUDA tensors are copied by the snapshot "
+                            "thread and the optimizer step waits for it", self.run.where())
+            for (name, tplan, start, end, _, _), off in placed:
+                if name in plan.sync_entries:
+                    self._copy_now(batch, tplan, start, end, buf.data[off: off + end - start])
+        self.in_flight = self._exec.submit(self._fill, buf, placed, plan, header, landing, batch, issued)
         return self.in_flight
 
+    def _copy_now(self, batch: CudaCopyBatch | None, tplan, start: int, end: int, out) -> None:
+        """A copy complete on return: on the host, or (unpinned buffer) on the side stream
+        behind the step's update event."""
+        if batch is None:
+            self._host.copy(tplan, start, end, out)
+        else:
+            batch.copy(tplan, start, end, out, non_blocking=False)
+
     def _fill(self, buf: SnapshotBuffer, placed, plan: SnapshotPlan, header: dict[str, Any],
-              landing) -> SnapshotBuffer:
-        """Background: copy this rank's share into the buffer, send/receive the remote
-        copies, checksum everything, publish."""
+              landing, batch: CudaCopyBatch | None = None, issued: bool = False) -> SnapshotBuffer:
+        """Background: copy this rank's share into the buffer (or wait for the device to
+        have copied it), send/receive the remote copies, checksum everything, publish."""
         t0 = time.perf_counter()
+        if issued:
+            batch.synchronize()
+            self.device_copy_seconds = batch.copy_seconds()
         units: dict[str, Any] = {}
         pieces = []
         where: dict[tuple[str, int], int] = {}
         for (name, tplan, start, end, spec, owner), off in placed:
             n = end - start
-            if name not in plan.sync_entries:
-                tplan.copy_range(start, end, buf.data[off: off + n])
+            if not issued and name not in plan.sync_entries:
+                self._copy_now(batch, tplan, start, end, buf.data[off: off + n])
             units[name] = unit_meta(tplan, spec)
             where[(name, start)] = off
             pieces.append({"unit": name, "start": start, "end": end, "offset": off,
@@ -151,6 +195,7 @@ class SnapshotEngine:
     def wait(self) -> bool:
         """Wait for the snapshot in flight; True if it was still running. A failure is
         counted, never raised here (see :meth:`check_failures`)."""
+        self.collect_device_stall()
         fut = self.in_flight
         if fut is None:
             return False
@@ -169,12 +214,41 @@ class SnapshotEngine:
         return pending
 
     def before_optimizer_step(self, optimizer, args, kwargs) -> None:
-        """The optimizer step pre-hook: the one place training waits for a snapshot."""
+        """The optimizer step pre-hook: the one place training waits for a snapshot.
+
+        CUDA snapshots: the update is ordered after the copies on the device, the host
+        does not block; the device-side wait is measured by timing events and booked by
+        :meth:`collect_device_stall` once it has run."""
+        batch = self._batch
+        if batch is not None:
+            self._batch = None
+            pending = not batch.query()      # still copying: the update will wait for it
+            batch.order_update()             # always: the query may race with the completion
+            if pending:
+                self._stall_batch = batch
+            else:
+                self.stall_last = 0.0
+            return
         t0 = time.perf_counter()
         if self.wait():
-            self.stall_last = time.perf_counter() - t0
-            self.stall_total += self.stall_last
-            self.stalls += 1
+            self._book_stall(time.perf_counter() - t0)
+
+    def _book_stall(self, seconds: float) -> None:
+        self.stall_last = seconds
+        self.stall_total += seconds
+        self.stalls += 1
+
+    def collect_device_stall(self) -> None:
+        """Book how long the training stream waited for the last CUDA snapshot's copies,
+        once that wait has run on the device (a no-op otherwise)."""
+        batch = self._stall_batch
+        if batch is None:
+            return
+        seconds = batch.stall_seconds()
+        if seconds is None:
+            return
+        self._stall_batch = None
+        self._book_stall(seconds)
 
     def check_failures(self, last_persisted_step: int | None) -> None:
         """Raise :class:`CheckpointError` on every rank once any rank's snapshots failed

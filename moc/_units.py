@@ -26,6 +26,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
+from ._device_copy import copy_into, finish_copies
 from ._layouts import (DEFAULT_EXPERT_PATTERN, ExpertLayout, TensorRef, UnitLayout, UnitSpec, discover_units,
                        expert_unit_name, is_dtensor, local_box, local_tensor, module_unit_name, parse_expert,
                        unit_base)
@@ -185,7 +186,9 @@ def _saved_box(value: torch.Tensor, place: Mapping[str, Any] | None) -> tuple[to
 
 
 def _copy_box(dst: torch.Tensor, dst_off: Sequence[int], src: torch.Tensor, src_off: Sequence[int]) -> int:
-    """Copy the intersection of two boxes given in global coordinates; return its size."""
+    """Copy the intersection of two boxes given in global coordinates; return its size.
+
+    A host-to-device copy is non-blocking: :func:`_apply` waits for all of them at the end."""
     sd, ss = [], []
     for i in range(dst.dim()):
         lo = max(dst_off[i], src_off[i])
@@ -195,7 +198,7 @@ def _copy_box(dst: torch.Tensor, dst_off: Sequence[int], src: torch.Tensor, src_
         sd.append(slice(lo - dst_off[i], hi - dst_off[i]))
         ss.append(slice(lo - src_off[i], hi - src_off[i]))
     part = dst[tuple(sd)]
-    part.copy_(src[tuple(ss)])
+    copy_into(part, src[tuple(ss)])
     return part.numel()
 
 
@@ -208,10 +211,11 @@ def _copy_piece(key: str, live: torch.Tensor, value: torch.Tensor, place: Mappin
 
 
 def _scalar_like(v: torch.Tensor, p: torch.Tensor, group: Mapping[str, Any] | None) -> torch.Tensor:
-    # Adam's "step" lives on the CPU unless the optimizer is capturable or fused.
+    # Adam's "step" lives on the CPU unless the optimizer is capturable or fused (a unit
+    # received over NCCL decodes on the device: bring it back).
     on_device = bool(group and (group.get("capturable") or group.get("fused")))
     out = v.detach().clone()
-    return out.to(local_tensor(p).device) if on_device or v.dim() > 0 else out
+    return out.to(local_tensor(p).device) if on_device or v.dim() > 0 else out.cpu()
 
 
 def _assemble_state(key: str, p: torch.nn.Parameter, pieces: list[tuple[dict[str, Any], Any, tuple[int, ...] | None]],
@@ -255,6 +259,17 @@ def _assemble_state(key: str, p: torch.nn.Parameter, pieces: list[tuple[dict[str
 
 def _apply(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, trees: Iterable[Mapping[str, Any]],
            *, full: bool, groups: list[dict[str, Any]] | None = None) -> list[str]:
+    try:
+        return _apply_pieces(model, optimizer, trees, full=full, groups=groups)
+    finally:
+        # The saved bytes may be page-locked buffers reused right after: every non-blocking
+        # host-to-device copy must have landed before returning.
+        finish_copies(local_tensor(t).device for t in (*model.parameters(), *model.buffers()))
+
+
+def _apply_pieces(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                  trees: Iterable[Mapping[str, Any]], *, full: bool,
+                  groups: list[dict[str, Any]] | None = None) -> list[str]:
     current = model.state_dict(keep_vars=True)
     params = dict(model.named_parameters())
     covered: dict[str, int] = defaultdict(int)

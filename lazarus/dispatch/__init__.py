@@ -7,7 +7,7 @@ and the rest travel in one uneven all-to-all. See ``csrc/dispatch_core.h`` for t
 integer rule.
 """
 
-from ._api import compiled_backend, dispatch_counts, dispatch_permutation
+from ._api import compiled_backend, dispatch_counts, dispatch_device, dispatch_permutation
 from ._build import OpsState, load_ops
 
-__all__ = ["OpsState", "compiled_backend", "dispatch_counts", "dispatch_permutation", "load_ops"]
+__all__ = ["OpsState", "compiled_backend", "dispatch_counts", "dispatch_device", "dispatch_permutation", "load_ops"]

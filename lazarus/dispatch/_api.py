@@ -76,3 +76,13 @@ def compiled_backend() -> str:
     """``"cuda"``, ``"cpp"`` or ``"torch"``: the best implementation this process loaded."""
     state = load_ops()
     return "cuda" if state.cuda else ("cpp" if state.cpp else "torch")
+
+
+def dispatch_device(device: torch.device | str) -> torch.device:
+    """Where to run the dispatcher for tokens on ``device``: the device itself when it is
+    a CUDA device and the CUDA kernels loaded, the CPU otherwise (the counts are tiny; the
+    torch implementation issues many small ops that are faster on the host)."""
+    device = torch.device(device)
+    if device.type == "cuda" and load_ops().cuda:
+        return device
+    return torch.device("cpu")

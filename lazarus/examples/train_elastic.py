@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", default=None, help="JSON-lines metrics file written by rank 0")
     p.add_argument("--digests", default=None, help="write this rank's state digests here at the end; {node} is replaced by the node id")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, cuda, cuda:<i> or auto (the process group follows: gloo on CPU, NCCL on CUDA)")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+                   help="torch.distributed backend (auto: follows --device)")
     return p
 
 
@@ -80,12 +84,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         snapshot_copies=args.snapshot_copies, keep_last=2)
     cfg = ElasticConfig(collective_timeout=args.collective_timeout, rendezvous_timeout=args.rendezvous_timeout,
                         plan_timeout=args.plan_timeout, report_every=args.report_every, moc=moc_cfg,
-                        metrics_path=args.metrics)
+                        metrics_path=args.metrics, device=args.device, backend=args.backend)
     layout = {"layers": {name: args.experts for name in moe_layer_names(gpt)}, "top_k": args.top_k}
 
     def loss_fn(model: torch.nn.Module, step: int, rank: int, world: int) -> torch.Tensor:
         x, y = corpus.batch(step, rank, world, args.batch_size, args.seq_len, seed=args.seed)
-        _, loss = model(x, y)
+        device = next(model.parameters()).device
+        _, loss = model(x.to(device), y.to(device))
         return loss
 
     trainer = ElasticTrainer(cfg, layout=layout, build_model=lambda placements: MoEGPT(gpt, placements),

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lazarus.dispatch import dispatch_counts, dispatch_permutation
+from lazarus.dispatch import dispatch_counts, dispatch_device, dispatch_permutation
 from lazarus.dispatch._log import get_logger
 from lazarus.planning import Placement
 
@@ -189,11 +189,13 @@ class MoELayer(nn.Module):
 
         local_counts = torch.bincount(slot_expert, minlength=cfg.num_experts).to(torch.int64)
         gathered = all_gather_rows(local_counts, self.group, size)  # [W, E]
-        tokens = gathered.t().cpu()  # T[E, W]
-        send, recv = dispatch_counts(self.replicas.cpu(), tokens, rank)
-        perm = dispatch_permutation(slot_expert.cpu(), send).to(h.device)
+        where = dispatch_device(h.device)  # the CUDA kernel on device, else the host
+        tokens = gathered.t().to(where)  # T[E, W]
+        send, recv = dispatch_counts(self.replicas.to(where), tokens, rank)
+        perm = dispatch_permutation(slot_expert.to(where), send).to(h.device)
         in_splits = send.sum(1).tolist()
         out_splits = recv.sum(1).tolist()
+        tokens, recv = tokens.cpu(), recv.cpu()
 
         x_recv = all_to_all_uneven(h[slot_token[perm]], out_splits, in_splits, self.group)
         recv_expert = torch.repeat_interleave(

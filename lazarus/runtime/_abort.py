@@ -1,4 +1,10 @@
-"""Hard abort of a broken gloo process group.
+"""Hard abort of a broken process group: NCCL communicators are aborted, gloo's sockets shut.
+
+NCCL: a survivor of a crashed peer aborts the communicators (``ncclCommAbort`` through
+the backend's ``abort()``; torch's ``_abort_process_group`` for the teardown). Destroying a
+broken NCCL communicator can hang, so it is never destroyed first. A blocked NCCL kernel
+(a collective with a dead or frozen peer) returns once its communicator is aborted, so a
+watcher thread can interrupt the training thread this way.
 
 gloo gives no way to interrupt peers: ``destroy_process_group``, ``shutdown()`` and
 ``abort()`` leave its TCP connections open, so a survivor blocked in a collective with a
@@ -11,12 +17,18 @@ elsewhere it degrades to waiting for the collective timeout.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from contextlib import contextmanager
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator
 
-__all__ = ["SocketTracker"]
+import torch.distributed as dist
+
+__all__ = ["SocketTracker", "GroupAborter", "AbortReport", "nccl_backends"]
+
+log = logging.getLogger("lazarus.trainer")
 
 
 def _socket_fds() -> dict[int, str]:
@@ -92,3 +104,108 @@ class SocketTracker:
                 s.close()
         self._fds.clear()
         return n
+
+
+def nccl_backends() -> list[Any]:
+    """The NCCL backends of every live process group of this process (none without NCCL)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.is_nccl_available()):
+        return []
+    import torch
+    from torch.distributed.distributed_c10d import ProcessGroupNCCL, _world
+
+    out = []
+    for pg in list(_world.pg_map):
+        try:
+            backend = pg._get_backend(torch.device("cuda"))
+        except RuntimeError:     # the group has no CUDA backend
+            continue
+        if isinstance(backend, ProcessGroupNCCL):
+            out.append(backend)
+    return out
+
+
+@dataclass
+class AbortReport:
+    """What one abort did (for the log line and the tests)."""
+
+    backend: str
+    nccl_aborted: int = 0       # NCCL backends whose communicators were aborted
+    sockets_shut: int = 0       # gloo TCP connections shut down
+    teardown: str = ""          # "abort" (torch's _abort_process_group), "destroy", or "" (none)
+
+
+class GroupAborter:
+    """Interrupts and tears down a trainer's process groups, the way their backend needs.
+
+    ``backend`` is the trainer's (``"gloo"`` or ``"nccl"``). With NCCL the group is
+    ``cpu:gloo,cuda:nccl`` and moc's groups are gloo, so both mechanisms run: the NCCL
+    communicators are aborted and the gloo sockets shut down.
+    """
+
+    def __init__(self, backend: str) -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        self.backend = backend
+        self.sockets = SocketTracker()
+        self.interrupted = False     # set before the communicators are aborted
+
+    def formed(self) -> None:
+        """A new generation's groups exist: nothing of them has been interrupted."""
+        self.interrupted = False
+
+    def check_healthy(self) -> None:
+        """Raise a collective error if the NCCL communicators were aborted (here, or by
+        NCCL's watchdog on an error or timeout) since :meth:`formed`.
+
+        NCCL collectives do not block the host: a communicator aborted while a step's
+        collectives ran leaves garbage in their outputs and raises nothing until the next
+        collective. The trainer calls this after the step's collectives have completed on
+        the device and before ``optimizer.step()``, so such a step is never applied. A
+        no-op for gloo (its collectives raise where they fail)."""
+        if self.backend != "nccl":
+            return
+        if self.interrupted:
+            raise RuntimeError("NCCL communicator aborted during the step (process group interrupted)")
+        for backend in nccl_backends():
+            try:
+                error = backend.get_error()
+            except (AttributeError, RuntimeError):   # not reported by this build
+                continue
+            name = getattr(error, "name", str(error))
+            if name != "SUCCESS":
+                raise RuntimeError(f"NCCL process group reported {name}; its collectives are not valid")
+
+    def interrupt(self) -> AbortReport:
+        """Make every collective blocked on the current groups fail now (safe from another
+        thread: the groups stay registered; :meth:`retire` tears them down)."""
+        report = AbortReport(self.backend)
+        self.interrupted = True
+        if self.backend == "nccl":
+            for backend in nccl_backends():
+                try:
+                    backend.abort()
+                    report.nccl_aborted += 1
+                except Exception as exc:  # noqa: BLE001 - already aborted by the watchdog
+                    log.debug("NCCL abort: %s", exc)
+        report.sockets_shut = self.sockets.shutdown_all()
+        return report
+
+    def retire(self) -> AbortReport:
+        """Interrupt, then drop the default group and every subgroup: NCCL with torch's
+        process-group abort (never a destroy of a broken communicator), gloo with
+        ``destroy_process_group``."""
+        report = self.interrupt()
+        if not (dist.is_available() and dist.is_initialized()):
+            return report
+        try:
+            if self.backend == "nccl":
+                from torch.distributed.distributed_c10d import _abort_process_group
+
+                _abort_process_group()
+                report.teardown = "abort"
+            else:
+                dist.destroy_process_group()
+                report.teardown = "destroy"
+        except Exception as exc:  # noqa: BLE001 - already broken
+            log.debug("process group teardown: %s", exc)
+        return report

@@ -8,6 +8,8 @@ from typing import Union
 
 from moc import MoCConfig
 
+from ._backend import check_backend_spec, check_device_spec
+
 __all__ = ["ElasticConfig"]
 
 
@@ -30,6 +32,12 @@ class ElasticConfig:
         metrics_path: JSON-lines file where rank 0 appends one record per step and one per
             reconfiguration (``None``: off).
         grad_clip: max global gradient norm (``None``: no clipping).
+        device: where the trainer computes: ``"auto"`` (``cuda:<LOCAL_RANK>`` when CUDA is
+            available, else ``cpu``), ``"cpu"``, ``"cuda"`` or ``"cuda:<index>"``. The model
+            ``build_model`` returns is moved there; ``ElasticTrainer.device`` says which.
+        backend: ``"auto"`` (follows the device: NCCL on CUDA, gloo on CPU), ``"gloo"`` or
+            ``"nccl"`` (CUDA only). A broken NCCL communicator is aborted, gloo's sockets
+            are shut down; both re-form the next generation in-process.
     """
 
     collective_timeout: timedelta = timedelta(seconds=10)
@@ -40,6 +48,8 @@ class ElasticConfig:
     memory_key: str = "worker0"
     metrics_path: Union[str, None] = None
     grad_clip: Union[float, None] = 1.0
+    device: str = "auto"
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("collective_timeout", "rendezvous_timeout", "plan_timeout"):
@@ -59,3 +69,8 @@ class ElasticConfig:
             raise ValueError(f"ElasticConfig.memory_key must be a plain folder name, got {self.memory_key!r}")
         if self.grad_clip is not None and not (isinstance(self.grad_clip, (int, float)) and self.grad_clip > 0):
             raise ValueError(f"ElasticConfig.grad_clip must be a positive number or None, got {self.grad_clip!r}")
+        check_device_spec(self.device, "ElasticConfig.device")
+        check_backend_spec(self.backend, "ElasticConfig.backend")
+        if self.backend == "nccl" and self.device == "cpu":
+            raise ValueError("ElasticConfig.backend='nccl' needs a CUDA device, got device='cpu'; "
+                             "use device='cuda' (or 'auto') or backend='gloo'")

@@ -41,7 +41,7 @@ from lazarus.planning import Placement
 from moc import CheckpointManager
 from moc._units import apply_partial, capture_unit, discover_units
 
-from ._abort import SocketTracker
+from ._abort import GroupAborter, SocketTracker
 from ._transfer import choose_moves, exchange_units, world_comm
 
 if TYPE_CHECKING:
@@ -68,22 +68,25 @@ class Reconfigurer:
         self._store = None
         self._store_addr: tuple[str, int, int] | None = None
         self.group_epoch: int | None = None   # store epoch (controller incarnation) of the current group
-        self.sockets = SocketTracker()
+        self.aborter = GroupAborter(trainer.backend.backend)
+        self.sockets = self.aborter.sockets    # gloo connections opened by our groups
         self._store_sockets = SocketTracker()
 
     # -- groups ----------------------------------------------------------------------------
     def retire_group(self) -> None:
-        """Retire the moc manager (keep its buffers) and destroy the process group."""
+        """Retire the moc manager (keep its buffers) and tear the process group down."""
         t = self.t
-        # Shut the group's sockets down first: every peer's pending operation (training
-        # thread, or moc's snapshot/persist threads) fails at once instead of waiting out
-        # its timeout, and so do this process's own background threads.
-        self.sockets.shutdown_all()
+        # Abort the NCCL communicators and shut the gloo sockets down first: every peer's
+        # pending operation (training thread, or moc's snapshot/persist threads) fails at
+        # once instead of waiting out its timeout, and so do this process's own background
+        # threads. NCCL groups are then aborted, never destroyed (that can hang).
         if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as exc:  # noqa: BLE001 - already broken
-                log.debug("destroy_process_group: %s", exc)
+            r = self.aborter.retire()
+            log.info("node %s step %d gen %d: %s group retired (%d NCCL communicators aborted, %d connections "
+                     "shut, teardown %s)", t.node, t.step, t.generation, r.backend, r.nccl_aborted, r.sockets_shut,
+                     r.teardown or "none")
+        else:
+            self.aborter.interrupt()
         gc.collect()  # drop the last references so the group's sockets close now
         if t.ckpt is not None:
             try:
@@ -128,8 +131,11 @@ class Reconfigurer:
                 raise TimeoutError(f"rendezvous of generation {plan['generation']} timed out")
             time.sleep(0.005)
         with self.sockets.track():
-            dist.init_process_group("gloo", store=dist.PrefixStore(prefix + "/pg", store), rank=rank,
-                                    world_size=world, timeout=t.config.collective_timeout)
+            # NCCL: cuda:nccl for device tensors, cpu:gloo for the small host agreements;
+            # the watchdog's timeout is the group's (collective_timeout).
+            dist.init_process_group(t.backend.init_backend, store=dist.PrefixStore(prefix + "/pg", store),
+                                    rank=rank, world_size=world, timeout=t.config.collective_timeout)
+        self.aborter.formed()
         t.rank, t.world, t.members, t.generation = rank, world, list(members), int(plan["generation"])
         self.group_epoch = epoch
 
@@ -298,7 +304,7 @@ class Reconfigurer:
             for m in moves:
                 if m.src == comm.rank and m.unit not in trees:
                     trees[m.unit] = capture_unit(layout.units[m.unit], t.model, t.optimizer, state=state)
-        received = exchange_units(moves, trees, comm)
+        received = exchange_units(moves, trees, comm, device=t.backend.transfer_device)
         stats["moved"] = sum(1 for m in moves if m.unit.startswith("expert/"))
         stats["dense_moves"] = sum(1 for m in moves if not m.unit.startswith("expert/"))
         stats["sources"]["peer"] = stats["moved"]
@@ -313,7 +319,7 @@ class Reconfigurer:
         placements = {layer: Placement([list(s) for s in slots], num_experts=int(t.layout["layers"][layer]))
                       for layer, slots in plan["layers"].items()}
         if t.model is None:
-            t.model = self.build_model(placements)
+            t.model = self.build_model(placements).to(t.device)
         else:
             for name, layer in moe_layers(t.model):
                 new = placements[name]

@@ -7,8 +7,10 @@ optimizer and the moc checkpoint manager, and drives the step loop::
     gradient sync -> optimizer.step() -> moc step -> one tiny all-reduce (plan agreement)
 
 On the first broken collective a survivor reports it, retires its process group and moc
-manager, waits for the controller's next plan, re-forms the group on that generation's
-store prefix, and migrates state (:mod:`._reconfigure`). The failed step is discarded
+manager (NCCL communicators aborted, gloo sockets shut down: :mod:`._abort`), waits for the
+controller's next plan, re-forms the group on that generation's store prefix, and
+migrates state (:mod:`._reconfigure`). The backend follows ``ElasticConfig.device``
+(:mod:`._backend`). The failed step is discarded
 (or kept, where every survivor applied it). Planned changes (joins, graceful leaves,
 rebalancing) are agreed on at a step boundary through the per-step all-reduce.
 """
@@ -30,6 +32,7 @@ from torch import nn
 from lazarus.moe import moe_layers
 from lazarus.planning import Placement
 
+from ._backend import TrainerBackend, nccl_environment, resolve_backend
 from ._elastic_config import ElasticConfig
 from ._reconfigure import Reconfigurer, Superseded
 
@@ -92,6 +95,12 @@ class ElasticTrainer:
         self.layout = {"layers": dict(layers), "top_k": int(layout.get("top_k", 1))}
         self.channel = channel
         self.node = str(channel.node_id)
+        self.backend: TrainerBackend = resolve_backend(config.device, config.backend)
+        if self.backend.device.type == "cuda":
+            torch.cuda.set_device(self.backend.device)
+        if self.backend.backend == "nccl":
+            nccl_environment(f"node {self.node}")
+        log.info("node %s step -: device %s, backend %s", self.node, self.backend.device, self.backend.backend)
         self.reconf = Reconfigurer(self, build_model=build_model, make_optimizer=make_optimizer)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -111,6 +120,12 @@ class ElasticTrainer:
         self._stop_watch = threading.Event()
 
     # -- public ----------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """Where the model lives (``ElasticConfig.device`` resolved): ``build_model``'s
+        result is moved here, and ``loss_fn`` should put its batches here."""
+        return self.backend.device
+
     def run(self, loss_fn: LossFn, total_steps: int) -> None:
         """Train until ``total_steps`` optimizer steps are applied (counted over the job's
         life, across reconfigurations), then flush the last checkpoint and report done."""
@@ -129,17 +144,20 @@ class ElasticTrainer:
     def _watch_plans(self) -> None:
         """A failure plan arriving while this rank trains means the group is dead, even if
         no collective here has failed yet (a frozen peer keeps its sockets open, so a
-        collective with it would only fail after ``collective_timeout``): shut the group's
-        sockets, so the blocked collective fails now and recovery starts."""
+        collective with it would only fail after ``collective_timeout``): abort the group's
+        NCCL communicators and shut its gloo sockets, so the blocked collective fails now
+        and recovery starts."""
         while not self._stop_watch.wait(0.05):
             plan = self.channel.latest_plan()
             if plan is None or plan.get("mode") != "immediate" or int(plan["generation"]) <= self.generation:
                 continue
             with self._watch_lock:
                 if self._training.is_set() and int(plan["generation"]) > self.generation:
-                    n = self.reconf.sockets.shutdown_all()
-                    log.warning("node %s: plan %d (%s) arrived while training on generation %d; interrupted %d "
-                                "connections", self.node, plan["generation"], plan.get("reason"), self.generation, n)
+                    r = self.reconf.aborter.interrupt()
+                    log.warning("node %s step %d: plan %d (%s) arrived while training on generation %d; aborted %d "
+                                "NCCL communicators, interrupted %d connections", self.node, self.step,
+                                plan["generation"], plan.get("reason"), self.generation, r.nccl_aborted,
+                                r.sockets_shut)
                     self._training.clear()
 
     def _loop(self, loss_fn: LossFn, total_steps: int) -> None:
@@ -185,6 +203,11 @@ class ElasticTrainer:
         self._sync_gradients()
         if self.config.grad_clip is not None:
             self._clip_gradients(self.config.grad_clip)
+        if self.backend.backend == "nccl":
+            # NCCL collectives do not block the host: wait until this step's have run, and
+            # never apply a step whose communicators were aborted meanwhile (garbage).
+            torch.cuda.current_stream(self.device).synchronize()
+            self.reconf.aborter.check_healthy()
         opt.step()
         self.step = step + 1             # applied: from here on the step counts
         for name, layer in moe_layers(model):

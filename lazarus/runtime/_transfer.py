@@ -59,10 +59,15 @@ def choose_moves(needs: Mapping[int, Sequence[str]], holders: Mapping[str, Seque
     return moves, missing
 
 
-def exchange_units(moves: Sequence[Move], trees: Mapping[str, Any], comm: Comm | None = None) -> dict[str, Any]:
+def exchange_units(moves: Sequence[Move], trees: Mapping[str, Any], comm: Comm | None = None, *,
+                   device: torch.device | str = "cpu") -> dict[str, Any]:
     """Run ``moves`` (identical list on every rank; collective). ``trees`` holds the state
-    trees of the units this rank sends; returns the trees this rank receives."""
+    trees of the units this rank sends; returns the trees this rank receives.
+
+    ``device`` (the same on every rank) holds the bytes in flight: ``"cpu"`` for gloo, the
+    rank's CUDA device for NCCL, where the received trees' tensors then live too."""
     comm = comm or world_comm()
+    device = torch.device(device)
     rank, world = comm.rank, comm.world
     if not moves:
         return {}
@@ -78,13 +83,13 @@ def exchange_units(moves: Sequence[Move], trees: Mapping[str, Any], comm: Comm |
     for m in moves:
         n = int(described[m.unit]["nbytes"])
         if m.src == rank:
-            buf = torch.empty(n, dtype=torch.uint8)
+            buf = torch.empty(n, dtype=torch.uint8, device=device)
             plans[m.unit].copy_range(0, n, buf)
             send_parts.append(buf)
             send_splits[m.dst] += n
         if m.dst == rank:
             recv_splits[m.src] += n
-    send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=torch.uint8)
+    send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=torch.uint8, device=device)
     if sum(send_splits) != send.numel():
         raise RuntimeError("transfer bookkeeping error: send buffer does not match its splits")
     received = comm.exchange(send, send_splits, recv_splits)
@@ -98,8 +103,11 @@ def exchange_units(moves: Sequence[Move], trees: Mapping[str, Any], comm: Comm |
             continue
         meta = described[m.unit]
         n = int(meta["nbytes"])
-        data, view = unit_buffer(n)
-        view[:] = memoryview(received[starts[m.src]: starts[m.src] + n].numpy())
+        if device.type == "cpu":
+            data, view = unit_buffer(n)
+            view[:] = memoryview(received[starts[m.src]: starts[m.src] + n].numpy())
+        else:   # stays on the device; its own storage, 16-byte aligned like the stream
+            data = received[starts[m.src]: starts[m.src] + n].clone()
         starts[m.src] += n
         out[m.unit] = decode_tree(meta["skeleton"], [TensorMeta.from_json(t) for t in meta["tensors"]], data)
     return out
