@@ -77,6 +77,7 @@ class ElasticMoE(nn.Module):
         routing_hook: optional ``fn(counts)`` called with ``routing_counts`` after every
             training forward (see :func:`lazarus.moe.record_routing_to`).
         last_received: tokens this rank's experts processed in the last forward.
+        last_received_per_expert: int64 [E], the same per expert.
     """
 
     experts: LocalExperts
@@ -93,6 +94,7 @@ class ElasticMoE(nn.Module):
         self.routing_counts: torch.Tensor | None = None
         self.routing_hook: RoutingHook | None = None
         self.last_received = 0
+        self.last_received_per_expert: torch.Tensor | None = None
         self._slots: list[list[int]] = []
         self._holders: list[list[int]] = []
 
@@ -246,7 +248,7 @@ class ElasticMoE(nn.Module):
         recv_expert = torch.repeat_interleave(
             torch.arange(num).repeat(size), recv.flatten(), output_size=sum(out_splits)
         ).to(h.device)
-        y_recv = self._run_local(x_recv, recv_expert, recv.sum(0))
+        y_recv = self._run_local(x_recv, recv_expert, recv)
         y_back = all_to_all_uneven(y_recv, in_splits, out_splits, self.group)
 
         inverse = torch.empty_like(perm)
@@ -255,17 +257,20 @@ class ElasticMoE(nn.Module):
         out = y_slots.view(n_tok, k, d).sum(1).to(h.dtype)
 
         self.last_received = int(sum(out_splits))
+        self.last_received_per_expert = recv.sum(0)
         if self.training:
             self.routing_counts = tokens.sum(1)
             if self.routing_hook is not None:
                 self.routing_hook(self.routing_counts)
         return out
 
-    def _run_local(self, x: torch.Tensor, expert_ids: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
+    def _run_local(self, x: torch.Tensor, expert_ids: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
         """Apply the local expert of every received row (rows arrive grouped by source rank,
-        then expert): sort them by expert, run the experts, put them back."""
+        then expert; ``recv[src, e]`` rows of expert e from rank src): sort them by expert
+        (unless they already are), run the experts, put them back."""
         held = self.local_experts
-        foreign = [e for e, n in enumerate(per_expert.tolist()) if n and e not in held]
+        per_expert = recv.sum(0).tolist()
+        foreign = [e for e, n in enumerate(per_expert) if n and e not in held]
         if foreign:  # the dispatcher never sends a rank foreign experts
             raise RuntimeError(f"rank {self.rank} received tokens of experts {foreign}, which it does not hold")
         if x.shape[0] == 0:
@@ -273,8 +278,13 @@ class ElasticMoE(nn.Module):
             # all-to-all's backward runs here too (every rank must join that collective).
             anchor = sum(p.sum() for p in self.parameters() if p.requires_grad)
             return x.new_zeros((0, x.shape[1])) + 0 * (x.sum() + anchor)
-        order = torch.sort(expert_ids, stable=True).indices
         counts = [int(per_expert[e]) for e in held]
+        # Source-major order is already expert-major when the experts met, source by
+        # source, never go back (one source, typically): no gather needed then.
+        seq = [e for row in recv.tolist() for e, n in enumerate(row) if n]
+        if all(a <= b for a, b in zip(seq, seq[1:])):
+            return self.experts.run(x, counts)
+        order = torch.sort(expert_ids, stable=True).indices
         y_sorted = self.experts.run(x[order], counts)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
