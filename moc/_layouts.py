@@ -16,7 +16,10 @@ people train is where its tensors live:
 For Megatron and TE the index in the name is local to the expert-parallel rank; the
 module's ``local_expert_indices`` (Megatron's own attribute) maps it to the global id.
 For fused tensors the expert index is the position along the expert dim of the *global*
-tensor (a DTensor sharded on that dim holds rows ``offset .. offset + local - 1``).
+tensor (a DTensor sharded on that dim holds rows ``offset .. offset + local - 1``), or,
+when the module owning the tensor has ``local_expert_indices`` (a rank holding any subset
+of the experts, as Lazarus' replicated expert parallelism does), the id listed for the row;
+the module's ``num_experts`` is then the global count.
 
 Parameters that are DTensors (FSDP2, expert parallelism, both) are described by the piece
 this rank holds: its global offsets, read from the DTensor's mesh and placements. A unit
@@ -47,6 +50,7 @@ __all__ = [
     "unit_base",
     "parse_expert",
     "local_box",
+    "fused_row_map",
 ]
 
 DEFAULT_EXPERT_PATTERN = r"(?P<layer>.+)\.experts\.(?P<expert>\d+)\."
@@ -275,6 +279,36 @@ def _local_index_map(model: torch.nn.Module, layer: str) -> list[int] | None:
     return None
 
 
+def fused_row_map(model: torch.nn.Module, key: str, t: torch.Tensor, dim: int) -> tuple[list[int], int] | None:
+    """Global expert ids of the rows of a fused expert tensor that holds a subset of a
+    layer's experts (expert parallelism with replicas: any set per rank), or None.
+
+    The module owning the parameter says so the way Megatron-core does for its local
+    experts: ``local_expert_indices`` (global id of each row along ``dim``) and
+    ``num_experts`` (the layer's global count E). :class:`lazarus.moe.GroupedExperts` sets
+    both. The checkpoint then records each row as ``[E, ...]`` at its global index.
+    """
+    owner_path = key.rsplit(".", 1)[0] if "." in key else ""
+    try:
+        owner = model.get_submodule(owner_path)
+    except AttributeError:
+        return None
+    ids = getattr(owner, "local_expert_indices", None)
+    if ids is None:
+        return None
+    ids = [int(i) for i in ids]
+    num = getattr(owner, "num_experts", None)
+    num = int(num) if num is not None else (max(ids) + 1 if ids else 0)
+    if is_dtensor(t):
+        raise ValueError(f"{key!r}: a DTensor fused expert tensor cannot also have local_expert_indices")
+    if len(ids) != t.shape[dim]:
+        raise ValueError(f"{key!r}: {t.shape[dim]} expert rows along dim {dim} but "
+                         f"{owner_path}.local_expert_indices has {len(ids)} entries")
+    if len(set(ids)) != len(ids) or any(not 0 <= i < num for i in ids):
+        raise ValueError(f"{key!r}: local_expert_indices {ids} must be distinct ids in [0, num_experts = {num})")
+    return ids, num
+
+
 def _piece_suffix(refs: list[TensorRef], full: dict[str, bool]) -> str:
     if all(full[r.key] for r in refs):
         return ""
@@ -349,6 +383,10 @@ def discover_units(model: torch.nn.Module, expert_pattern: str | None = None, *,
                 TensorRef(key, None, None, off, None if full[key] else gshape))
             continue
         d = rule.expert_dim
+        rows = fused_row_map(model, key, value, d)
+        if rows is not None:    # a subset of the experts, row i = global expert rows[0][i]
+            ids, num = rows
+            gshape = tuple(num if i == d else n for i, n in enumerate(gshape))
         num = gshape[d]
         if fused_e.setdefault(layer, {}).setdefault("E", num) != num:
             raise ValueError(f"MoE layer {layer!r}: fused expert tensors disagree on the number of experts "
@@ -356,7 +394,7 @@ def discover_units(model: torch.nn.Module, expert_pattern: str | None = None, *,
         rest_full = all(lshape[i] == gshape[i] for i in range(len(gshape)) if i != d)
         full[key] = rest_full
         for row in range(lshape[d]):
-            e = goff[d] + row
+            e = goff[d] + row if rows is None else rows[0][row]
             off = tuple(e if i == d else goff[i] for i in range(len(gshape)))
             expert_refs.setdefault((layer, e), []).append(TensorRef(key, d, row, off, gshape))
 

@@ -300,7 +300,9 @@ def _overlaps(meta: dict[str, Any], spec: Any, state: dict[str, Any]) -> bool:
         _, off, local = local_box(ref.key, value)
         off, local = list(off), list(local)
         if ref.expert_dim is not None:
-            off[ref.expert_dim] += ref.row
+            # the row's global offset (its expert id, whatever the local row number)
+            off = list(ref.offset) if ref.offset is not None else [o + (ref.row if i == ref.expert_dim else 0)
+                                                                    for i, o in enumerate(off)]
             local[ref.expert_dim] = 1
         if all(max(o, so) < min(o + n, so + sn) for o, n, so, sn in zip(off, local, box[0], box[1])):
             return True

@@ -28,8 +28,8 @@ import torch
 
 from ._device_copy import copy_into, finish_copies
 from ._layouts import (DEFAULT_EXPERT_PATTERN, ExpertLayout, TensorRef, UnitLayout, UnitSpec, discover_units,
-                       expert_unit_name, is_dtensor, local_box, local_tensor, module_unit_name, parse_expert,
-                       unit_base)
+                       expert_unit_name, fused_row_map, is_dtensor, local_box, local_tensor, module_unit_name,
+                       parse_expert, unit_base)
 
 __all__ = [
     "DEFAULT_EXPERT_PATTERN",
@@ -202,12 +202,39 @@ def _copy_box(dst: torch.Tensor, dst_off: Sequence[int], src: torch.Tensor, src_
     return part.numel()
 
 
-def _copy_piece(key: str, live: torch.Tensor, value: torch.Tensor, place: Mapping[str, Any] | None) -> int:
+Rows = tuple[list[int], int, int]   # (global expert id of each row, E, expert dim) of a fused tensor
+
+
+def _live_shape(key: str, live: torch.Tensor, rows: Rows | None) -> tuple[int, ...]:
+    if rows is None:
+        return tuple(local_box(key, live)[0])
+    ids, num, d = rows
+    return tuple(num if i == d else n for i, n in enumerate(live.shape))
+
+
+def _place(dst: torch.Tensor, src: torch.Tensor, src_off: Sequence[int], rows: Rows) -> int:
+    """Copy a saved piece into the rows of ``dst`` (a fused tensor holding a subset of the
+    experts, or a state tensor shaped like it) that hold the experts the piece covers."""
+    ids, _, d = rows
+    n = 0
+    for r, e in enumerate(ids):
+        if src_off[d] <= e < src_off[d] + src.shape[d]:
+            off = [0] * dst.dim()
+            off[d] = e
+            n += _copy_box(dst.narrow(d, r, 1), off, src, src_off)
+    return n
+
+
+def _copy_piece(key: str, live: torch.Tensor, value: torch.Tensor, place: Mapping[str, Any] | None,
+                rows: Rows | None = None) -> int:
     src, src_off, gshape = _saved_box(value, place)
-    live_shape, live_off, _ = local_box(key, live)
+    live_shape = _live_shape(key, live, rows)
     if tuple(live_shape) != tuple(gshape):
         raise ValueError(f"{key}: checkpoint shape {tuple(gshape)} != model shape {tuple(live_shape)}")
-    return _copy_box(local_tensor(live), live_off, src, src_off)
+    if rows is None:
+        _, live_off, _ = local_box(key, live)
+        return _copy_box(local_tensor(live), live_off, src, src_off)
+    return _place(live, src, src_off, rows)
 
 
 def _scalar_like(v: torch.Tensor, p: torch.Tensor, group: Mapping[str, Any] | None) -> torch.Tensor:
@@ -219,7 +246,7 @@ def _scalar_like(v: torch.Tensor, p: torch.Tensor, group: Mapping[str, Any] | No
 
 
 def _assemble_state(key: str, p: torch.nn.Parameter, pieces: list[tuple[dict[str, Any], Any, tuple[int, ...] | None]],
-                    live: Mapping[str, Any], group: Mapping[str, Any] | None) -> dict[str, Any]:
+                    live: Mapping[str, Any], group: Mapping[str, Any] | None, rows: Rows | None = None) -> dict[str, Any]:
     """One parameter's optimizer state from saved pieces (rows of a fused tensor, shards).
 
     Tensors shaped like the saved piece of the parameter are placed like it, into the
@@ -239,7 +266,10 @@ def _assemble_state(key: str, p: torch.nn.Parameter, pieces: list[tuple[dict[str
                 target = torch.zeros(p_local, dtype=v0.dtype, device=local_tensor(p).device)
             for v, place, _ in vals:
                 src, src_off, _ = _saved_box(v, place)
-                _copy_box(target, p_off, src, src_off)
+                if rows is None:
+                    _copy_box(target, p_off, src, src_off)
+                else:
+                    _place(target, src, src_off, rows)
             if lv is not None:
                 out[name] = lv
             elif is_dtensor(p):
@@ -275,6 +305,17 @@ def _apply_pieces(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     covered: dict[str, int] = defaultdict(int)
     pieces: dict[str, list[tuple[dict[str, Any], Any, tuple[int, ...] | None]]] = defaultdict(list)
     restored: set[str] = set()
+    row_maps: dict[str, Rows | None] = {}
+
+    def rows_of(key: str, place: Mapping[str, Any] | None) -> Rows | None:
+        if place is None or place.get("expert_dim") is None:
+            return None
+        if key not in row_maps:
+            d = int(place["expert_dim"])
+            found = fused_row_map(model, key, current[key], d)
+            row_maps[key] = None if found is None else (found[0], found[1], d)
+        return row_maps[key]
+
     with torch.no_grad():
         for tree in trees:
             place = tree.get("place", {})
@@ -283,7 +324,8 @@ def _apply_pieces(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
                 if key not in current:
                     raise KeyError(f"checkpoint has {key!r}, which the model does not")
                 if isinstance(value, torch.Tensor) and isinstance(current[key], torch.Tensor):
-                    covered[key] += _copy_piece(key, current[key], value, place.get(key))
+                    covered[key] += _copy_piece(key, current[key], value, place.get(key),
+                                                rows_of(key, place.get(key)))
                 restored.add(key)
             for key, st in tree.get("optimizer", {}).get("state", {}).items():
                 shape = tuple(model_part[key].shape) if key in model_part else None
@@ -306,7 +348,8 @@ def _apply_pieces(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
             if key not in restored:
                 continue
             if key in pieces:
-                optimizer.state[p] = _assemble_state(key, p, pieces[key], live[p], group_of.get(id(p)))
+                optimizer.state[p] = _assemble_state(key, p, pieces[key], live[p], group_of.get(id(p)),
+                                                     row_maps.get(key))
             elif not full:
                 optimizer.state.pop(p, None)
     return missing

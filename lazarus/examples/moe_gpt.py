@@ -222,7 +222,7 @@ def _balance_loss(moe: MoELayer, h: torch.Tensor) -> torch.Tensor:
     """Switch-Transformer balance loss ``E * sum_e f_e * P_e`` on this rank's tokens
     (f: fraction of routed slots, P: mean router probability); 1 when perfectly balanced."""
     e = moe.config.num_experts
-    probs = F.softmax(moe.router(h.reshape(-1, h.shape[-1])), dim=-1)
+    probs = F.softmax(moe.router.logits(h.reshape(-1, h.shape[-1])), dim=-1)
     idx = probs.topk(moe.config.top_k, dim=-1).indices
     frac = torch.bincount(idx.reshape(-1), minlength=e).to(probs.dtype) / idx.numel()
     return e * (frac * probs.mean(0)).sum()
@@ -355,7 +355,7 @@ class MoEGPT(nn.Module):
 
     def moe_layout(self) -> dict[str, Any]:
         """``{"layers": {name: num_experts}, "top_k": k}``."""
-        return {"layers": {n: layer.config.num_experts for n, layer in moe_layers(self)},
+        return {"layers": {n: layer.num_experts for n, layer in moe_layers(self)},
                 "top_k": self.config.top_k}
 
     def routing_counts(self) -> dict[str, torch.Tensor | None]:
@@ -390,7 +390,7 @@ def sync_gradients(model: nn.Module, *, group: Any = None) -> None:
     In a single process only the experts' (local, no-op) sync runs."""
     _, size = _world(group)
     for name, layer in moe_layers(model):
-        if layer.config.grad_reduction != "mean":
+        if layer.grad_reduction != "mean":
             raise ValueError(f"{name}: sync_gradients averages, it needs grad_reduction='mean'")
     if size > 1:
         params = _replicated_parameters(model)

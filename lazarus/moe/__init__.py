@@ -1,5 +1,11 @@
-"""Lazarus MoE layer: experts replicated across ranks by a placement, tokens balanced over
+"""Lazarus MoE layers: experts replicated across ranks by a placement, tokens balanced over
 replicas by the flexible dispatcher and exchanged with one uneven all-to-all each way.
+
+:class:`ElasticMoE` is what Lazarus owns (placement, dispatch, all-to-alls, replica
+gradient sync, ``set_placement``); the model brings a router returning top-k expert ids
+and gates and a :class:`LocalExperts` computation (:class:`MLPExperts`, or fused
+:class:`GroupedExperts` run with :func:`grouped_mm`). :class:`MoELayer` is the built-in
+instance; ``lazarus.adapters.hf.make_elastic`` adapts transformers models.
 
 Typical use on every rank of a gloo/NCCL process group::
 
@@ -15,15 +21,25 @@ Typical use on every rank of a gloo/NCCL process group::
 from ._comm import all_to_all_uneven
 from ._config import MoEConfig
 from ._expert import Expert
-from ._layer import MoELayer
+from ._experts import GroupedExperts, LocalExperts, MLPExperts
+from ._grouped import grouped_mm, grouped_mm_available
+from ._layer import ElasticMoE, MoELayer
 from ._model import moe_layers, record_routing_to, sync_moe_gradients
 from ._placement import holder_ranks, rank_slots, replica_matrix
+from ._router import SoftmaxRouter
 
 __all__ = [
+    "ElasticMoE",
     "Expert",
+    "GroupedExperts",
+    "LocalExperts",
+    "MLPExperts",
     "MoEConfig",
     "MoELayer",
+    "SoftmaxRouter",
     "all_to_all_uneven",
+    "grouped_mm",
+    "grouped_mm_available",
     "holder_ranks",
     "moe_layers",
     "rank_slots",

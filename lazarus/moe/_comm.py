@@ -36,11 +36,15 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
         ctx.splits = (out_splits, in_splits)
         ctx.group = group
+        if len(in_splits) == 1:  # single rank: the rows stay, no copy
+            return x.view_as(x)
         return exchange(x, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         out_splits, in_splits = ctx.splits
+        if len(in_splits) == 1:
+            return grad, None, None, None
         return exchange(grad, in_splits, out_splits, ctx.group), None, None, None
 
 

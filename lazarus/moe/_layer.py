@@ -1,28 +1,42 @@
-"""The Lazarus MoE layer: replicated experts, balanced dispatch, one uneven all-to-all.
+"""Lazarus MoE layers: replicated experts, balanced dispatch, one uneven all-to-all each way.
 
-Forward on every rank of ``group``:
+The work is split between what Lazarus owns and what the model owns:
 
-1. route: softmax router, top-1 or top-2 (top-2 gates renormalised);
-2. all-gather the per-expert token counts of every rank (E int64 per rank);
-3. ``dispatch_counts(R, T, rank)``: how many tokens of each expert go to each rank, so that
+* Lazarus (:class:`ElasticMoE`): the placement (which rank holds which experts), the
+  token dispatch of Algorithm 1, the uneven all-to-all both ways, the gate-weighted
+  combine, replica gradient sync and :meth:`ElasticMoE.set_placement`;
+* the model: a router returning ``(expert ids [tokens, k], gates [tokens, k])`` and the
+  expert computation over this rank's experts (:class:`~lazarus.moe.LocalExperts`:
+  per-expert modules, or fused ``[local_experts, ...]`` tensors run as grouped matmuls).
+
+:meth:`ElasticMoE.dispatch` is the seam: given tokens and the router's choice it returns
+``sum_k gates[:, k] * expert(token)``, wherever the experts live. Per call, on every rank
+of ``group``:
+
+1. all-gather the per-expert token counts of every rank (E int64 per rank);
+2. ``dispatch_counts(R, T, rank)``: how many tokens of each expert go to each rank, so that
    every replica serves an equal share and local tokens stay local;
-4. permute token slots into send order and exchange them with one ``all_to_all_single``
+3. permute token slots into send order and exchange them with one ``all_to_all_single``
    with uneven splits (no padding);
-5. run the local experts: a rank with several replicas of one expert holds one copy of the
-   weights and simply receives the larger share;
-6. send the results back with the reverse all-to-all and combine them with the gates.
+4. run the local experts on the rows received, grouped by expert;
+5. send the results back with the reverse all-to-all and combine them with the gates.
 
-Both all-to-alls are differentiable. After ``backward`` call :meth:`MoELayer.sync_gradients`
+Both all-to-alls are differentiable. After ``backward`` call :meth:`ElasticMoE.sync_gradients`
 (or :func:`lazarus.moe.sync_moe_gradients` on the model) so that every replica of an
-expert gets the same gradient and the router gets the data-parallel average.
+expert gets the same gradient and the replicated parameters (router, shared experts) get
+the data-parallel average.
+
+:class:`MoELayer` is one instance: a softmax top-k router and two-layer MLP experts
+(``experts.<e>.w1/w2``). :func:`lazarus.adapters.hf.make_elastic` builds others from
+transformers models.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 from torch import nn
 
 from lazarus.dispatch import dispatch_counts, dispatch_device, dispatch_permutation
@@ -30,9 +44,10 @@ from lazarus.dispatch._log import get_logger
 from lazarus.planning import Placement
 
 from ._comm import all_gather_rows, all_to_all_uneven, world
-from ._config import MoEConfig
-from ._expert import Expert, init_linear_, seeded_generator
+from ._config import GRAD_REDUCTIONS, MoEConfig
+from ._experts import LocalExperts, MLPExperts
 from ._placement import holder_ranks, rank_slots, replica_matrix
+from ._router import SoftmaxRouter
 from ._sync import fetch_experts, fetch_plan, reduce_replicas
 
 log = get_logger("lazarus.moe")
@@ -40,43 +55,58 @@ log = get_logger("lazarus.moe")
 RoutingHook = Callable[[torch.Tensor], None]
 
 
-class MoELayer(nn.Module):
-    """Mixture-of-Experts layer whose experts are replicated across ranks by a placement.
+class ElasticMoE(nn.Module):
+    """The Lazarus half of an MoE layer (see the module docstring).
+
+    Subclasses register the model's modules (``experts`` must be a
+    :class:`~lazarus.moe.LocalExperts` holding this rank's experts under the placement),
+    then call :meth:`_init_placement`. ``forward`` routes with :meth:`route` and
+    dispatches; models whose block does more (shared experts, another output) override
+    ``forward`` and call :meth:`dispatch`.
 
     Args:
-        config: layer shape and gradient semantics.
-        placement: ``lazarus.planning.Placement``; rank ``j`` of ``group`` hosts the experts
-            of plan node ``j`` (or of GPU ``j % g`` of node ``j // g`` when the plan has
-            ``gpus_per_node = g > 1``). Without an initialised process group the plan must
-            have a single rank.
+        num_experts: E, global expert ids ``0..E-1``.
         group: process group of the expert-parallel ranks (default: the world).
+        grad_reduction: ``"mean"``: synchronised gradients are divided by the world size
+            (DDP's average, so a step equals single-model training on the mean of the
+            per-rank losses); ``"sum"`` leaves them summed.
 
     Attributes:
-        experts: ``ModuleDict`` keyed by GLOBAL expert id, so parameters are named
-            ``experts.<e>.w1.weight`` on every placement (moc's default expert pattern).
         routing_counts: int64 [E] tokens routed to each expert in the last training
             forward, summed over all ranks (identical on every rank).
         routing_hook: optional ``fn(counts)`` called with ``routing_counts`` after every
             training forward (see :func:`lazarus.moe.record_routing_to`).
         last_received: tokens this rank's experts processed in the last forward.
+        last_received_per_expert: int64 [E], the same per expert.
     """
 
-    def __init__(self, config: MoEConfig, placement: Placement, *, group: Any = None) -> None:
+    experts: LocalExperts
+
+    def __init__(self, num_experts: int, *, group: Any = None, grad_reduction: str = "mean") -> None:
         super().__init__()
-        if not isinstance(config, MoEConfig):
-            raise ValueError(f"config must be a MoEConfig, got {type(config).__name__}")
-        self.config = config
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"num_experts must be an integer >= 1, got {num_experts!r}")
+        if grad_reduction not in GRAD_REDUCTIONS:
+            raise ValueError(f"grad_reduction must be one of {list(GRAD_REDUCTIONS)}, got {grad_reduction!r}")
+        self.num_experts = num_experts
+        self.grad_reduction = grad_reduction
         self.group = group
-        self.router = nn.Linear(config.d_model, config.num_experts, bias=False)
-        init_linear_(self.router, seeded_generator(config.seed, 0))
-        self.experts = nn.ModuleDict()
         self.routing_counts: torch.Tensor | None = None
         self.routing_hook: RoutingHook | None = None
         self.last_received = 0
+        self.last_received_per_expert: torch.Tensor | None = None
         self._slots: list[list[int]] = []
-        self._apply_placement(self._check_placement(placement), initial=True)
+        self._holders: list[list[int]] = []
 
-    # ----- placement ---------------------------------------------------------------------
+    def _init_placement(self, placement: Placement) -> None:
+        """Record the initial placement (``experts`` must already hold this rank's experts)."""
+        slots = self._check_placement(placement)
+        mine = sorted(set(slots[self.rank]))
+        if self.experts.expert_ids != mine:
+            raise ValueError(f"experts hold {self.experts.expert_ids} but the placement gives rank {self.rank} {mine}")
+        self._set_slots(slots)
+
+    # ----- placement -------------------------------------------------------------------------
     @property
     def rank(self) -> int:
         return world(self.group)[0]
@@ -88,19 +118,22 @@ class MoELayer(nn.Module):
     @property
     def local_experts(self) -> list[int]:
         """Sorted global ids of the experts this rank holds (one copy each)."""
-        return sorted(int(k) for k in self.experts.keys())
+        return self.experts.expert_ids
 
     @property
     def slots(self) -> list[list[int]]:
         """Expert ids per rank of the current placement."""
         return [list(r) for r in self._slots]
 
+    @property
+    def holders(self) -> list[list[int]]:
+        """Sorted distinct ranks holding each expert."""
+        return [list(h) for h in self._holders]
+
     def _check_placement(self, placement: Placement) -> list[list[int]]:
         slots = rank_slots(placement)
-        if placement.num_experts != self.config.num_experts:
-            raise ValueError(
-                f"placement has num_experts = {placement.num_experts}, the layer {self.config.num_experts}"
-            )
+        if placement.num_experts != self.num_experts:
+            raise ValueError(f"placement has num_experts = {placement.num_experts}, the layer {self.num_experts}")
         if len(slots) != self.world_size:
             raise ValueError(
                 f"placement has {len(slots)} ranks (nodes x gpus_per_node) but the process group has "
@@ -108,41 +141,35 @@ class MoELayer(nn.Module):
             )
         return slots
 
-    def _apply_placement(self, slots: list[list[int]], initial: bool = False,
-                         states: Mapping[int, torch.Tensor] | None = None) -> None:
-        mine = sorted(set(slots[self.rank]))
-        ref = self.router.weight
-        for key in [k for k in self.experts.keys() if int(k) not in mine]:
-            del self.experts[key]
-        for e in mine:
-            if str(e) in self.experts:
-                continue
-            expert = Expert(self.config, e).to(device=ref.device, dtype=ref.dtype)
-            if states is not None:
-                torch.nn.utils.vector_to_parameters(states[e].to(ref.device, ref.dtype), expert.parameters())
-            self.experts[str(e)] = expert
+    def _set_slots(self, slots: list[list[int]]) -> None:
         self._slots = slots
-        self._holders = holder_ranks(slots, self.config.num_experts)
-        self.register_buffer("replicas", replica_matrix(slots, self.config.num_experts), persistent=False)
-        if not initial:
-            log.info("placement applied: local experts %s", mine)
+        self._holders = holder_ranks(slots, self.num_experts)
+        self.register_buffer("replicas", replica_matrix(slots, self.num_experts), persistent=False)
+
+    def _reference(self) -> torch.Tensor:
+        """A tensor of the layer's dtype and device (for empty buffers)."""
+        for p in self.parameters():
+            return p
+        return torch.empty(0)
 
     def set_placement(
         self, placement: Placement, expert_states: Mapping[int, Mapping[str, torch.Tensor]] | None = None
     ) -> tuple[list[int], list[int]]:
-        """Re-drive the layer with a new placement, keeping the module (and the parameters
-        of experts this rank keeps, with their optimizer state).
+        """Re-drive the layer with a new placement, keeping the module (and, for per-expert
+        modules, the parameters of the experts this rank keeps, with their optimizer state).
 
         Args:
             placement: the new plan, same number of experts and ranks.
             expert_states: ``None`` (collective: call on every rank): experts newly assigned
                 to a rank are copied from their old holders with one all-to-all. Otherwise a
-                mapping ``expert id -> state dict`` (``w1.weight``, ...) covering every expert
-                newly assigned to THIS rank; no communication.
+                mapping ``expert id -> state dict`` (names relative to the expert:
+                ``w1.weight`` for :class:`~lazarus.moe.MLPExperts`, ``gate_up_proj`` rows for
+                fused experts) covering every expert newly assigned to THIS rank; no
+                communication.
 
         Returns:
             ``(added, removed)`` expert ids on this rank. Parameters of added experts are new
-            tensors: add them to the optimizer (and drop the removed ones).
+            tensors (all expert parameters, for fused experts): rebuild the optimizer.
         """
         new = self._check_placement(placement)
         old = self._slots
@@ -151,43 +178,65 @@ class MoELayer(nn.Module):
         held = set(self.local_experts)
         added = sorted(set(new[self.rank]) - held)
         removed = sorted(held - set(new[self.rank]))
-        ref = self.router.weight
+        ref = self._reference()
         if expert_states is None:
-            flats = {e: torch.nn.utils.parameters_to_vector(self.experts[str(e)].parameters()).detach()
-                     for e in self.local_experts}
-            numel = sum(p.numel() for p in Expert(self.config).parameters())
-            plan = fetch_plan(old, new, self.config.num_experts)
-            states = fetch_experts(plan, flats, numel, self.rank, self.world_size, self.group, ref.dtype, ref.device)
+            flats = {e: self.experts.flat_state(e) for e in self.local_experts}
+            plan = fetch_plan(old, new, self.num_experts)
+            states = fetch_experts(plan, flats, self.experts.expert_numel, self.rank, self.world_size, self.group,
+                                   ref.dtype, ref.device)
         else:
             missing = [e for e in added if e not in expert_states]
             if missing:
                 raise ValueError(f"expert_states lacks experts {missing} newly assigned to rank {self.rank}")
-            states = {}
-            for e in added:
-                holder = Expert(self.config)
-                holder.load_state_dict(dict(expert_states[e]))
-                states[e] = torch.nn.utils.parameters_to_vector(holder.parameters()).detach()
+            states = {e: self.experts.state_to_flat(e, expert_states[e]) for e in added}
         with torch.no_grad():
-            self._apply_placement(new, states=states)
+            self.experts.reassign(sorted(set(new[self.rank])), states)
+        self._set_slots(new)
         log.info("set_placement: added %s, removed %s", added, removed)
         return added, removed
 
-    # ----- forward -------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg = self.config
-        if x.shape[-1] != cfg.d_model:
-            raise ValueError(f"x must have last dimension d_model = {cfg.d_model}, got shape {tuple(x.shape)}")
-        rank, size = self.rank, self.world_size
-        h = x.reshape(-1, cfg.d_model)
-        n_tok = h.shape[0]
-        probs = F.softmax(self.router(h), dim=-1)
-        gates, idx = probs.topk(cfg.top_k, dim=-1)
-        if cfg.top_k > 1:
-            gates = gates / gates.sum(-1, keepdim=True)
-        slot_expert = idx.reshape(-1)
-        slot_token = torch.arange(n_tok, device=h.device).repeat_interleave(cfg.top_k)
+    def initial_expert_states(self, experts: Sequence[int]) -> dict[int, dict[str, torch.Tensor]]:
+        """Placeholder states for ``set_placement(..., expert_states=...)`` of experts whose
+        real state is restored afterwards (from a peer or a checkpoint)."""
+        return {e: self.experts.flat_to_state(self.experts.initial_flat(e)) for e in experts}
 
-        local_counts = torch.bincount(slot_expert, minlength=cfg.num_experts).to(torch.int64)
+    # ----- forward -----------------------------------------------------------------------------
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(expert ids [tokens, k], gates [tokens, k])`` for ``h`` [tokens, d]."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        ids, gates = self.route(h)
+        return self.dispatch(h, ids, gates).reshape(x.shape)
+
+    def dispatch(self, h: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """``out[t] = sum_k gates[t, k] * expert_{ids[t, k]}(h[t])`` with the experts wherever
+        the placement put them (collective over ``group``: every rank calls it, with any
+        number of tokens, zero included).
+
+        Args:
+            h: [tokens, d] inputs.
+            expert_ids: [tokens, k] integer expert ids in ``[0, E)``.
+            gates: [tokens, k] weights (any float dtype; the product promotes like torch).
+        Returns:
+            [tokens, d] in ``h``'s dtype.
+        """
+        if h.dim() != 2:
+            raise ValueError(f"h must be [tokens, d], got shape {tuple(h.shape)}")
+        if expert_ids.dim() != 2 or expert_ids.shape[0] != h.shape[0] or gates.shape != expert_ids.shape:
+            raise ValueError(f"expert_ids and gates must both be [tokens={h.shape[0]}, k], got "
+                             f"{tuple(expert_ids.shape)} and {tuple(gates.shape)}")
+        rank, size = self.rank, self.world_size
+        n_tok, d = h.shape
+        k = expert_ids.shape[1]
+        num = self.num_experts
+        slot_expert = expert_ids.reshape(-1).long()
+        slot_token = torch.arange(n_tok, device=h.device).repeat_interleave(k)
+
+        local_counts = torch.bincount(slot_expert, minlength=num).to(torch.int64)
+        if local_counts.numel() > num:
+            raise ValueError(f"expert ids must be in [0, {num}), got {int(slot_expert.max())}")
         gathered = all_gather_rows(local_counts, self.group, size)  # [W, E]
         where = dispatch_device(h.device)  # the CUDA kernel on device, else the host
         tokens = gathered.t().to(where)  # T[E, W]
@@ -199,76 +248,132 @@ class MoELayer(nn.Module):
 
         x_recv = all_to_all_uneven(h[slot_token[perm]], out_splits, in_splits, self.group)
         recv_expert = torch.repeat_interleave(
-            torch.arange(cfg.num_experts).repeat(size), recv.flatten(), output_size=sum(out_splits)
+            torch.arange(num).repeat(size), recv.flatten(), output_size=sum(out_splits)
         ).to(h.device)
-        y_recv = self._run_local(x_recv, recv_expert, recv.sum(0))
+        y_recv = self._run_local(x_recv, recv_expert, recv)
         y_back = all_to_all_uneven(y_recv, in_splits, out_splits, self.group)
 
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(perm.numel(), device=perm.device)
-        y_slots = y_back[inverse] * gates.reshape(-1, 1).to(y_back.dtype)
-        out = y_slots.view(n_tok, cfg.top_k, cfg.d_model).sum(1)
+        y_slots = y_back[inverse] * gates.reshape(-1, 1)
+        out = y_slots.view(n_tok, k, d).sum(1).to(h.dtype)
 
         self.last_received = int(sum(out_splits))
+        self.last_received_per_expert = recv.sum(0)
         if self.training:
             self.routing_counts = tokens.sum(1)
             if self.routing_hook is not None:
                 self.routing_hook(self.routing_counts)
-        return out.reshape(x.shape)
+        return out
 
-    def _run_local(self, x: torch.Tensor, expert_ids: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
+    def _run_local(self, x: torch.Tensor, expert_ids: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
         """Apply the local expert of every received row (rows arrive grouped by source rank,
-        then expert)."""
-        order = torch.sort(expert_ids, stable=True).indices
-        xs = x[order]
-        outs = []
-        start = 0
-        for e, n in enumerate(per_expert.tolist()):
-            if n == 0:
-                continue
-            if str(e) not in self.experts:  # the dispatcher never sends a rank foreign experts
-                raise RuntimeError(f"rank {self.rank} received {n} tokens of expert {e}, which it does not hold")
-            outs.append(self.experts[str(e)](xs[start : start + n]))
-            start += n
-        if not outs:
+        then expert; ``recv[src, e]`` rows of expert e from rank src): sort them by expert
+        (unless they already are), run the experts, put them back."""
+        held = self.local_experts
+        per_expert = recv.sum(0).tolist()
+        foreign = [e for e, n in enumerate(per_expert) if n and e not in held]
+        if foreign:  # the dispatcher never sends a rank foreign experts
+            raise RuntimeError(f"rank {self.rank} received tokens of experts {foreign}, which it does not hold")
+        if x.shape[0] == 0:
             # Keep the result in the autograd graph even with no rows, so that the reverse
             # all-to-all's backward runs here too (every rank must join that collective).
-            return x.new_zeros((0, self.config.d_model)) + 0 * (x.sum() + self.router.weight.sum())
-        y_sorted = torch.cat(outs)
+            anchor = sum(p.sum() for p in self.parameters() if p.requires_grad)
+            return x.new_zeros((0, x.shape[1])) + 0 * (x.sum() + anchor)
+        counts = [int(per_expert[e]) for e in held]
+        # Source-major order is already expert-major when the experts met, source by
+        # source, never go back (one source, typically): no gather needed then.
+        seq = [e for row in recv.tolist() for e, n in enumerate(row) if n]
+        if all(a <= b for a, b in zip(seq, seq[1:])):
+            return self.experts.run(x, counts)
+        order = torch.sort(expert_ids, stable=True).indices
+        y_sorted = self.experts.run(x[order], counts)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         return y_sorted[inverse]
 
-    # ----- gradients ---------------------------------------------------------------------
+    # ----- gradients -----------------------------------------------------------------------
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """Parameters every rank holds a copy of (router, shared experts, ...): everything
+        of the layer outside ``experts``, in ``named_parameters`` order."""
+        expert = {id(p) for p in self.experts.parameters()}
+        return [p for p in self.parameters() if id(p) not in expert]
+
     def sync_gradients(self, *, include_router: bool = True) -> None:
         """Make replica gradients identical and equal to single-model training.
 
         The gradient of the sum of all ranks' losses w.r.t. expert e is the sum of the
-        gradients its replicas computed; the router's is the sum over all ranks. Both are
-        then divided by the world size when ``config.grad_reduction == "mean"`` (what DDP
+        gradients its replicas computed; a replicated parameter's is the sum over all ranks.
+        Both are then divided by the world size when ``grad_reduction == "mean"`` (what DDP
         does to dense gradients), so a step optimises the mean of the per-rank losses:
         with equal per-rank batches and per-rank mean losses, exactly the mean loss over
         the global batch. Experts that saw no tokens here contribute zeros.
+
+        ``include_router``: also average the replicated parameters (router, shared
+        experts) with one flat all-reduce; pass False when a model-wide sync does it.
         """
         rank, size = self.rank, self.world_size
-        scale = 1.0 / size if self.config.grad_reduction == "mean" else 1.0
-        flats: dict[int, torch.Tensor] = {}
-        for e in self.local_experts:
-            params = list(self.experts[str(e)].parameters())
-            flats[e] = torch.cat([
-                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params
-            ])
+        scale = 1.0 / size if self.grad_reduction == "mean" else 1.0
+        flats = {e: self.experts.flat_grad(e) for e in self.local_experts}
         summed = reduce_replicas(flats, self._holders, rank, size, self.group)
         for e, flat in summed.items():
-            offset = 0
-            for p in self.experts[str(e)].parameters():
-                g = flat[offset : offset + p.numel()].view_as(p) * scale
-                p.grad = g.clone()
-                offset += p.numel()
+            self.experts.set_flat_grad(e, flat * scale)
         if include_router:
-            for p in self.router.parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                if size > 1:
-                    torch.distributed.all_reduce(p.grad, group=self.group)
-                p.grad.mul_(scale)
+            params = self.replicated_parameters()
+            if not params:
+                return
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+            if size > 1:
+                dist.all_reduce(flat, group=self.group)
+            flat.mul_(scale)
+            offset = 0
+            for p in params:
+                p.grad = flat[offset: offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+
+    def expert_grad_sq(self) -> float:
+        """Squared norm of this rank's share of the expert gradients: each local expert's
+        squared gradient norm divided by its number of holders, so that the all-reduced
+        sum counts every expert once (gradient clipping over the whole model)."""
+        total = 0.0
+        for e in self.local_experts:
+            total += float(self.experts.flat_grad(e).double().pow(2).sum()) / len(self._holders[e])
+        return total
+
+
+class MoELayer(ElasticMoE):
+    """Mixture-of-Experts layer whose experts are replicated across ranks by a placement:
+    a softmax top-k router (:class:`~lazarus.moe.SoftmaxRouter`) and two-layer MLP experts
+    (:class:`~lazarus.moe.MLPExperts`).
+
+    Args:
+        config: layer shape and gradient semantics.
+        placement: ``lazarus.planning.Placement``; rank ``j`` of ``group`` hosts the experts
+            of plan node ``j`` (or of GPU ``j % g`` of node ``j // g`` when the plan has
+            ``gpus_per_node = g > 1``). Without an initialised process group the plan must
+            have a single rank.
+        group: process group of the expert-parallel ranks (default: the world).
+
+    Attributes:
+        router: the :class:`SoftmaxRouter` (parameter ``router.weight``).
+        experts: :class:`MLPExperts` keyed by GLOBAL expert id, so parameters are named
+            ``experts.<e>.w1.weight`` on every placement (moc's default expert pattern).
+    """
+
+    def __init__(self, config: MoEConfig, placement: Placement, *, group: Any = None) -> None:
+        if not isinstance(config, MoEConfig):
+            raise ValueError(f"config must be a MoEConfig, got {type(config).__name__}")
+        super().__init__(config.num_experts, group=group, grad_reduction=config.grad_reduction)
+        self.config = config
+        slots = self._check_placement(placement)
+        self.router = SoftmaxRouter(config.d_model, config.num_experts, config.top_k, seed=config.seed)
+        self.experts = MLPExperts(config, slots[self.rank])
+        self._init_placement(placement)
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.router(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.config.d_model:
+            raise ValueError(f"x must have last dimension d_model = {self.config.d_model}, got shape {tuple(x.shape)}")
+        return super().forward(x)

@@ -7,16 +7,17 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ._layer import MoELayer
+from ._layer import ElasticMoE
 
 
-def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
-    """``(qualified name, layer)`` of every :class:`MoELayer` in ``model``."""
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
+def moe_layers(model: nn.Module) -> list[tuple[str, ElasticMoE]]:
+    """``(qualified name, layer)`` of every Lazarus MoE layer (:class:`ElasticMoE`: a
+    :class:`MoELayer`, or a transformers block made elastic) in ``model``."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, ElasticMoE)]
 
 
 def sync_moe_gradients(model: nn.Module, *, include_router: bool = True) -> None:
-    """Call :meth:`MoELayer.sync_gradients` on every MoE layer (after ``backward``, before
+    """Call :meth:`ElasticMoE.sync_gradients` on every MoE layer (after ``backward``, before
     ``optimizer.step()``; every rank must call it, in the same module order)."""
     for _, layer in moe_layers(model):
         layer.sync_gradients(include_router=include_router)

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lazarus.moe import Expert, moe_layers
+from lazarus.moe import moe_layers
 from lazarus.planning import Placement
 from moc import CheckpointManager
 from moc._units import apply_partial, capture_unit, discover_units
@@ -318,28 +318,34 @@ class Reconfigurer:
         me = t.rank
         placements = {layer: Placement([list(s) for s in slots], num_experts=int(t.layout["layers"][layer]))
                       for layer, slots in plan["layers"].items()}
+        carried: list[Any] = []
         if t.model is None:
             t.model = self.build_model(placements).to(t.device)
         else:
+            layout = None
             for name, layer in moe_layers(t.model):
                 new = placements[name]
-                added = sorted(set(new.nodes[me]) - set(layer.local_experts))
-                states = {}
-                for e in added:
-                    tree = received.get(f"expert/{name}/{e}")
-                    prefix = f"{name}.experts.{e}."
-                    if tree is not None:
-                        states[e] = {k[len(prefix):]: v for k, v in tree["model"].items()}
-                    else:  # restored from moc below
-                        states[e] = Expert(layer.config, e).state_dict()
-                layer.set_placement(new, expert_states=states)
+                held = layer.local_experts
+                added = sorted(set(new.nodes[me]) - set(held))
+                keep = sorted(set(new.nodes[me]) & set(held))
+                if layer.experts.fused and (added or len(keep) < len(held)):
+                    # Fused expert tensors are rebuilt with the new rows: carry the kept
+                    # experts' weights and optimizer state over as units (views of the old
+                    # tensors, applied to the new ones below).
+                    if layout is None:
+                        layout = discover_units(t.model)
+                        state = t.model.state_dict(keep_vars=True)
+                    carried += [capture_unit(layout.expert_unit(name, e), t.model, t.optimizer, state=state)
+                                for e in keep]
+                # Placeholders: the received units (below) and moc (for lost experts) overwrite them.
+                layer.set_placement(new, expert_states=layer.initial_expert_states(added))
         old = t.optimizer
         t.optimizer = self.make_optimizer(t.model)
         if old is not None:
             for p in t.model.parameters():
                 if p in old.state:
                     t.optimizer.state[p] = old.state[p]
-        apply_partial(t.model, t.optimizer, received.values())
+        apply_partial(t.model, t.optimizer, [*carried, *received.values()])
         self.unrestored |= {u for u in self._pending_lost_mine}
         if newest >= 0:
             t.step = newest

@@ -249,16 +249,12 @@ class ElasticTrainer:
         expert_sq = torch.zeros(1, dtype=torch.float64)
         grads = [p.grad for p in self.reconf.dense_params() if p.grad is not None]
         for _, layer in moe_layers(model):
-            for p in layer.router.parameters():
+            for p in layer.replicated_parameters():    # router, shared experts
                 if p.grad is not None:
                     dense_sq += float(p.grad.pow(2).sum())
                     grads.append(p.grad)
-            for e in layer.local_experts:
-                share = 1.0 / len(layer._holders[e])
-                for p in layer.experts[str(e)].parameters():
-                    if p.grad is not None:
-                        expert_sq += float(p.grad.double().pow(2).sum()) * share
-                        grads.append(p.grad)
+            expert_sq += layer.expert_grad_sq()
+            grads += [p.grad for p in layer.experts.parameters() if p.grad is not None]
         if self.world > 1:
             dist.all_reduce(expert_sq)
         total = (dense_sq + float(expert_sq.item())) ** 0.5

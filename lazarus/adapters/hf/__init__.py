@@ -1,0 +1,123 @@
+"""Hugging Face transformers 5.x MoE models under Lazarus.
+
+:func:`make_elastic` swaps every sparse-MoE block of a transformers model (Mixtral,
+Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, and other blocks built the same way) for an
+:class:`ElasticHFBlock`: the model's router, shared experts and expert math stay the
+model's own code; Lazarus places the experts (replicas), dispatches tokens with
+Algorithm 1 over an uneven all-to-all and synchronises replica gradients::
+
+    model = AutoModelForCausalLM.from_config(cfg)            # same seed on every rank
+    model = make_elastic(model, placements=plan)             # a Placement, or {layer: Placement}
+    loss = model(input_ids=x, labels=x).loss; loss.backward()
+    sync_moe_gradients(model)    # experts summed over replicas; routers, shared experts averaged
+    # ... average the dense gradients (DDP or one all-reduce), then opt.step()
+
+With ``placements=None`` (one process) every expert lives on the single rank: the
+adapted model computes what the original computes and its ``state_dict()`` is the
+original's (same names, ``[E, ...]`` shapes), so it loads into the original class. Under
+expert parallelism each rank's ``experts.gate_up_proj`` holds its experts' rows and
+declares their global ids (``local_expert_indices``), which moc checkpoints as rows of the
+``[E, ...]`` tensors: ``moc export --format safetensors`` of such a job gives weights
+``AutoModelForCausalLM.from_pretrained`` loads.
+
+``lazarus.runtime.ElasticTrainer`` runs such a model as it runs the example GPT:
+``build_model=lambda placements: make_elastic(build(), placements)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from torch import nn
+
+from lazarus.moe._comm import world
+from lazarus.planning import Placement
+
+from ._block import ElasticHFBlock, is_hf_moe_block, router_of
+from ._experts import HFExperts
+
+__all__ = ["ElasticHFBlock", "HFExperts", "elastic_layout", "make_elastic", "moe_blocks"]
+
+
+def moe_blocks(model: nn.Module) -> dict[str, nn.Module]:
+    """Qualified name -> module of every transformers sparse-MoE block of ``model`` (not yet
+    made elastic), in module order. The names are the MoE layer keys everywhere (plans,
+    moc units ``expert/<name>/<e>``, PLT reports)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return {name: m for name, m in model.named_modules() if is_hf_moe_block(m)}
+
+
+def elastic_layout(model: nn.Module) -> dict[str, Any]:
+    """``{"layers": {name: num_experts}, "top_k": k}`` of a transformers MoE model (adapted or
+    not): what :class:`lazarus.runtime.ElasticTrainer` and the controller plan from."""
+    layers: dict[str, int] = {}
+    top_k = 1
+    for name, m in model.named_modules():
+        if isinstance(m, ElasticHFBlock):
+            layers[name], top_k = m.num_experts, m.top_k
+        elif is_hf_moe_block(m):
+            layers[name] = int(m.experts.num_experts)
+            top_k = int(router_of(m)[1].top_k)  # type: ignore[index]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no transformers MoE block")
+    return {"layers": layers, "top_k": top_k}
+
+
+def _resolve(names: dict[str, int], placements: Mapping[str, Placement] | Placement | None,
+             group: Any) -> dict[str, Placement]:
+    if placements is None:
+        _, size = world(group)
+        if size != 1:
+            raise ValueError(f"placements=None puts every expert on one rank, but the process group has {size} "
+                             f"ranks; pass a Placement or a dict over the MoE layers {sorted(names)}")
+        return {n: Placement([list(range(e))], num_experts=e, strategy="single") for n, e in names.items()}
+    if isinstance(placements, Placement):
+        plans = {n: placements for n in names}
+    elif isinstance(placements, Mapping):
+        missing = [n for n in names if n not in placements]
+        unknown = sorted(set(placements) - set(names))
+        if missing or unknown:
+            raise ValueError(f"placements must have exactly the MoE layers {list(names)}; "
+                             f"missing {missing}, unknown {unknown}")
+        plans = {n: placements[n] for n in names}
+    else:
+        raise ValueError("placements must be None, a lazarus.planning.Placement or a dict layer name -> "
+                         f"Placement; got {type(placements).__name__}")
+    for n, p in plans.items():
+        if not isinstance(p, Placement):
+            raise ValueError(f"placements[{n!r}] must be a lazarus.planning.Placement, got {type(p).__name__}")
+        if p.num_experts != names[n]:
+            raise ValueError(f"placements[{n!r}] has num_experts = {p.num_experts}, the layer {names[n]}")
+    return plans
+
+
+def make_elastic(model: nn.Module, placements: Mapping[str, Placement] | Placement | None = None,
+                 group: Any = None, *, grad_reduction: str = "mean") -> nn.Module:
+    """Swap every transformers MoE block of ``model`` for an :class:`ElasticHFBlock`, in
+    place; returns ``model``.
+
+    Args:
+        model: a transformers 5.x model, built identically on every rank (same config and
+            seed): each rank keeps the rows of its own experts and drops the others.
+        placements: ``None`` (single process: every expert here), one
+            :class:`~lazarus.planning.Placement` for every MoE layer, or a dict
+            ``{block name: Placement}`` with exactly the names of :func:`moe_blocks`.
+        group: the expert-parallel process group (default: the world).
+        grad_reduction: ``"mean"`` (DDP's average) or ``"sum"``.
+
+    Raises:
+        ValueError: no MoE block found, placements that do not fit the layers or the group.
+    """
+    blocks = moe_blocks(model)
+    if not blocks:
+        already = [n for n, m in model.named_modules() if isinstance(m, ElasticHFBlock)]
+        hint = f" (already elastic: {already[:3]})" if already else ""
+        raise ValueError(f"{type(model).__name__} has no transformers MoE block (a module with fused `experts` "
+                         f"and a `gate`/`router`){hint}")
+    plans = _resolve({n: int(b.experts.num_experts) for n, b in blocks.items()}, placements, group)
+    for name, block in blocks.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, ElasticHFBlock(block, plans[name], group=group, grad_reduction=grad_reduction))
+    return model

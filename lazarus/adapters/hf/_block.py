@@ -1,0 +1,105 @@
+"""A transformers 5.x sparse-MoE block as a Lazarus layer.
+
+transformers' MoE blocks (``MixtralSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``,
+``OlmoeSparseMoeBlock``, ``DeepseekV3MoE``, ``GptOssMLP``, ...) all do the same thing
+around different routers: ``_, weights, ids = self.gate(h)`` (``self.router`` for GPT-OSS),
+then ``self.experts(h, ids, weights)``, plus whatever else the model adds (shared experts,
+router jitter, a second output). :class:`ElasticHFBlock` keeps the block's own modules --
+the router object itself, shared experts -- under their own names, replaces ``experts``
+with :class:`~lazarus.adapters.hf._experts.HFExperts` (this rank's rows), and runs the
+block class's own ``forward`` on itself. Only the ``experts(...)`` call changes: it goes
+through :meth:`lazarus.moe.ElasticMoE.dispatch`. Router math, gate normalisation, scaling
+factors, shared experts and outputs are the model's code, not a copy of it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from lazarus.moe import ElasticMoE
+from lazarus.planning import Placement
+
+from ._experts import HFExperts, is_hf_experts
+
+__all__ = ["ElasticHFBlock", "ROUTER_NAMES", "is_hf_moe_block", "router_of"]
+
+ROUTER_NAMES = ("gate", "router")
+
+
+def router_of(block: nn.Module) -> tuple[str, nn.Module] | None:
+    """``(name, router)`` of a transformers MoE block: its ``gate`` or ``router`` child
+    with a ``top_k`` attribute."""
+    for name in ROUTER_NAMES:
+        mod = getattr(block, name, None)
+        if isinstance(mod, nn.Module) and isinstance(getattr(mod, "top_k", None), int):
+            return name, mod
+    return None
+
+
+def is_hf_moe_block(module: nn.Module) -> bool:
+    experts = getattr(module, "experts", None)
+    return (not isinstance(module, ElasticMoE) and isinstance(experts, nn.Module) and is_hf_experts(experts)
+            and router_of(module) is not None)
+
+
+class ElasticHFBlock(ElasticMoE):
+    """A transformers MoE block whose experts are placed, dispatched and synchronised by
+    Lazarus. ``state_dict()`` has the block's own names; ``experts.*`` tensors hold this
+    rank's experts as ``[local_experts, ...]`` rows (``[E, ...]``, the original tensors,
+    on one rank holding every expert).
+
+    Args:
+        block: the transformers block (its modules are taken over, not copied, except the
+            experts' rows this rank keeps).
+        placement: where every expert lives; rank ``j`` of ``group`` holds ``placement``'s
+            slots of rank ``j``.
+        group: the expert-parallel process group (default: the world).
+        grad_reduction: ``"mean"`` or ``"sum"``, see :class:`lazarus.moe.ElasticMoE`.
+    """
+
+    def __init__(self, block: nn.Module, placement: Placement, *, group: Any = None,
+                 grad_reduction: str = "mean") -> None:
+        if not is_hf_moe_block(block):
+            raise ValueError(f"{type(block).__name__} is not a transformers MoE block (an `experts` module with "
+                             f"fused expert tensors and a `gate`/`router` with top_k)")
+        experts = block.experts
+        super().__init__(int(experts.num_experts), group=group, grad_reduction=grad_reduction)
+        self.block_class = type(block)
+        self.router_name, router = router_of(block)  # type: ignore[misc]
+        self.top_k = int(router.top_k)
+        slots = self._check_placement(placement)
+        mine = sorted(set(slots[self.rank]))
+        for name, child in block.named_children():   # the block's order, so state_dict keys keep it
+            if name == "experts":
+                self.experts = HFExperts(child, mine)
+            else:
+                self.add_module(name, child)
+        for name, p in block.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in block.named_buffers(recurse=False):
+            self.register_buffer(name, b, persistent=name not in block._non_persistent_buffers_set)
+        for key, value in vars(block).items():
+            if not key.startswith("_") and key != "training" and key not in self.__dict__:
+                self.__dict__[key] = value
+        self.experts.bind(self)
+        self._init_placement(placement)
+        self.train(block.training)
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's router (``gate`` or ``router``) on ``h`` [tokens, d]: ``(top-k ids,
+        top-k weights)``."""
+        out = getattr(self, self.router_name)(h)
+        return out[2], out[1]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The block class's own forward, run on this module (its ``experts(...)`` call
+        dispatches through Lazarus)."""
+        self.experts._owner = weakref.ref(self)
+        return self.block_class.forward(self, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"{self.block_class.__name__}, num_experts={self.num_experts}, top_k={self.top_k}"

@@ -1,0 +1,122 @@
+"""A transformers 5.x experts module cut down to this rank's experts, same math.
+
+transformers 5.x stores a layer's experts fused (``experts.gate_up_proj`` [E, 2F, D] and
+``experts.down_proj`` [E, D, F]; GPT-OSS transposed, interleaved gate/up, with biases and
+its own clamped SwiGLU) and describes the layout with flags that
+``transformers.integrations.moe.use_experts_implementation`` sets on the module:
+``has_gate``, ``has_bias``, ``is_transposed``, ``has_post_expert_norm``, and the gating
+function ``_apply_gate``. :class:`HFExperts` keeps the rows of the experts this rank holds
+and applies exactly that math with one grouped matmul per projection (a loop where torch
+has no kernel for the operands).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from lazarus.moe import GroupedExperts, grouped_mm
+
+if TYPE_CHECKING:
+    from lazarus.moe import ElasticMoE
+
+__all__ = ["HFExperts", "is_hf_experts"]
+
+_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
+
+
+def is_hf_experts(module: nn.Module) -> bool:
+    """A transformers fused-experts module: ``num_experts`` and a ``down_proj`` plus a
+    ``gate_up_proj`` (or ``up_proj``) parameter with ``num_experts`` rows."""
+    num = getattr(module, "num_experts", None)
+    params = dict(module.named_parameters(recurse=False))
+    if not isinstance(num, int) or "down_proj" not in params:
+        return False
+    if "gate_up_proj" not in params and "up_proj" not in params:
+        return False
+    return all(p.dim() >= 2 and p.shape[0] == num for p in params.values())
+
+
+def _default_gate(self: Any, gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return self.act_fn(gate) * up
+
+
+class HFExperts(GroupedExperts):
+    """The rows ``ids`` of a transformers experts module, computing what it computes.
+
+    Parameters keep the original names (``gate_up_proj``, ``gate_up_proj_bias``,
+    ``down_proj``, ...) in the original order, with ``len(ids)`` rows. Plain attributes
+    (``alpha``, ``limit``, ``config``, the layout flags) and parameter-free submodules
+    (``act_fn``) are carried over, so the model's own ``_apply_gate`` runs unchanged.
+
+    ``forward(hidden_states, top_k_index, top_k_weights)`` -- the signature the model's MoE
+    block calls -- hands the tokens to the owning Lazarus layer's dispatch, which sends
+    them to the ranks holding their experts and calls :meth:`run` there.
+    """
+
+    def __init__(self, original: nn.Module, ids: Sequence[int]) -> None:
+        if not is_hf_experts(original):
+            raise ValueError(f"{type(original).__name__} is not a transformers fused-experts module "
+                             "(num_experts, gate_up_proj or up_proj, down_proj with num_experts rows)")
+        if getattr(original, "has_post_expert_norm", False):
+            raise ValueError(f"{type(original).__name__}: experts with a post-expert norm are not supported")
+        ids = sorted(set(int(e) for e in ids))
+        index = torch.tensor(ids, dtype=torch.long)
+        tensors = {name: p.detach().index_select(0, index.to(p.device))
+                   for name, p in original.named_parameters(recurse=False)}
+        super().__init__(int(original.num_experts), ids, tensors)
+        self.original_class = type(original)
+        for key, value in vars(original).items():
+            if key.startswith("_") or key in ("training", "num_experts") or key in self.__dict__:
+                continue
+            self.__dict__[key] = value
+        for name, child in original.named_children():
+            if any(True for _ in child.parameters()):
+                raise ValueError(f"{type(original).__name__}.{name} has parameters: not supported")
+            self.add_module(name, child)
+        self.has_gate = bool(getattr(original, "has_gate", "gate_up_proj" in tensors))
+        self.has_bias = bool(getattr(original, "has_bias", any(n.endswith("_bias") for n in tensors)))
+        self.is_transposed = bool(getattr(original, "is_transposed", False))
+        gate = getattr(type(original), "_apply_gate", None)
+        self._gate_fn: Callable[[Any, torch.Tensor], torch.Tensor] = gate if gate is not None else _default_gate
+        self._owner: Callable[[], "ElasticMoE | None"] = lambda: None
+        self.train(original.training)
+
+    def bind(self, owner: "ElasticMoE") -> None:
+        """The Lazarus layer whose dispatch :meth:`forward` uses (held weakly: the layer owns us)."""
+        self._owner = weakref.ref(owner)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError("HFExperts is not bound to a Lazarus layer (use lazarus.adapters.hf.make_elastic)")
+        return owner.dispatch(hidden_states, top_k_index, top_k_weights)
+
+    # -- the expert math, over this rank's rows -------------------------------------------------
+    def _linear(self, x: torch.Tensor, name: str, counts: list[int], rows: torch.Tensor | None) -> torch.Tensor:
+        w = getattr(self, name)
+        out = grouped_mm(x.to(w.dtype), w if self.is_transposed else w.transpose(-2, -1), counts)
+        bias = getattr(self, name + "_bias", None) if self.has_bias else None
+        if bias is not None:
+            out = out + bias.index_select(0, rows)
+        return out
+
+    def run(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        counts = [int(c) for c in counts]
+        rows = None
+        if self.has_bias:
+            rows = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
+                                           torch.tensor(counts, device=x.device), output_size=x.shape[0])
+        if self.has_gate:
+            h = self._gate_fn(self, self._linear(x, "gate_up_proj", counts, rows))
+        else:
+            h = self.act_fn(self._linear(x, "up_proj", counts, rows))
+        return self._linear(h, "down_proj", counts, rows)
+
+    def extra_repr(self) -> str:
+        return f"{self.original_class.__name__}, num_experts={self.num_experts}, expert_ids={self.expert_ids}"
