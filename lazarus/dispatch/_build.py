@@ -91,6 +91,16 @@ def _compile(src: Path, with_cuda: bool) -> None:
     tag = _tag(src, with_cuda)
     name = f"lazarus_dispatch_{'cuda' if with_cuda else 'cpu'}_{tag}"
     build_dir = cache_root() / name
+    built = build_dir / f"{name}.so"
+    if built.exists():
+        # The name hashes the sources: an existing library is current. Load it without
+        # cpp_extension.load, whose build lock (a file) stays behind when a process is
+        # killed while holding it, and then makes every later process wait forever.
+        try:
+            torch.ops.load_library(str(built))
+            return
+        except OSError as exc:  # a truncated build: rebuild below
+            log.warning("lazarus dispatch: could not load %s (%s); rebuilding", built, exc)
     build_dir.mkdir(parents=True, exist_ok=True)
     sources = [str(src / s) for s in CPU_SOURCES + (CUDA_SOURCES if with_cuda else ())]
     cpp_extension.load(
