@@ -231,3 +231,14 @@ def test_two_ranks_equal_one_process_and_moc_export_loads(tmp_path: Path) -> Non
 @pytest.mark.timeout(500)
 def test_four_ranks_equal_one_process(tmp_path: Path) -> None:
     run_ranks(prog_train, 4, tmp_path, SLOTS_4, None, join_s=450)
+
+
+def test_a_copied_adapted_model_runs_its_own_layers() -> None:
+    model = make_elastic(lm.build("mixtral"))
+    twin = copy.deepcopy(model)
+    ids = global_ids(3, 1)
+    torch.testing.assert_close(lm.loss_of(twin, ids), lm.loss_of(model, ids))
+    with torch.no_grad():
+        twin.model.layers[0].mlp.experts.down_proj.zero_()      # the copy's experts are its own
+    assert not torch.equal(lm.loss_of(twin, ids), lm.loss_of(model, ids))
+    assert twin.model.layers[0].mlp.experts._owner() is twin.model.layers[0].mlp

@@ -26,6 +26,11 @@ import torch
 
 from ._log import get_logger
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: torch's own lock only
+    fcntl = None
+
 log = get_logger("lazarus.dispatch")
 
 BACKENDS = ("auto", "cpp", "torch")
@@ -103,17 +108,29 @@ def _compile(src: Path, with_cuda: bool) -> None:
             log.warning("lazarus dispatch: could not load %s (%s); rebuilding", built, exc)
     build_dir.mkdir(parents=True, exist_ok=True)
     sources = [str(src / s) for s in CPU_SOURCES + (CUDA_SOURCES if with_cuda else ())]
-    cpp_extension.load(
-        name=name,
-        sources=sources,
-        extra_cflags=["-O3"],
-        extra_cuda_cflags=["-O3"] if with_cuda else None,
-        extra_include_paths=[str(src)],
-        build_directory=str(build_dir),
-        with_cuda=with_cuda,
-        is_python_module=False,
-        verbose=False,
-    )
+    # torch serialises builders with a lock FILE (O_CREAT | O_EXCL, no timeout): a process
+    # killed while inside load() -- a node SIGKILLed during its first step -- leaves it
+    # behind and every later load() in this build directory waits forever. Loaders take an
+    # flock first (the kernel drops it when its holder dies); whoever holds it is the only
+    # process inside load(), so a lock file found then is stale and is removed.
+    with open(build_dir / ".lazarus.flock", "a+") as guard:
+        if fcntl is not None:
+            fcntl.flock(guard.fileno(), fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if fcntl is not None and stale.exists():
+            log.warning("lazarus dispatch: removing a stale build lock %s (its process died mid-build)", stale)
+            stale.unlink(missing_ok=True)
+        cpp_extension.load(
+            name=name,
+            sources=sources,
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3"] if with_cuda else None,
+            extra_include_paths=[str(src)],
+            build_directory=str(build_dir),
+            with_cuda=with_cuda,
+            is_python_module=False,
+            verbose=False,
+        )
 
 
 def _missing_tools(src: Path, with_cuda: bool) -> str:

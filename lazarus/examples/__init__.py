@@ -4,7 +4,10 @@
   deterministic, rank-sliced data stream;
 * :mod:`lazarus.examples.moe_gpt` -- :class:`MoEGPT` on :class:`lazarus.moe.MoELayer`,
   its optimizer, gradient sync and routing-skew helpers
-  (``python -m lazarus.examples.moe_gpt --steps 100`` trains it single-process).
+  (``python -m lazarus.examples.moe_gpt --steps 100`` trains it single-process);
+* :mod:`lazarus.examples.train_elastic` / :mod:`lazarus.examples.train_hf` -- workers for
+  ``lazarus agent``: the MoE GPT, and a transformers Qwen3-MoE made elastic with
+  :func:`lazarus.adapters.hf.make_elastic`.
 
 Names are imported lazily, so running a submodule with ``-m`` does not import it twice.
 """

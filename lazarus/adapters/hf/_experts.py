@@ -40,6 +40,10 @@ def is_hf_experts(module: nn.Module) -> bool:
     return all(p.dim() >= 2 and p.shape[0] == num for p in params.values())
 
 
+def _unbound() -> None:
+    return None
+
+
 def _default_gate(self: Any, gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return self.act_fn(gate) * up
@@ -83,8 +87,13 @@ class HFExperts(GroupedExperts):
         self.is_transposed = bool(getattr(original, "is_transposed", False))
         gate = getattr(type(original), "_apply_gate", None)
         self._gate_fn: Callable[[Any, torch.Tensor], torch.Tensor] = gate if gate is not None else _default_gate
-        self._owner: Callable[[], "ElasticMoE | None"] = lambda: None
+        self._owner: Callable[[], "ElasticMoE | None"] = _unbound
         self.train(original.training)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_owner"] = _unbound      # a weak reference does not pickle; the block rebinds on forward
+        return state
 
     def bind(self, owner: "ElasticMoE") -> None:
         """The Lazarus layer whose dispatch :meth:`forward` uses (held weakly: the layer owns us)."""
