@@ -247,10 +247,7 @@ class ElasticMoE(nn.Module):
         tokens, recv = tokens.cpu(), recv.cpu()
 
         x_recv = all_to_all_uneven(h[slot_token[perm]], out_splits, in_splits, self.group)
-        recv_expert = torch.repeat_interleave(
-            torch.arange(num).repeat(size), recv.flatten(), output_size=sum(out_splits)
-        ).to(h.device)
-        y_recv = self._run_local(x_recv, recv_expert, recv)
+        y_recv = self._run_local(x_recv, recv)
         y_back = all_to_all_uneven(y_recv, in_splits, out_splits, self.group)
 
         inverse = torch.empty_like(perm)
@@ -266,7 +263,7 @@ class ElasticMoE(nn.Module):
                 self.routing_hook(self.routing_counts)
         return out
 
-    def _run_local(self, x: torch.Tensor, expert_ids: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
+    def _run_local(self, x: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
         """Apply the local expert of every received row (rows arrive grouped by source rank,
         then expert; ``recv[src, e]`` rows of expert e from rank src): sort them by expert
         (unless they already are), run the experts, put them back."""
@@ -286,6 +283,8 @@ class ElasticMoE(nn.Module):
         seq = [e for row in recv.tolist() for e, n in enumerate(row) if n]
         if all(a <= b for a, b in zip(seq, seq[1:])):
             return self.experts.run(x, counts)
+        expert_ids = torch.repeat_interleave(torch.arange(recv.shape[1]).repeat(recv.shape[0]), recv.flatten(),
+                                             output_size=x.shape[0]).to(x.device)
         order = torch.sort(expert_ids, stable=True).indices
         y_sorted = self.experts.run(x[order], counts)
         inverse = torch.empty_like(order)
