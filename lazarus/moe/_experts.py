@@ -26,6 +26,8 @@ Two layouts:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import math
 from typing import Mapping, Sequence
 
@@ -38,7 +40,7 @@ from ._expert import Expert
 __all__ = ["GroupedExperts", "LocalExperts", "MLPExperts"]
 
 
-class LocalExperts(nn.Module):
+class LocalExperts(nn.Module, ABC):
     """Interface of the experts of one MoE layer on one rank (see the module docstring).
 
     Attributes:
@@ -58,39 +60,46 @@ class LocalExperts(nn.Module):
 
     # -- to implement -----------------------------------------------------------------------
     @property
+    @abstractmethod
     def expert_ids(self) -> list[int]:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def run(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def expert_tensors(self, e: int) -> list[torch.Tensor]:
         """Expert ``e``'s parameters (or views of its rows), in a fixed order."""
         raise NotImplementedError
 
     def expert_grads(self, e: int) -> list[torch.Tensor | None]:
         """Gradients matching :meth:`expert_tensors` (None where no gradient exists)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def set_expert_grads(self, e: int, grads: Sequence[torch.Tensor]) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def reassign(self, ids: Sequence[int], flats: Mapping[int, torch.Tensor]) -> None:
         """Hold exactly ``ids`` from now on: kept experts keep their values, experts in
         ``flats`` (every added one) take the flat vector given."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def initial_flat(self, e: int) -> torch.Tensor:
         """The flat initial state of expert ``e`` (a placeholder to be restored over)."""
         raise NotImplementedError
 
     def state_to_flat(self, e: int, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Expert ``e``'s state dict (names relative to the expert) as a flat vector."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def flat_to_state(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """The inverse of :meth:`state_to_flat`."""
-        raise NotImplementedError
+        ...
 
     # -- derived ----------------------------------------------------------------------------
     def expert_shapes(self) -> list[torch.Size]:
@@ -99,8 +108,9 @@ class LocalExperts(nn.Module):
             return [t.shape for t in self.expert_tensors(ids[0])]
         return self._shapes_without_experts()
 
+    @abstractmethod
     def _shapes_without_experts(self) -> list[torch.Size]:
-        raise NotImplementedError
+        ...
 
     @property
     def expert_numel(self) -> int:
