@@ -71,11 +71,10 @@ class LocalExperts(nn.Module, ABC):
     @abstractmethod
     def expert_tensors(self, e: int) -> list[torch.Tensor]:
         """Expert ``e``'s parameters (or views of its rows), in a fixed order."""
-        raise NotImplementedError
 
+    @abstractmethod
     def expert_grads(self, e: int) -> list[torch.Tensor | None]:
         """Gradients matching :meth:`expert_tensors` (None where no gradient exists)."""
-        ...
 
     @abstractmethod
     def set_expert_grads(self, e: int, grads: Sequence[torch.Tensor]) -> None:
@@ -90,8 +89,8 @@ class LocalExperts(nn.Module, ABC):
     @abstractmethod
     def initial_flat(self, e: int) -> torch.Tensor:
         """The flat initial state of expert ``e`` (a placeholder to be restored over)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def state_to_flat(self, e: int, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Expert ``e``'s state dict (names relative to the expert) as a flat vector."""
         ...
