@@ -63,6 +63,10 @@ class Checkpoint:
         with CheckpointManager(cfg(root, "shm"), model=model, optimizer=opt) as ckpt:
             for step in range(STEPS):
                 train(model, opt, step, ckpt)
+                if step == 0:
+                    # Partial checkpoints start once a full one is committed: waiting for the
+                    # first makes the later ones K=1 however slowly it persists.
+                    ckpt.wait()
         self.root, self.build = root, build
         self.url = str(root / "ckpt")
         self.store = CheckpointStore(self.url)
