@@ -11,7 +11,11 @@
    rank must hold under the new plan and lacks comes from a surviving holder, the fetches
    of one expert rotating over its holders; one all-to-all moves them all.
 4. Install: re-drive every MoE layer with its new placement, rebuild the optimizer (state
-   carried over by parameter), load the received units.
+   carried over by parameter), load the received units. A joiner builds its whole model
+   here, which takes seconds on a loaded machine while the others are done at once: when
+   the plan has joiners, every member then meets at a barrier on the controller's store,
+   bounded by ``rendezvous_timeout``, so that no survivor waits for a joiner's build in a
+   collective bounded by the much shorter ``collective_timeout``.
 5. A new moc manager on the new group (it adopts the old one's buffers and counters);
    experts with no surviving replica come from moc: peer memory first, storage last, PLT
    booked.
@@ -64,6 +68,7 @@ class Reconfigurer:
         self.handover = None
         self.unrestored: set[str] = set()   # lost experts not yet restored from moc
         self._pending_lost_mine: set[str] = set()
+        self._joiners = 0   # members of the plan being applied that arrived without state
         self._dense: list[nn.Parameter] | None = None
         self._store = None
         self._store_addr: tuple[str, int, int] | None = None
@@ -138,6 +143,18 @@ class Reconfigurer:
         self.aborter.formed()
         t.rank, t.world, t.members, t.generation = rank, world, list(members), int(plan["generation"])
         self.group_epoch = epoch
+
+    def _store_barrier(self, plan: dict[str, Any], name: str) -> None:
+        """Every member of ``plan`` past point ``name``, met on the controller's store (the
+        client of this plan's rendezvous), waiting up to ``rendezvous_timeout``. A newer
+        plan interrupts the wait (:meth:`_interruptible` shuts the store's sockets)."""
+        store = self._store
+        if store is None:
+            raise RuntimeError(f"barrier {name!r} of generation {plan['generation']} without a store client")
+        key = f"{plan['prefix']}/{name}"
+        if store.add(key, 1) == len(plan["members"]):
+            store.set(key + "/all", "1")
+        store.wait([key + "/all"], self.t.config.rendezvous_timeout)
 
     @contextmanager
     def _interruptible(self, plan: dict[str, Any]) -> Iterator[list[int]]:
@@ -229,6 +246,10 @@ class Reconfigurer:
         t1 = time.time()
         self._install(plan, received, newest)
         timings["install"] = time.time() - t1
+        if self._joiners:
+            t1 = time.time()
+            self._store_barrier(plan, "installed")
+            timings["joiners"] = time.time() - t1
         t1 = time.time()
         sources = self._moc(lost, fresh_start=newest < 0)
         timings["moc"] = time.time() - t1
@@ -266,6 +287,7 @@ class Reconfigurer:
         inv = comm.gather_json({"node": t.node, "step": t.step if has_state else -1, "experts": self._held(),
                                 "modules": modules})
         newest = max(r["step"] for r in inv)
+        self._joiners = sum(1 for r in inv if r["step"] < 0)
         stats = {"moved": 0, "dense_moves": 0, "sources": {"peer": 0}}
         self._pending_lost_mine = set()
         if newest < 0:

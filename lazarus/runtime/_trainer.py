@@ -131,6 +131,7 @@ class ElasticTrainer:
         life, across reconfigurations), then flush the last checkpoint and report done."""
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
             raise ValueError(f"total_steps must be an integer >= 1, got {total_steps!r}")
+        _warm_up()
         self.channel.hello(self.layout)
         plan = self._wait_plan(-1)
         self._reconfigure_loop(plan, error=None)
@@ -402,3 +403,14 @@ class ElasticTrainer:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._metrics = open(path, "a", buffering=1)
         self._metrics.write(json.dumps(record) + "\n")
+
+
+def _warm_up() -> None:
+    """One-time costs paid before this worker says it is ready, not during a
+    reconfiguration where the other members wait for it: the first ``torch.optim``
+    optimizer imports ``torch._dynamo`` (3-9 s on a loaded 2-core machine), and the
+    dispatch extension is loaded."""
+    from lazarus.dispatch import load_ops
+
+    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
+    load_ops()
