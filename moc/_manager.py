@@ -333,7 +333,8 @@ class CheckpointManager:
     # -- reconfiguration -----------------------------------------------------------------
     def _export_state(self) -> dict[str, Any]:
         with self.run.lock:
-            return {"run_id": self.run.run_id, **self.policy.state(), "has_base": self.run.has_base,
+            return {"run_id": self.run.run_id, **self.policy.state(), "pending": self.policy.pending_state(),
+                    "has_base": self.run.has_base,
                     "first_done": self.run.first_done, "last_persisted_step": self.persister.last_persisted_step,
                     "last_snapshot_step": self.engine.last_snapshot_step,
                     "persist_failures": self.persister.failures}
@@ -346,6 +347,8 @@ class CheckpointManager:
             return
         self.run.run_id = state["run_id"]
         self.policy.load_state(state)
+        # routing since the last checkpoint: booked when a lost expert is restored
+        self.policy.adopt_pending([s.get("pending") if s is not None else None for s in states])
         self.run.has_base, self.run.first_done = bool(state["has_base"]), bool(state["first_done"])
         self.persister.last_persisted_step = state["last_persisted_step"]
         self.engine.last_snapshot_step = state["last_snapshot_step"]
