@@ -22,8 +22,8 @@ NODES = ["n0", "n1", "n2"]
 G = 2
 
 
-def _cluster(tmp_path: Path, *, slots: int, min_replicas: int) -> LocalCluster:
-    worker = ["--steps", str(STEPS), "--storage", str(tmp_path / "store"), "--layers", "2", "--experts", "4",
+def _cluster(tmp_path: Path, *, slots: int, min_replicas: int, steps: int = STEPS) -> LocalCluster:
+    worker = ["--steps", str(steps), "--storage", str(tmp_path / "store"), "--layers", "2", "--experts", "4",
               "--d-model", "32", "--d-hidden", "64", "--batch-size", "12", "--seq-len", "32",
               "--corpus-bytes", str(1 << 20), "--interval", "5", "--persist-every", "2",
               "--k-persist", "1", "--snapshot-copies", "2", "--collective-timeout", "4s",
@@ -106,3 +106,48 @@ def test_sigkill_node_of_two_workers_restores_its_single_replicas_from_copies_on
         # every lost expert came back from peer memory on the surviving nodes
         assert rec["sources"]["memory"] == len(rec["lost_experts"]) and rec["sources"]["storage"] == 0, rec
         assert rec["plt"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_spot_notice_hands_both_workers_experts_over_and_the_node_leaves(tmp_path: Path) -> None:
+    with _cluster(tmp_path, slots=4, min_replicas=2) as c:
+        c.start(NODES)
+        c.wait_step(12, timeout=180)
+        c.leave("n2")
+        c.wait_for(lambda: [r for r in c.reconfigurations() if r["reason"] == "leave"], 60, "the graceful leave")
+        rec = [r for r in c.reconfigurations() if r["reason"] == "leave"][0]
+        assert rec["world_size"] == 4 and sorted(rec["members"]) == ["n0", "n1"]
+        assert rec["lost_experts"] == [] and rec["sources"]["memory"] == 0 and rec["sources"]["storage"] == 0
+        assert c.agents["n2"].wait(timeout=60) == 0                  # both workers handed over and exited
+        exits = [e for e in c.events() if e.get("event") == "worker_exit" and e.get("node") == "n2"]
+        assert [e["returncode"] for e in exits] == [0]
+        assert not _failure_reconfigs(c)                            # no step was discarded
+        assert c.wait(timeout=240) == 0
+        survivors = ["n0", "n1"]
+        for node in survivors:
+            assert c.agents[node].wait(timeout=60) == 0
+        digests = c.read_digests(str(tmp_path / "digest-{node}-{local_rank}.json"), survivors, G)
+        assert c.final_state_problems(digests, LocalCluster.workers(survivors, G), STEPS, expert_units=2 * 4) == []
+
+
+@pytest.mark.timeout(300)
+def test_one_worker_killed_restarts_its_node_which_rejoins(tmp_path: Path) -> None:
+    # the 4 survivors must not finish before the node's two new workers (started with
+    # torch imports on a loaded 2-core machine: up to ~15 s) rejoin
+    steps = 150
+    with _cluster(tmp_path, slots=4, min_replicas=2, steps=steps) as c:
+        c.start(NODES)
+        c.wait_step(8, timeout=180)
+        c.kill_worker("n1", local_rank=1)           # the agent stops local rank 0 too
+        c.wait_for(lambda: _failure_reconfigs(c), 60, "reconfiguration after the worker kill")
+        assert _failure_reconfigs(c)[0]["world_size"] == 4
+        c.wait_for(lambda: [r for r in c.reconfigurations() if r["reason"] == "join"], 90, "the rejoin")
+        join = [r for r in c.reconfigurations() if r["reason"] == "join"][0]
+        assert join["world_size"] == 6 and join["dense_moves"] > 0
+        exits = [e for e in c.events() if e.get("event") == "worker_exit" and e.get("node") == "n1"]
+        assert exits[0]["incarnation"] == 1 and "local rank 1: killed by SIGKILL" in exits[0]["error"]
+        assert c.wait(timeout=240) == 0
+        for node in NODES:
+            assert c.agents[node].wait(timeout=60) == 0
+        digests = c.read_digests(str(tmp_path / "digest-{node}-{local_rank}.json"), NODES, G)
+        assert c.final_state_problems(digests, LocalCluster.workers(NODES, G), steps, expert_units=2 * 4) == []

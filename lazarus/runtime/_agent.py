@@ -516,12 +516,20 @@ class Agent:
             return False
         return wk.proc.returncode != 0 or not (self._leaving or self._shutdown)
 
-    async def _wait_group(self, grp: WorkerGroup) -> None:
+    def _report_exit(self, grp: WorkerGroup, rc: int) -> None:
+        self._to_controller({"type": "worker_exit", "node": self.node_id, "returncode": rc,
+                             "incarnation": grp.incarnation, "error": None if rc == 0 else grp.last_error()},
+                            queue=True)
+
+    async def _wait_group(self, grp: WorkerGroup) -> bool:
         """Until every worker of ``grp`` exited. The first one whose exit brings the group
-        down (torchrun's rule) gets its siblings SIGKILLed: their collectives with it are
-        broken, and the node restarts (or leaves) as a whole."""
+        down (torchrun's rule) is reported at once (the node's ranks are gone: the
+        controller replans without waiting for the rest) and its siblings are SIGKILLed:
+        their collectives with it are broken, and the node restarts (or leaves) as a
+        whole. Returns whether the exit was reported."""
         waits = {asyncio.ensure_future(w.proc.wait()): w for w in grp.workers}
         pending = set(waits)
+        reported = False
         while pending:
             finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for fut in sorted(finished, key=lambda f: waits[f].local_rank):
@@ -530,24 +538,27 @@ class Agent:
                     wk.writer.close()
                 if grp.failed is None and self._brings_group_down(grp, wk):
                     grp.failed = wk
-                    if pending:
-                        siblings = [waits[f] for f in pending if not waits[f].done]
-                        log.warning("agent %s: worker local rank %d of incarnation %d exited (%s); stopping the "
+                    siblings = [waits[f] for f in pending if not waits[f].done]
+                    for sib in siblings:
+                        with contextlib.suppress(ProcessLookupError):
+                            sib.proc.kill()
+                    if siblings:
+                        log.warning("agent %s: worker local rank %d of incarnation %d exited (%s); stopped the "
                                     "node's other %d worker(s)", self.node_id, wk.local_rank, grp.incarnation,
                                     describe_exit(wk.proc.returncode or 0), len(siblings))
-                        for sib in siblings:
-                            with contextlib.suppress(ProcessLookupError):
-                                sib.proc.kill()
+                        await wk.stderr_done()   # its last error names the cause
+                        self._report_exit(grp, wk.proc.returncode or 0)
+                        reported = True
         for w in grp.workers:
             await w.stderr_done()
+        return reported
 
     async def _watch_worker(self, wk: WorkerGroup) -> None:
-        await self._wait_group(wk)
+        reported = await self._wait_group(wk)
         rc = wk.returncode or 0
         log.info("agent %s: worker incarnation %d exited with %d", self.node_id, wk.incarnation, rc)
-        self._to_controller({"type": "worker_exit", "node": self.node_id, "returncode": rc,
-                             "incarnation": wk.incarnation, "error": None if rc == 0 else wk.last_error()},
-                            queue=True)
+        if not reported:
+            self._report_exit(wk, rc)
         if wk is not self._worker or wk.killed:
             return
         if wk.done:
