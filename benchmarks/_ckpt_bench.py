@@ -143,6 +143,27 @@ def verdict(value: float, lim: float, se: float) -> str:
     return v + (" (within noise)" if math.isfinite(se) and abs(value - lim) < 2 * se else "")
 
 
+def stall_target_rows(save: dict | None, k1: list[dict], best_async: dict | None) -> list[str]:
+    """Markdown rows of the two single-process stall targets (K=1 <= 2% of ``torch.save``
+    and <= half of the best async baseline), one per MoC K=1 row in ``k1``."""
+    rows: list[str] = []
+    if save and k1:
+        lim = 0.02 * save["stall"]
+        for r in k1:
+            rows.append(f"| {r['name']} stall <= 2% of torch.save ({fmt_ms(lim)} ms) | {fmt_ms(r['stall'])} ms = "
+                        f"{100*r['stall']/save['stall']:.1f}% (window mean {fmt_ms(r['stall_mean'])} +- "
+                        f"{fmt_ms(r['stall_se'])} ms); loop blocked {fmt_ms(r['blocked'])} ms = "
+                        f"{100*r['blocked']/save['blocked']:.2f}% of torch.save's blocking call "
+                        f"({fmt_ms(save['blocked'])} ms) | {verdict(r['stall'], lim, r['stall_se'])} |")
+    if best_async and k1:
+        lim = 0.5 * best_async["stall"]
+        for r in k1:
+            rows.append(f"| {r['name']} stall <= half of the best async baseline ({best_async['name']}: "
+                        f"{fmt_ms(best_async['stall'])} ms) | {fmt_ms(r['stall'])} ms | "
+                        f"{verdict(r['stall'], lim, r['stall_se'])} |")
+    return rows
+
+
 # --------------------------------------------------------------------------------------
 # checkpoint methods: checkpoint(step) -> seconds the call blocked; drain() waits for the
 # background work; after() is untimed housekeeping between windows.

@@ -1,17 +1,13 @@
 """MoELayer on 2 and 4 gloo ranks vs a single-process dense reference.
 
-Each test spawns its ranks as separate processes (FileStore rendezvous, finite gloo
-timeouts), every rank checks its own outputs and gradients with assert_close against the
-reference computed on the full global batch, and the parent kills any rank still alive
-when the test ends, passed or not.
+Each test spawns its ranks with ``rank_harness.run_ranks`` (separate processes, FileStore
+rendezvous, finite gloo timeouts); every rank checks its own outputs and gradients with
+assert_close against the reference computed on the full global batch, and the parent kills
+any rank still alive when the test ends, passed or not.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -19,46 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lazarus.dispatch import load_ops
 from lazarus.moe import Expert, MoEConfig, MoELayer, record_routing_to, sync_moe_gradients
 from lazarus.planning import Placement
+from rank_harness import run_ranks
 
 JOIN_S = 150
-
-
-# ----- process harness ----------------------------------------------------------------------
-def _entry(fn_name: str, rank: int, world: int, tmp: str, args: tuple) -> None:
-    err = Path(tmp) / f"err.{rank}"
-    try:
-        os.environ["RANK"] = str(rank)
-        store = dist.FileStore(str(Path(tmp) / "store"), world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
-        torch.manual_seed(1234 + rank)
-        globals()[fn_name](rank, world, *args)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        err.write_text(traceback.format_exc())
-        os._exit(1)
-
-
-def run_ranks(fn_name: str, world: int, tmp: Path, *args) -> None:
-    load_ops()  # build the extension once here, so the ranks only load it
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(fn_name, r, world, str(tmp), args), daemon=True) for r in range(world)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(JOIN_S)
-        errors = [(tmp / f"err.{r}").read_text() for r in range(world) if (tmp / f"err.{r}").exists()]
-        assert not errors, "\n".join(errors)
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
 
 
 # ----- reference ----------------------------------------------------------------------------
@@ -196,19 +157,19 @@ PLAN_4 = [[0, 0], [0, 1], [0, 2], [3, 3]]
 
 @pytest.mark.timeout(170)
 def test_two_ranks_match_reference_top1_top2(tmp_path: Path) -> None:
-    run_ranks("prog_correctness", 2, tmp_path, PLAN_2, 3)
+    run_ranks(prog_correctness, 2, tmp_path, PLAN_2, 3, join_s=JOIN_S)
 
 
 @pytest.mark.timeout(170)
 def test_four_ranks_match_reference_top1_top2(tmp_path: Path) -> None:
-    run_ranks("prog_correctness", 4, tmp_path, PLAN_4, 4)
+    run_ranks(prog_correctness, 4, tmp_path, PLAN_4, 4, join_s=JOIN_S)
 
 
 @pytest.mark.timeout(170)
 def test_set_placement_moves_experts(tmp_path: Path) -> None:
     # Expert 3 moves from rank 3 onto ranks 0 and 1; expert 0 leaves rank 1.
     new = [[0, 3], [3, 1], [0, 2], [1, 2]]
-    run_ranks("prog_set_placement", 4, tmp_path, PLAN_4, new, 4)
+    run_ranks(prog_set_placement, 4, tmp_path, PLAN_4, new, 4, join_s=JOIN_S)
 
 
 # ----- single-process checks ----------------------------------------------------------------

@@ -60,7 +60,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks._ckpt_bench import (GB, MB, DCPAsync, Method, MoC, TorchSave, fmt_ms, loadavg, machine,  # noqa: E402
-                                    measure, verdict)
+                                    measure, stall_target_rows, verdict)
 
 # seq: tokens per sequence; tokens: tokens per training step (the whole batch; FSDP ranks
 # take half each). moe_hidden is Qwen3-MoE's moe_intermediate_size (F).
@@ -495,20 +495,7 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], single
     L.append("")
     L.append("| target | measured | met? |")
     L.append("|---|---|---|")
-    if save and k1:
-        for r in k1:
-            lim = 0.02 * save["stall"]
-            L.append(f"| {r['name']} stall <= 2% of torch.save ({fmt_ms(lim)} ms) | {fmt_ms(r['stall'])} ms = "
-                     f"{100*r['stall']/save['stall']:.1f}% (window mean {fmt_ms(r['stall_mean'])} +- "
-                     f"{fmt_ms(r['stall_se'])} ms); loop blocked {fmt_ms(r['blocked'])} ms = "
-                     f"{100*r['blocked']/save['blocked']:.2f}% of torch.save's blocking call "
-                     f"({fmt_ms(save['blocked'])} ms) | {verdict(r['stall'], lim, r['stall_se'])} |")
-    if best_async and k1:
-        for r in k1:
-            lim = 0.5 * best_async["stall"]
-            L.append(f"| {r['name']} stall <= half of the best async baseline ({best_async['name']}: "
-                     f"{fmt_ms(best_async['stall'])} ms) | {fmt_ms(r['stall'])} ms | "
-                     f"{verdict(r['stall'], lim, r['stall_se'])} |")
+    L.extend(stall_target_rows(save, k1, best_async))
     if fsdp and dcp_best:
         for f in fsdp:
             moc = next(r for r in f["rows"] if r["name"].startswith("MoC"))

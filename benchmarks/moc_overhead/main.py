@@ -60,7 +60,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks._ckpt_bench import (GB, MB, DCPAsync, Method, MoC, TorchSave, TorchSnapshot,  # noqa: E402
                                     dir_bytes, evict, fmt_ms, io_read_bytes, loadavg, machine, measure,
-                                    verdict)
+                                    stall_target_rows)
 
 EXPERT_RE = r"(?P<layer>.+)\.experts\.(?P<expert>\d+)\."
 
@@ -359,19 +359,7 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], rows: 
     L.append("")
     L.append("| target | measured | met? |")
     L.append("|---|---|---|")
-    if save and k1:
-        for r in k1:
-            lim = 0.02 * save["stall"]
-            L.append(f"| {r['name']} stall <= 2% of torch.save ({fmt_ms(lim)} ms) | {fmt_ms(r['stall'])} ms = "
-                     f"{100*r['stall']/save['stall']:.1f}% (window mean {fmt_ms(r['stall_mean'])} +- "
-                     f"{fmt_ms(r['stall_se'])} ms); loop blocked {fmt_ms(r['blocked'])} ms = "
-                     f"{100*r['blocked']/save['stall']:.1f}% | {verdict(r['stall'], lim, r['stall_se'])} |")
-    if best_async and k1:
-        for r in k1:
-            lim = 0.5 * best_async["stall"]
-            L.append(f"| {r['name']} stall <= half of the best async baseline ({best_async['name']}: "
-                     f"{fmt_ms(best_async['stall'])} ms) | {fmt_ms(r['stall'])} ms | "
-                     f"{verdict(r['stall'], lim, r['stall_se'])} |")
+    L.extend(stall_target_rows(save, k1, best_async))
     for m_key in ("memory", "memory_fresh"):
         for k in [k for k in RESTORE_ROWS[2:] if k in restore]:
             ratio = restore[k]["seconds"] / restore[m_key]["seconds"]

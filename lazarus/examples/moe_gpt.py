@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lazarus.moe import MoEConfig, MoELayer, moe_layers, sync_moe_gradients
+from lazarus.moe import MoEConfig, MoELayer, layer_placements, moe_layers, sync_moe_gradients
 from lazarus.moe._comm import world as _world
 from lazarus.planning import Placement
 
@@ -264,38 +264,8 @@ class MoEGPT(nn.Module):
         self.last_aux_loss: float | None = None
 
     def _resolve_placements(self, placements: Mapping[str, Placement] | Placement | None) -> dict[str, Placement]:
-        cfg = self.config
-        names = moe_layer_names(cfg)
-        if placements is None:
-            _, size = _world(self.group)
-            if size != 1:
-                raise ValueError(
-                    f"placements=None means all experts on one rank, but the process group has {size} ranks; "
-                    f"pass a Placement or a dict over layers {names}"
-                )
-            placements = single_process_placement(cfg.num_experts)
-        if isinstance(placements, Placement):
-            plans = {n: placements for n in names}
-        elif isinstance(placements, Mapping):
-            missing = [n for n in names if n not in placements]
-            unknown = sorted(set(placements) - set(names))
-            if missing or unknown:
-                raise ValueError(
-                    f"placements must have exactly the MoE layers {names}; missing {missing}, unknown {unknown}"
-                )
-            plans = dict(placements)
-        else:
-            raise ValueError(
-                f"placements must be a Placement, a dict layer name -> Placement, or None; got {type(placements).__name__}"
-            )
-        for n, p in plans.items():
-            if not isinstance(p, Placement):
-                raise ValueError(f"placements[{n!r}] must be a lazarus.planning.Placement, got {type(p).__name__}")
-            if p.num_experts != cfg.num_experts:
-                raise ValueError(
-                    f"placements[{n!r}] has num_experts = {p.num_experts}, the config {cfg.num_experts}"
-                )
-        return plans
+        return layer_placements({n: self.config.num_experts for n in moe_layer_names(self.config)}, placements,
+                                self.group)
 
     @torch.no_grad()
     def _init_dense(self) -> None:

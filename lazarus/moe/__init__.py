@@ -25,7 +25,7 @@ from ._experts import GroupedExperts, LocalExperts, MLPExperts
 from ._grouped import grouped_mm, grouped_mm_available
 from ._layer import ElasticMoE, MoELayer
 from ._model import moe_layers, record_routing_to, sync_moe_gradients
-from ._placement import holder_ranks, rank_slots, replica_matrix
+from ._placement import holder_ranks, layer_placements, rank_slots, replica_matrix
 from ._router import SoftmaxRouter
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "grouped_mm",
     "grouped_mm_available",
     "holder_ranks",
+    "layer_placements",
     "moe_layers",
     "rank_slots",
     "record_routing_to",

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from lazarus.moe._comm import world
+from lazarus.moe import layer_placements
 from lazarus.planning import Placement
 
 from ._block import ElasticHFBlock, is_hf_moe_block, router_of
@@ -64,34 +64,6 @@ def elastic_layout(model: nn.Module) -> dict[str, Any]:
     return {"layers": layers, "top_k": top_k}
 
 
-def _resolve(names: dict[str, int], placements: Mapping[str, Placement] | Placement | None,
-             group: Any) -> dict[str, Placement]:
-    if placements is None:
-        _, size = world(group)
-        if size != 1:
-            raise ValueError(f"placements=None puts every expert on one rank, but the process group has {size} "
-                             f"ranks; pass a Placement or a dict over the MoE layers {sorted(names)}")
-        return {n: Placement([list(range(e))], num_experts=e, strategy="single") for n, e in names.items()}
-    if isinstance(placements, Placement):
-        plans = {n: placements for n in names}
-    elif isinstance(placements, Mapping):
-        missing = [n for n in names if n not in placements]
-        unknown = sorted(set(placements) - set(names))
-        if missing or unknown:
-            raise ValueError(f"placements must have exactly the MoE layers {list(names)}; "
-                             f"missing {missing}, unknown {unknown}")
-        plans = {n: placements[n] for n in names}
-    else:
-        raise ValueError("placements must be None, a lazarus.planning.Placement or a dict layer name -> "
-                         f"Placement; got {type(placements).__name__}")
-    for n, p in plans.items():
-        if not isinstance(p, Placement):
-            raise ValueError(f"placements[{n!r}] must be a lazarus.planning.Placement, got {type(p).__name__}")
-        if p.num_experts != names[n]:
-            raise ValueError(f"placements[{n!r}] has num_experts = {p.num_experts}, the layer {names[n]}")
-    return plans
-
-
 def make_elastic(model: nn.Module, placements: Mapping[str, Placement] | Placement | None = None,
                  group: Any = None, *, grad_reduction: str = "mean") -> nn.Module:
     """Swap every transformers MoE block of ``model`` for an :class:`ElasticHFBlock`, in
@@ -115,7 +87,7 @@ def make_elastic(model: nn.Module, placements: Mapping[str, Placement] | Placeme
         hint = f" (already elastic: {already[:3]})" if already else ""
         raise ValueError(f"{type(model).__name__} has no transformers MoE block (a module with fused `experts` "
                          f"and a `gate`/`router`){hint}")
-    plans = _resolve({n: int(b.experts.num_experts) for n, b in blocks.items()}, placements, group)
+    plans = layer_placements({n: int(b.experts.num_experts) for n, b in blocks.items()}, placements, group)
     for name, block in blocks.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
