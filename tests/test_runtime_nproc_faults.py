@@ -62,6 +62,9 @@ def _kill_node_then_check(c: LocalCluster, tmp_path: Path, victim: str) -> dict:
     members = rec["members"]
     assert {w: d["rank"] for w, d in digests.items()} == {
         f"{n}/{lr}": i * G + lr for i, n in enumerate(members) for lr in range(G)}
+    for w, d in digests.items():   # what torchrun would have set, after the last plan
+        assert d["env"] == {"RANK": str(d["rank"]), "WORLD_SIZE": "4", "LOCAL_RANK": str(d["local_rank"]),
+                            "LOCAL_WORLD_SIZE": str(G), "GROUP_RANK": str(members.index(d["node"]))}, (w, d["env"])
     first, last = c.loss_drop(8)
     assert last < first - 0.3, (first, last)
     assert CheckpointStore(str(tmp_path / "store")).verify() == []

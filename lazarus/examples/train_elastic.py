@@ -108,6 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(path + ".tmp", "w") as f:
             json.dump({"node": node, "local_rank": trainer.local_rank, "step": trainer.step, "rank": trainer.rank,
                        "world": trainer.world,
+                       "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                               "GROUP_RANK")},
                        "generation": trainer.generation, "experts": trainer.expert_digests(),
                        "dense": trainer.dense_digest(), "losses": trainer.losses,
                        "seconds": time.time() - t0}, f)
