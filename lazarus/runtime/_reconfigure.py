@@ -321,7 +321,7 @@ class Reconfigurer:
                 want += [f"expert/{layer}/{e}" for e in sorted(set(slots[p])) if e not in have]
             if want:
                 needs[i] = want
-        moves, missing = choose_moves(needs, holders)
+        moves, missing = choose_moves(needs, holders, [r["node"] for r in inv])
         lost = sorted({u for u, _ in missing if u.startswith("expert/")})
         dense_missing = [u for u, _ in missing if not u.startswith("expert/")]
         if dense_missing:
