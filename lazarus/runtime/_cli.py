@@ -183,7 +183,8 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
         help="run a node agent that registers with the controller and runs the worker",
         description=(
             "Run a Lazarus node agent: it registers with the controller, heartbeats, starts "
-            "WORKER_COMMAND (after --) with a channel to the agent, relays plans and reports, "
+            "WORKER_COMMAND (after --) with a channel to the agent (--nproc-per-node times, one per "
+            "local GPU), relays plans and reports, "
             "and restarts a crashed worker as a new member (capped by --max-restarts). If the "
             "controller goes away the worker keeps training while the agent reconnects. "
             "SIGTERM = graceful leave."
