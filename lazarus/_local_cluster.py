@@ -4,7 +4,8 @@ Used by ``make demo`` (:mod:`lazarus.demo`) and the fault-injection tests. Each 
 an agent process started in its own session, so ``kill_node`` takes down the agent and
 its worker together (SIGKILL to the process group), like a machine that vanishes;
 ``freeze_node`` stops them (SIGSTOP), like a hung host; ``kill_worker`` kills only the
-training process; ``leave`` sends the agent SIGTERM, like a spot-preemption notice;
+training processes (or one of them: with ``nproc_per_node`` > 1 an agent runs several, and
+one's death takes the node's others down); ``leave`` sends the agent SIGTERM, like a spot-preemption notice;
 ``kill_controller`` / ``restart_controller`` take the controller down and bring it back
 with the same command line (it resumes from its state directory).
 """
@@ -48,11 +49,13 @@ class LocalCluster:
             full command via ``worker_command``).
         controller_args: extra ``lazarus controller`` options (``--slots 4`` ...).
         agent_args: extra ``lazarus agent`` options.
+        nproc_per_node: workers per agent (``--nproc-per-node``).
     """
 
     def __init__(self, workdir: str | os.PathLike, *, worker_args: Sequence[str] = (),
                  worker_command: Sequence[str] | None = None, controller_args: Sequence[str] = (),
-                 agent_args: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
+                 agent_args: Sequence[str] = (), env: dict[str, str] | None = None,
+                 nproc_per_node: int = 1) -> None:
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.events_path = self.dir / "events.jsonl"
@@ -64,7 +67,9 @@ class LocalCluster:
             sys.executable, "-m", "lazarus.examples.train_elastic", "--metrics", str(self.metrics_path),
             *worker_args]
         self.controller_args = list(controller_args)
-        self.agent_args = list(agent_args)
+        self.nproc_per_node = int(nproc_per_node)
+        self.agent_args = list(agent_args) + (["--nproc-per-node", str(self.nproc_per_node)]
+                                              if self.nproc_per_node != 1 else [])
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.controller: subprocess.Popen | None = None
         self.address = ""
@@ -131,11 +136,28 @@ class LocalCluster:
         self.agents[node].wait(timeout=10)
         return t
 
-    def kill_worker(self, node: str) -> float:
-        """SIGKILL only the node's training process (the agent stays)."""
-        kids = _children(self.agents[node].pid)
+    def worker_pids(self, node: str) -> dict[int, int]:
+        """``local rank -> pid`` of the node's running workers."""
+        out = {}
+        for pid in _children(self.agents[node].pid):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            except OSError:
+                continue
+            out[int(env.get(b"LOCAL_RANK", b"0"))] = pid
+        return out
+
+    def kill_worker(self, node: str, local_rank: int | None = None) -> float:
+        """SIGKILL only the node's training processes, or only its worker ``local_rank``
+        (the agent stays; it stops the node's other workers and restarts them all)."""
+        if local_rank is None:
+            kids = _children(self.agents[node].pid)
+        else:
+            kids = [pid for lr, pid in self.worker_pids(node).items() if lr == local_rank]
         if not kids:
-            raise RuntimeError(f"node {node} has no worker process")
+            raise RuntimeError(f"node {node} has no worker process" +
+                               (f" of local rank {local_rank}" if local_rank is not None else ""))
         t = time.time()
         for pid in kids:
             os.kill(pid, signal.SIGKILL)
@@ -229,23 +251,34 @@ class LocalCluster:
 
     # -- end-of-job checks (fault tests, make soak) -------------------------------------------
     @staticmethod
-    def read_digests(pattern: str, nodes: Sequence[str]) -> dict[str, dict[str, Any]]:
+    def workers(nodes: Sequence[str], nproc_per_node: int = 1) -> list[str]:
+        """Names of the workers of ``nodes``: the node itself with one worker per node,
+        ``<node>/<local rank>`` with several."""
+        if nproc_per_node == 1:
+            return list(nodes)
+        return [f"{n}/{lr}" for n in nodes for lr in range(nproc_per_node)]
+
+    @staticmethod
+    def read_digests(pattern: str, nodes: Sequence[str], nproc_per_node: int = 1) -> dict[str, dict[str, Any]]:
         """The digest files the example worker writes at the end (``--digests``, with
-        ``{node}`` in ``pattern``) of ``nodes``; absent files are left out."""
+        ``{node}`` and, with several workers per node, ``{local_rank}`` in ``pattern``) of
+        ``nodes``' workers, keyed as :meth:`workers` names them; absent files are left out."""
         out = {}
-        for node in nodes:
-            path = Path(pattern.replace("{node}", node))
+        for name in LocalCluster.workers(nodes, nproc_per_node):
+            node, _, lr = name.partition("/")
+            path = Path(pattern.replace("{node}", node).replace("{local_rank}", lr or "0"))
             if path.exists():
-                out[node] = json.loads(path.read_text())
+                out[name] = json.loads(path.read_text())
         return out
 
     @staticmethod
     def final_state_problems(digests: dict[str, dict[str, Any]], alive: Sequence[str], steps: int,
                              expert_units: int) -> list[str]:
-        """What is wrong with the end of a job (empty when nothing): every live node
-        finished every step in one world made of exactly the live nodes, every replica of
-        every expert is identical (weights and optimizer state), the dense state is
-        identical on every rank, and every expert is held somewhere."""
+        """What is wrong with the end of a job (empty when nothing): every live worker
+        (``alive``: names as :meth:`workers` gives them) finished every step in one world
+        made of exactly the live workers, every replica of every expert is identical
+        (weights and optimizer state), the dense state is identical on every rank, and
+        every expert is held somewhere."""
         problems = [f"node {n} wrote no digests (did not finish)" for n in alive if n not in digests]
         if problems:
             return problems

@@ -70,9 +70,11 @@ class MoCConfig:
             :class:`moc.CheckpointError` instead of training on unprotected.
         snapshot_dir: where the three snapshot buffers live; default a per-run folder in
             ``/dev/shm`` so a restarted process on the same node recovers from memory.
-        snapshot_copies: in-memory copies of every share, kept by distinct ranks holding
-            the unit (from their own replicas, no network); 2 means losing one node loses
-            no snapshot share. 1 halves snapshot memory.
+        snapshot_copies: in-memory copies of every share: the owner's, then copies on
+            ranks of other nodes than the unit's holders (``CheckpointManager(node=...)``),
+            then co-holders (from their own replicas, no network) when there are too few
+            other nodes; 2 means losing one node loses no snapshot share. 1 halves
+            snapshot memory.
         mtbf: failure interval assumed by ``interval="auto"`` until failures are observed.
         persist_timeout: how long :meth:`CheckpointManager.wait` waits for storage.
         coordination_timeout: timeout of the manager's own process groups.

@@ -46,6 +46,7 @@ from ._routing import RouterTaps
 from ._run_state import RunState
 from ._snapshot_engine import SnapshotEngine
 from ._snapshot_plan import Inventory, plan_snapshot
+from ._topology import check_node, default_node
 from ._units import UnitLayout, capture_rng, discover_units, optimizer_groups
 
 __all__ = ["CheckpointManager", "CheckpointError", "Handover"]
@@ -84,6 +85,11 @@ class CheckpointManager:
         memory_key: name of this process's snapshot folder under the snapshot directory
             (default ``rank<r>``). An elastic runtime whose ranks get renumbered passes a
             name that stays with the node (``worker0``), so snapshots are found again.
+        node: the node (machine, failure domain) this process runs on; remote snapshot
+            copies of a unit go to ranks on nodes where none of its holders runs, so one
+            node failure never takes a replica and its copy together. Default: derived
+            from the launcher (:func:`moc._topology.default_node`: the host when
+            ``LOCAL_WORLD_SIZE`` > 1, as under torchrun; else every rank its own node).
         handover: what :meth:`detach` returned on the manager this one replaces (same
             process, new process group after a reconfiguration): its buffers are kept and
             the bookkeeping (run id, counters, PLT, K) continues. Ranks without one (a
@@ -93,7 +99,7 @@ class CheckpointManager:
     def __init__(self, cfg: MoCConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  process_group: Any = None, expert_pattern: str | None = None,
                  extra_state: Mapping[str, Any] | None = None, memory_key: str | None = None,
-                 handover: "Handover | None" = None) -> None:
+                 handover: "Handover | None" = None, node: str | None = None) -> None:
         if not isinstance(cfg, MoCConfig):
             raise TypeError(f"cfg must be a MoCConfig, got {type(cfg).__name__}")
         self.cfg = cfg
@@ -105,11 +111,14 @@ class CheckpointManager:
                 raise ValueError(f"extra_state[{name!r}] must have state_dict() and load_state_dict()")
         if memory_key is not None and (not memory_key or "/" in memory_key or memory_key.startswith(".")):
             raise ValueError(f"memory_key must be a plain folder name, got {memory_key!r}")
+        if node is not None:
+            check_node(node)
         layout = discover_units(model, expert_pattern or cfg.expert_pattern, layout=cfg.expert_layout)
         self.comm = Comm.create(process_group, cfg.coordination_timeout)
         self.rank, self.world = self.comm.rank, self.comm.world
+        self.node = node if node is not None else default_node(self.rank)
         self.run = RunState(rank=self.rank, world=self.world)
-        self.inventory = Inventory.gather(model, layout, self.comm)
+        self.inventory = Inventory.gather(model, layout, self.comm, self.node)
         if self.rank == 0:
             log.info("rank %d step -: expert layout %s", self.rank, self.inventory.info["description"])
         self.policy = CheckpointPolicy(cfg, num_experts=self.inventory.num_experts, run=self.run, comm=self.comm)
@@ -324,7 +333,8 @@ class CheckpointManager:
     # -- reconfiguration -----------------------------------------------------------------
     def _export_state(self) -> dict[str, Any]:
         with self.run.lock:
-            return {"run_id": self.run.run_id, **self.policy.state(), "has_base": self.run.has_base,
+            return {"run_id": self.run.run_id, **self.policy.state(), "pending": self.policy.pending_state(),
+                    "has_base": self.run.has_base,
                     "first_done": self.run.first_done, "last_persisted_step": self.persister.last_persisted_step,
                     "last_snapshot_step": self.engine.last_snapshot_step,
                     "persist_failures": self.persister.failures}
@@ -337,6 +347,8 @@ class CheckpointManager:
             return
         self.run.run_id = state["run_id"]
         self.policy.load_state(state)
+        # routing since the last checkpoint: booked when a lost expert is restored
+        self.policy.adopt_pending([s.get("pending") if s is not None else None for s in states])
         self.run.has_base, self.run.first_done = bool(state["has_base"]), bool(state["first_done"])
         self.persister.last_persisted_step = state["last_persisted_step"]
         self.engine.last_snapshot_step = state["last_snapshot_step"]

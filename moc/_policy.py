@@ -60,7 +60,11 @@ class CheckpointPolicy:
             raise ValueError(f"MoCConfig.k_persist ({self.k_persist}) must be <= k_snapshot ({self.k_snapshot})")
         self.interval = 1 if cfg.interval == "auto" else int(cfg.interval)
         self.tracker = PLTTracker(self.num_experts, cfg.top_k)
+        # Routing counts since the last sync: this rank's tokens ("local", summed over ranks
+        # at the sync) and counts already summed over the job ("global", the same on every
+        # rank, so any survivor can hand them to the next manager).
         self._pending = {layer: torch.zeros(n, dtype=torch.int64) for layer, n in self.num_experts.items()}
+        self._pending_global = {layer: torch.zeros(n, dtype=torch.int64) for layer, n in self.num_experts.items()}
         self.checkpoints = 0        # snapshots taken by the job
         self.persist_rounds = 0     # of which designated for storage
         self.recoveries = 0
@@ -84,9 +88,7 @@ class CheckpointPolicy:
         if t.numel() != self._pending[layer].numel():
             raise ValueError(f"layer {layer!r} has {self._pending[layer].numel()} experts, got {t.numel()} counts")
         if scope == "global":
-            # Counted once over the job: only rank 0 contributes it to the sum.
-            if self.run.rank == 0:
-                self._pending[layer] += t
+            self._pending_global[layer] += t   # counted once over the job (not summed over ranks)
         else:
             self._pending[layer] += t
 
@@ -98,6 +100,7 @@ class CheckpointPolicy:
         layers = list(self._pending)
         flat = torch.cat([self._pending[l] for l in layers])
         self.comm.sum_int64(flat)
+        flat += torch.cat([self._pending_global[l] for l in layers])
         pos = 0
         with self.run.lock:
             for l in layers:
@@ -108,6 +111,31 @@ class CheckpointPolicy:
             self.tracker.add_tokens(int(first.sum()) // self.cfg.top_k)
         for l in layers:
             self._pending[l].zero_()
+            self._pending_global[l].zero_()
+
+    def pending_state(self) -> dict[str, dict[str, list[int]]]:
+        """Routing counts not yet synced, for the manager that replaces this one."""
+        return {"local": {l: [int(x) for x in t.tolist()] for l, t in self._pending.items()},
+                "global": {l: [int(x) for x in t.tolist()] for l, t in self._pending_global.items()}}
+
+    def adopt_pending(self, states: list[Any]) -> None:
+        """Take over the unsynced routing counts of the managers this one replaces
+        (``states``: every rank's :meth:`pending_state`, None for ranks without one, in
+        rank order). Local counts of the survivors are summed into rank 0's (the next
+        sync sums over ranks; a dead rank's are lost with it), global ones come from the
+        first survivor (they are the same on every rank)."""
+        given = [s for s in states if isinstance(s, Mapping)]
+        if not given:
+            return
+        for layer, row in self._pending.items():
+            if self.run.rank == 0:
+                for st in given:
+                    v = (st.get("local") or {}).get(layer)
+                    if isinstance(v, list) and len(v) == row.numel():
+                        row += torch.tensor(v, dtype=torch.int64)
+            v = (given[0].get("global") or {}).get(layer)
+            if isinstance(v, list) and len(v) == row.numel():
+                self._pending_global[layer] += torch.tensor(v, dtype=torch.int64)
 
     # -- when ------------------------------------------------------------------------------
     def observe_step(self) -> None:

@@ -21,7 +21,7 @@ from ._policy import Selection
 from ._sharding import plan_shares
 from ._units import capture_unit, expert_unit_name, parse_expert, unit_base
 
-__all__ = ["Inventory", "SnapshotPlan", "plan_snapshot", "unit_meta"]
+__all__ = ["Inventory", "SnapshotPlan", "copy_targets", "plan_snapshot", "unit_meta"]
 
 log = logging.getLogger("moc")
 
@@ -46,6 +46,9 @@ class Inventory:
         units_with_buffers: module units with non-parameter state (running stats...),
             copied synchronously in ``step()`` since the next forward may change them.
         info: the layout's description (log line, status, manifests).
+        nodes: ``nodes[r]`` names the node (failure domain) rank ``r`` runs on; remote
+            snapshot copies go to other nodes than the holders' (:func:`copy_targets`).
+            Empty: every rank its own node.
     """
 
     layout: UnitLayout
@@ -53,14 +56,19 @@ class Inventory:
     num_experts: dict[str, int]
     units_with_buffers: set[str] = field(default_factory=set)
     info: dict[str, Any] = field(default_factory=dict)
+    nodes: list[str] = field(default_factory=list)
 
     @classmethod
-    def gather(cls, model: torch.nn.Module, layout: UnitLayout, comm: Comm) -> "Inventory":
+    def gather(cls, model: torch.nn.Module, layout: UnitLayout, comm: Comm, node: str | None = None) -> "Inventory":
+        """Collective: every rank's units and node (``None``: ``rank<r>``, its own)."""
         params = {n for n, _ in model.named_parameters()}
         with_buffers = {spec.name for spec in layout.modules() if any(k not in params for k in spec.keys)}
         holders: dict[str, list[int]] = {}
-        for r, names in enumerate(comm.gather_json(sorted(layout.units))):
-            for name in names:
+        nodes: list[str] = []
+        for r, mine in enumerate(comm.gather_json({"units": sorted(layout.units),
+                                                    "node": node if node is not None else f"rank{comm.rank}"})):
+            nodes.append(str(mine["node"]))
+            for name in mine["units"]:
                 holders.setdefault(name, []).append(r)
         for r in range(comm.world):
             holders[f"extra/rank{r}"] = [r]
@@ -70,7 +78,10 @@ class Inventory:
             raise ValueError("no MoE layer found on any rank")
         layout.experts_per_layer = dict(num_experts)
         return cls(layout=layout, holders=holders, num_experts=num_experts, units_with_buffers=with_buffers,
-                   info=layout.describe())
+                   info=layout.describe(), nodes=nodes)
+
+    def node_of(self, rank: int) -> str:
+        return self.nodes[rank] if rank < len(self.nodes) else f"rank{rank}"
 
     def needs(self, world: int) -> dict[int, list[str]]:
         """rank -> the units it holds (what a restore must give it)."""
@@ -112,6 +123,30 @@ def unit_meta(plan: TreePlan, spec: UnitSpec | None) -> dict[str, Any]:
         "expert": getattr(spec, "expert", None), "unit_nbytes": plan.nbytes, "skeleton": plan.skeleton,
         "tensors": [t.to_json() for t in plan.tensors], "itemsize": plan.itemsize,
     }
+
+
+def copy_targets(holders: list[int], owner: int, world: int, count: int, nodes: list[str],
+                 load: list[int]) -> list[int]:
+    """Ranks that receive a remote copy of a share ``owner`` snapshots (at most ``count``).
+
+    A copy must survive what kills the unit's replicas: a node failure takes all its
+    ranks, so candidates are the ranks on nodes where no holder of the unit runs (with one
+    rank per node: the ranks not holding it). Each pick prefers a node not picked yet for
+    this share, then the least copy ``load`` (bytes already received, updated by the
+    caller), then the rank after ``owner`` in ring order. Fewer candidates than ``count``:
+    the caller keeps the remaining copies on co-holders (they survive a process crash,
+    not a node failure)."""
+    node_of = (lambda r: nodes[r]) if len(nodes) == world else (lambda r: f"rank{r}")
+    held_on = {node_of(r) for r in holders}
+    candidates = [r for r in range(world) if node_of(r) not in held_on]
+    picked: list[int] = []
+    used: set[str] = set()
+    while candidates and len(picked) < count:
+        r = min(candidates, key=lambda q: (node_of(q) in used, load[q], (q - owner) % world))
+        picked.append(r)
+        used.add(node_of(r))
+        candidates.remove(r)
+    return picked
 
 
 def plan_snapshot(cfg: MoCConfig, inventory: Inventory, comm: Comm, *, step: int, selection: Selection,
@@ -158,13 +193,13 @@ def plan_snapshot(cfg: MoCConfig, inventory: Inventory, comm: Comm, *, step: int
     for sh in shares:
         unit_holders = sorted(inventory.holders[sh.unit])
         # The owner snapshots (and persists) the share. The other copies go first to
-        # ranks that do NOT hold the unit: a copy on a co-holder dies with the replicas
-        # it would replace (an expert is lost only when all its holders are), while a
-        # copy elsewhere survives them. Co-holders (copied from their own replica, no
-        # network) fill up when there are not enough other ranks.
+        # ranks on nodes where no holder runs: a copy on a co-holder (or beside one, on
+        # its node) dies with the replicas it would replace (an expert is lost only when
+        # all its holders are), while a copy on another node survives them. Co-holders
+        # (copied from their own replica, no network) fill up when there are not enough
+        # other nodes.
         extra = cfg.snapshot_copies - 1
-        others = sorted((r for r in range(world) if r not in unit_holders),
-                        key=lambda r: (copy_load[r], (r - sh.rank) % world))[:extra]
+        others = copy_targets(unit_holders, sh.rank, world, extra, inventory.nodes, copy_load)
         for r in others:
             copy_load[r] += sh.end - sh.start
             remote.append((sh.unit, sh.start, sh.end, sh.rank, r))

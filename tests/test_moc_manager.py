@@ -295,6 +295,23 @@ def test_routing_scope_and_validation(tmp_path):
         assert ckpt.plt_tracker.total_tokens == 10
 
 
+def test_routing_since_the_last_checkpoint_survives_a_handover(tmp_path):
+    """A manager retired by a reconfiguration hands its unsynced routing counts to the
+    next one, so a lost expert restored later is charged for those tokens too."""
+    model, opt, task = make(0, num_experts=4)
+    ckpt = CheckpointManager(cfg_for(tmp_path, interval=100), model=model, optimizer=opt)
+    train_step(model, opt, task, 0, ckpt)            # the first checkpoint syncs step 0's counts
+    ckpt.wait(flush=False)
+    before = list(ckpt.plt_tracker.cum["layers.0.moe"])
+    ckpt.record_routing("layers.0.moe", [5, 0, 0, 1])                  # this rank's tokens
+    ckpt.record_routing("layers.0.moe", [0, 7, 0, 0], scope="global")  # already summed over the job
+    handover = ckpt.detach()
+    ckpt2 = CheckpointManager(cfg_for(tmp_path, interval=100), model=model, optimizer=opt, handover=handover)
+    ckpt2._sync_routing()
+    assert ckpt2.plt_tracker.cum["layers.0.moe"] == [b + d for b, d in zip(before, [5, 7, 0, 1])]
+    ckpt2.close(flush=False)
+
+
 def test_lazarus_moe_layers_report_routing_automatically(tmp_path):
     import torch.distributed as dist
 

@@ -166,3 +166,19 @@ def test_controller_state_fields_are_checked(tmp_path, field: str, value) -> Non
     write_state(tmp_path, _state(**{field: value}))
     with pytest.raises(ValueError, match=repr(field)):
         read_state(tmp_path)
+
+
+def test_choose_moves_prefers_a_holder_on_the_destinations_node() -> None:
+    holders = {"expert/l/0": [0, 2], "expert/l/1": [0, 2]}
+    nodes = ["a", "a", "b", "b"]
+    # rank 3 (node b) takes both from rank 2 (node b), rank 1 (node a) from rank 0
+    moves, missing = choose_moves({1: ["expert/l/0", "expert/l/1"], 3: ["expert/l/0", "expert/l/1"]}, holders, nodes)
+    assert missing == []
+    assert {(m.unit, m.src, m.dst) for m in moves} == {("expert/l/0", 0, 1), ("expert/l/1", 0, 1),
+                                                       ("expert/l/0", 2, 3), ("expert/l/1", 2, 3)}
+    # without nodes the fetches of one expert rotate over its holders
+    moves, _ = choose_moves({1: ["expert/l/0"], 3: ["expert/l/0"]}, holders)
+    assert sorted(m.src for m in moves) == [0, 2]
+    # no holder on the destination's node: the rotation as before
+    moves, _ = choose_moves({1: ["expert/l/0"], 3: ["expert/l/0"]}, {"expert/l/0": [4, 5]}, ["a", "a", "b", "b", "c", "d"])
+    assert sorted(m.src for m in moves) == [4, 5]

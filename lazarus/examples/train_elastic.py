@@ -59,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan-timeout", type=_duration, default=timedelta(seconds=60))
     p.add_argument("--report-every", type=int, default=10)
     p.add_argument("--metrics", default=None, help="JSON-lines metrics file written by rank 0")
-    p.add_argument("--digests", default=None, help="write this rank's state digests here at the end; {node} is replaced by the node id")
+    p.add_argument("--digests", default=None,
+                   help="write this rank's state digests here at the end; {node} and {local_rank} are replaced "
+                        "by the node id and the worker's local rank (give both with --nproc-per-node > 1)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--device", default="cpu",
                    help="cpu, cuda, cuda:<i> or auto (the process group follows: gloo on CPU, NCCL on CUDA)")
@@ -71,8 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     node = os.environ.get("LAZARUS_NODE_ID", "?")
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    where = node if os.environ.get("LOCAL_WORLD_SIZE", "1") == "1" else f"{node}/{local_rank}"
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s worker {node} %(name)s %(levelname)s %(message)s")
+                        format=f"%(asctime)s worker {where} %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
     from lazarus.runtime import ElasticConfig, ElasticTrainer
 
@@ -100,9 +104,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.digests and not trainer.left:
         import json
 
-        path = args.digests.replace("{node}", node)
+        path = args.digests.replace("{node}", node).replace("{local_rank}", local_rank)
         with open(path + ".tmp", "w") as f:
-            json.dump({"node": node, "step": trainer.step, "rank": trainer.rank, "world": trainer.world,
+            json.dump({"node": node, "local_rank": trainer.local_rank, "step": trainer.step, "rank": trainer.rank,
+                       "world": trainer.world,
+                       "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                               "GROUP_RANK")},
                        "generation": trainer.generation, "experts": trainer.expert_digests(),
                        "dense": trainer.dense_digest(), "losses": trainer.losses,
                        "seconds": time.time() - t0}, f)

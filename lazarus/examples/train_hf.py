@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report-every", type=int, default=10)
     p.add_argument("--metrics", default=None, help="JSON-lines metrics file written by rank 0")
     p.add_argument("--digests", default=None,
-                   help="write this rank's state digests here at the end; {node} is replaced by the node id")
+                   help="write this rank's state digests here at the end; {node} and {local_rank} are replaced "
+                        "by the node id and the worker's local rank")
     p.add_argument("--hf-config-out", default=None, help="write the model's config.json here (for moc export)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     return p
@@ -133,9 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.time()
     trainer.run(loss_fn, args.steps)
     if args.digests and not trainer.left:
-        path = args.digests.replace("{node}", node)
+        path = args.digests.replace("{node}", node).replace("{local_rank}", str(trainer.local_rank))
         with open(path + ".tmp", "w") as f:
-            json.dump({"node": node, "step": trainer.step, "rank": trainer.rank, "world": trainer.world,
+            json.dump({"node": node, "local_rank": trainer.local_rank, "step": trainer.step, "rank": trainer.rank, "world": trainer.world,
                        "generation": trainer.generation, "experts": trainer.expert_digests(),
                        "dense": trainer.dense_digest(), "losses": trainer.losses,
                        "seconds": time.time() - t0}, f)

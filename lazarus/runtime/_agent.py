@@ -1,12 +1,21 @@
-"""The per-node agent: registers with the controller, heartbeats, runs the worker.
+"""The per-node agent: registers with the controller, heartbeats, runs the workers.
 
-One agent per node. It
+One agent per node. It runs ``nproc_per_node`` = G workers (``--nproc-per-node``; one per
+local device, ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` set as torchrun sets them), which the
+controller sees as one node with G ranks: "the worker" below is that group
+(:class:`~._agent_worker.WorkerGroup`). A worker that exits abnormally takes its
+siblings down (SIGKILL: their ranks' collectives are broken anyway) and the group is
+restarted as one new incarnation, as torchrun restarts a node's workers; the crash-loop
+cap counts group restarts. The agent
+
 
 * connects to the controller (retrying with backoff up to ``connect_timeout``), registers,
   and sends a heartbeat every ``heartbeat_interval``;
-* starts the worker command with one end of a socketpair (``LAZARUS_AGENT_FD``) and relays
-  in both directions: the worker's ``hello`` becomes ``worker_ready``, its other messages
-  go up wrapped as ``{"type": "worker", ...}``, plans and ``stop`` come down;
+* starts the worker command G times, each with one end of a socketpair (``LAZARUS_AGENT_FD``)
+  and relays in both directions: once every worker said ``hello`` the node is
+  ``worker_ready``; the workers' other messages go up wrapped as ``{"type": "worker", ...}``
+  (``progress`` from local rank 0 only, ``done`` once every worker is done); plans and
+  ``stop`` go down to every worker;
 * watches the worker: an exit is reported (``worker_exit``); an abnormal exit is followed
   by a restart (new incarnation, which rejoins) with exponential backoff, at most
   ``max_restarts`` times within ``restart_window``. Past that the node leaves the job
@@ -49,7 +58,8 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from ._agent_worker import RestartPolicy, WorkerProcess, describe_exit, exit_status, spawn_worker, worker_env
+from ._agent_worker import (RestartPolicy, WorkerGroup, WorkerProcess, describe_exit, exit_status, spawn_worker,
+                            worker_env)
 from ._config import AgentConfig
 from ._wire import PLAN_MAX_MESSAGE_BYTES, ConnectionClosed, ProtocolError, encode_frame, read_frame
 
@@ -84,7 +94,7 @@ class Agent:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._exit: asyncio.Future[int] | None = None
         self._cw: asyncio.StreamWriter | None = None
-        self._worker: WorkerProcess | None = None
+        self._worker: WorkerGroup | None = None   # the current incarnation of the node's workers
         self._leaving = False
         self._shutdown = False
         self._gave_up: str | None = None     # the crash loop's last error, once given up
@@ -196,9 +206,14 @@ class Agent:
         return False
 
     def _to_worker(self, msg: dict[str, Any]) -> None:
-        wk = self._worker
-        if wk is not None and wk.alive and not wk.writer.transport.is_closing():
-            wk.writer.write(encode_frame(self.config.secret, msg))
+        """Send ``msg`` to every running worker of the current group."""
+        grp = self._worker
+        if grp is None:
+            return
+        frame = encode_frame(self.config.secret, msg)
+        for wk in grp.workers:
+            if wk.alive and not wk.writer.transport.is_closing():
+                wk.writer.write(frame)
 
     async def _connect(self, timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         cfg = self.config
@@ -219,12 +234,12 @@ class Agent:
         wk = self._worker
         msg: dict[str, Any] = {"type": "register", "node": self.node_id, "slots": self.config.slots,
                                "incarnation": self.incarnation + (0 if resume and wk is not None else 1),
-                               "pid": os.getpid()}
+                               "pid": os.getpid(), "nproc": self.config.nproc_per_node}
         if resume:
             msg["resume"] = {
                 "incarnation": wk.incarnation if wk is not None else 0,
-                "worker_alive": bool(wk is not None and wk.alive),
-                "worker_ready": bool(wk is not None and wk.alive and wk.ready),
+                "worker_alive": bool(wk is not None and wk.healthy),
+                "worker_ready": bool(wk is not None and wk.healthy and wk.ready),
                 "worker_pid": wk.pid if wk is not None else None,
                 "model": wk.model if wk is not None else {},
                 "plan_generation": wk.plan_generation if wk is not None else 0,
@@ -240,7 +255,7 @@ class Agent:
         while True:
             wk = self._worker
             self._to_controller({"type": "heartbeat", "node": self.node_id,
-                                 "worker_alive": bool(wk is not None and wk.alive),
+                                 "worker_alive": bool(wk is not None and wk.healthy),
                                  "step": wk.step if wk is not None else None})
             await asyncio.sleep(period)
 
@@ -324,7 +339,7 @@ class Agent:
             if wk.alive:
                 self._await_finished_worker(wk)
             else:
-                self._finish(exit_status(wk.proc.returncode or 0))
+                self._finish(exit_status(wk.returncode or 0))
             return
         log.error("agent %s: controller unreachable for %.0f s (--reconnect-timeout; %s); stopping the worker",
                   self.node_id, secs, exc)
@@ -350,7 +365,7 @@ class Agent:
             self._flush_queued()
             wk = self._worker
             if wk is not None and not wk.alive and wk.done and not self._exiting:
-                self._finish(exit_status(wk.proc.returncode or 0))  # its done and exit are delivered now
+                self._finish(exit_status(wk.returncode or 0))  # its done and exit are delivered now
         elif kind == "shutdown":
             log.info("agent %s: shutdown (%s)", self.node_id, msg.get("reason"))
             self._shutdown = True
@@ -358,7 +373,7 @@ class Agent:
             if self._gave_up is not None:
                 self._finish(EXIT_CRASH_LOOP)
             elif wk is None or not wk.alive:
-                self._finish(EXIT_OK if wk is None or not wk.done else exit_status(wk.proc.returncode or 0))
+                self._finish(EXIT_OK if wk is None or not wk.done else exit_status(wk.returncode or 0))
             elif wk.done:
                 # The job is done and this worker said so: tell it, and let it finish its
                 # own code (never killed before exit_grace).
@@ -396,24 +411,24 @@ class Agent:
             wk.plan_generation = gen
         self._to_worker(plan)
 
-    def _await_finished_worker(self, wk: WorkerProcess) -> None:
+    def _await_finished_worker(self, wk: WorkerGroup) -> None:
         """A worker that reported done runs its own code to the end (exports, digests):
         its watcher exits with its code; this bounds the wait by ``exit_grace``."""
         if wk.grace_task is None:
             wk.grace_task = self._spawn_task(self._finished_worker_deadline(wk))
 
-    async def _finished_worker_deadline(self, wk: WorkerProcess) -> None:
+    async def _finished_worker_deadline(self, wk: WorkerGroup) -> None:
         grace = self.config.exit_grace.total_seconds()
         try:
-            await asyncio.wait_for(asyncio.shield(wk.proc.wait()), grace)
+            await asyncio.wait_for(asyncio.shield(wk.wait()), grace)
         except asyncio.TimeoutError:
             log.error("agent %s: the worker reported done %.0f s ago and is still running (--exit-grace); "
                       "stopping it", self.node_id, grace)
             self._finish(EXIT_GRACE_EXPIRED)
 
-    async def _shutdown_deadline(self, wk: WorkerProcess) -> None:
+    async def _shutdown_deadline(self, wk: WorkerGroup) -> None:
         try:
-            await asyncio.wait_for(asyncio.shield(wk.proc.wait()), self.config.stop_timeout.total_seconds())
+            await asyncio.wait_for(asyncio.shield(wk.wait()), self.config.stop_timeout.total_seconds())
         except asyncio.TimeoutError:
             log.warning("agent %s: worker ignored stop; killing it", self.node_id)
         self._finish(EXIT_OK)
@@ -424,39 +439,55 @@ class Agent:
                   self.config.leave_timeout.total_seconds())
         self._finish(EXIT_LEAVE_TIMEOUT)
 
-    # ------------------------------------------------------------------ worker
+    # ------------------------------------------------------------------ workers
     async def _start_worker(self) -> None:
+        """Start a new incarnation of the node's ``nproc_per_node`` workers."""
         cfg = self.config
         self.incarnation += 1
         inc = self.incarnation
-        env = worker_env(dict(os.environ), cfg.env, node_id=self.node_id, snapshot_dir=str(cfg.snapshot_dir),
-                         incarnation=str(inc), secret=cfg.secret.hex(),
-                         max_message_bytes=str(max(cfg.max_message_bytes, PLAN_MAX_MESSAGE_BYTES)))
-        try:
-            wk, reader = await spawn_worker(cfg.worker_command, env, inc)
-        except OSError as exc:
-            log.error("agent %s: cannot start the worker %r: %s", self.node_id, cfg.worker_command, exc)
-            self._finish(EXIT_FAILED)
-            return
-        self._worker = wk
-        log.info("agent %s: worker incarnation %d started (pid %d)", self.node_id, inc, wk.pid)
-        self._spawn_task(self._read_worker(wk, reader))
-        self._spawn_task(self._watch_worker(wk))
+        g = cfg.nproc_per_node
+        started: list[tuple[WorkerProcess, asyncio.StreamReader]] = []
+        for local_rank in range(g):
+            env = worker_env(dict(os.environ), cfg.env, node_id=self.node_id, snapshot_dir=str(cfg.snapshot_dir),
+                             incarnation=str(inc), secret=cfg.secret.hex(),
+                             max_message_bytes=str(max(cfg.max_message_bytes, PLAN_MAX_MESSAGE_BYTES)))
+            # as torchrun: the worker's place on the node (device selection follows LOCAL_RANK)
+            env.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(g))
+            try:
+                started.append(await spawn_worker(cfg.worker_command, env, inc, local_rank=local_rank))
+            except OSError as exc:
+                log.error("agent %s: cannot start the worker %r: %s", self.node_id, cfg.worker_command, exc)
+                for wk, _ in started:
+                    with contextlib.suppress(ProcessLookupError):
+                        wk.proc.kill()
+                    await wk.proc.wait()
+                self._finish(EXIT_FAILED)
+                return
+        grp = WorkerGroup(inc, [wk for wk, _ in started])
+        self._worker = grp
+        log.info("agent %s: worker incarnation %d started (pid%s %s)", self.node_id, inc, "s" if g > 1 else "",
+                 ", ".join(str(p) for p in grp.pids))
+        for wk, reader in started:
+            self._spawn_task(self._read_worker(grp, wk, reader))
+        self._spawn_task(self._watch_worker(grp))
 
-    async def _read_worker(self, wk: WorkerProcess, reader: asyncio.StreamReader) -> None:
+    async def _read_worker(self, grp: WorkerGroup, wk: WorkerProcess, reader: asyncio.StreamReader) -> None:
         secret, limit = self.config.secret, self.config.max_message_bytes
         try:
             while True:
                 msg = await read_frame(reader, secret, limit)
-                if wk is not self._worker:
+                if grp is not self._worker:
                     return
                 kind = msg["type"]
                 if kind == "hello":
                     wk.ready = True
                     wk.model = msg.get("model") if isinstance(msg.get("model"), dict) else {}
-                    # not queued: a reconnect's resume record says the worker is ready
-                    self._to_controller({"type": "worker_ready", "node": self.node_id,
-                                         "incarnation": wk.incarnation, "model": wk.model, "pid": wk.pid})
+                    if grp.ready and not grp.ready_sent:   # the node is ready when all its workers are
+                        grp.ready_sent = True
+                        # not queued: a reconnect's resume record says the worker is ready
+                        self._to_controller({"type": "worker_ready", "node": self.node_id,
+                                             "incarnation": grp.incarnation, "model": grp.model, "pid": grp.pid,
+                                             "pids": grp.pids})
                     continue
                 if kind == "progress" and isinstance(msg.get("step"), int):
                     wk.step = msg["step"]
@@ -464,23 +495,70 @@ class Agent:
                     wk.generation = msg["generation"]
                 if kind == "done":
                     wk.done = True
-                self._to_controller({"type": "worker", "node": self.node_id, "msg": msg}, queue=True)
+                    if not grp.done:
+                        continue      # the node is done once all its workers are
+                if kind == "progress" and wk.local_rank != 0:
+                    continue          # the node's progress is its local rank 0's
+                self._to_controller({"type": "worker", "node": self.node_id, "local_rank": wk.local_rank,
+                                     "msg": msg}, queue=True)
         except ProtocolError as exc:
-            log.warning("agent %s: bad frame from worker %d (%s); closing its channel",
-                        self.node_id, wk.incarnation, exc)
+            log.warning("agent %s: bad frame from worker %d local rank %d (%s); closing its channel",
+                        self.node_id, wk.incarnation, wk.local_rank, exc)
             wk.writer.close()
         except (ConnectionClosed, ConnectionError, OSError):
             pass
 
-    async def _watch_worker(self, wk: WorkerProcess) -> None:
-        rc = await wk.proc.wait()
-        with contextlib.suppress(Exception):
-            wk.writer.close()
-        await wk.stderr_done()
-        log.info("agent %s: worker incarnation %d exited with %d", self.node_id, wk.incarnation, rc)
+    def _brings_group_down(self, grp: WorkerGroup, wk: WorkerProcess) -> bool:
+        """Does ``wk``'s exit end its group? A failure (non-zero status), or any exit of a
+        worker that did not finish while the node is neither leaving nor shutting down;
+        never the exit of a worker that reported done or was stopped on purpose."""
+        if wk.done or grp.killed:
+            return False
+        return wk.proc.returncode != 0 or not (self._leaving or self._shutdown)
+
+    def _report_exit(self, grp: WorkerGroup, rc: int) -> None:
         self._to_controller({"type": "worker_exit", "node": self.node_id, "returncode": rc,
-                             "incarnation": wk.incarnation, "error": None if rc == 0 else wk.last_error()},
+                             "incarnation": grp.incarnation, "error": None if rc == 0 else grp.last_error()},
                             queue=True)
+
+    async def _wait_group(self, grp: WorkerGroup) -> bool:
+        """Until every worker of ``grp`` exited. The first one whose exit brings the group
+        down (torchrun's rule) is reported at once (the node's ranks are gone: the
+        controller replans without waiting for the rest) and its siblings are SIGKILLed:
+        their collectives with it are broken, and the node restarts (or leaves) as a
+        whole. Returns whether the exit was reported."""
+        waits = {asyncio.ensure_future(w.proc.wait()): w for w in grp.workers}
+        pending = set(waits)
+        reported = False
+        while pending:
+            finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in sorted(finished, key=lambda f: waits[f].local_rank):
+                wk = waits[fut]
+                with contextlib.suppress(Exception):
+                    wk.writer.close()
+                if grp.failed is None and self._brings_group_down(grp, wk):
+                    grp.failed = wk
+                    siblings = [waits[f] for f in pending if not waits[f].done]
+                    for sib in siblings:
+                        with contextlib.suppress(ProcessLookupError):
+                            sib.proc.kill()
+                    if siblings:
+                        log.warning("agent %s: worker local rank %d of incarnation %d exited (%s); stopped the "
+                                    "node's other %d worker(s)", self.node_id, wk.local_rank, grp.incarnation,
+                                    describe_exit(wk.proc.returncode or 0), len(siblings))
+                        await wk.stderr_done()   # its last error names the cause
+                        self._report_exit(grp, wk.proc.returncode or 0)
+                        reported = True
+        for w in grp.workers:
+            await w.stderr_done()
+        return reported
+
+    async def _watch_worker(self, wk: WorkerGroup) -> None:
+        reported = await self._wait_group(wk)
+        rc = wk.returncode or 0
+        log.info("agent %s: worker incarnation %d exited with %d", self.node_id, wk.incarnation, rc)
+        if not reported:
+            self._report_exit(wk, rc)
         if wk is not self._worker or wk.killed:
             return
         if wk.done:
@@ -511,7 +589,7 @@ class Agent:
         if wk is self._worker and not self._exiting and not self._leaving and not self._shutdown:
             await self._start_worker()
 
-    async def _give_up(self, wk: WorkerProcess) -> None:
+    async def _give_up(self, wk: WorkerGroup) -> None:
         """Past ``max_restarts``: the node leaves the job; exit 5 naming the last error."""
         self._gave_up = wk.last_error()
         self._leaving = True
@@ -524,20 +602,26 @@ class Agent:
         self._finish(EXIT_CRASH_LOOP)
 
     async def _stop_worker(self, *, kill: bool) -> None:
-        """Stop the current worker: SIGKILL (``kill``) or SIGTERM, SIGKILL after stop_timeout."""
-        wk = self._worker
-        if wk is None or not wk.alive:
+        """Stop the current workers: SIGKILL (``kill``) or SIGTERM, SIGKILL after stop_timeout."""
+        grp = self._worker
+        if grp is None or not grp.alive:
             return
-        wk.killed = True
-        with contextlib.suppress(ProcessLookupError):
-            if kill:
-                wk.proc.kill()
-            else:
-                self._to_worker({"type": "stop", "reason": "agent exiting"})
-                wk.proc.terminate()
-        try:
-            await asyncio.wait_for(wk.proc.wait(), self.config.stop_timeout.total_seconds())
-        except asyncio.TimeoutError:
+        grp.killed = True
+        if not kill:
+            self._to_worker({"type": "stop", "reason": "agent exiting"})
+        running = [wk for wk in grp.workers if wk.alive]
+        for wk in running:
             with contextlib.suppress(ProcessLookupError):
-                wk.proc.kill()
-            await wk.proc.wait()
+                if kill:
+                    wk.proc.kill()
+                else:
+                    wk.proc.terminate()
+        try:
+            await asyncio.wait_for(asyncio.gather(*(wk.proc.wait() for wk in running)),
+                                   self.config.stop_timeout.total_seconds())
+        except asyncio.TimeoutError:
+            for wk in running:
+                with contextlib.suppress(ProcessLookupError):
+                    wk.proc.kill()
+            for wk in running:
+                await wk.proc.wait()

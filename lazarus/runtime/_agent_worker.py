@@ -1,5 +1,12 @@
-"""The agent's side of one worker process: starting it, relaying its stderr (and keeping
-the tail to name its last error), and the restart policy that caps crash loops.
+"""The agent's side of its worker processes: starting them, relaying their stderr (and
+keeping the tail to name the last error), the group of a node's workers, and the restart
+policy that caps crash loops.
+
+A node runs G workers (``--nproc-per-node``, one per local device), one
+:class:`WorkerProcess` each, held together by a :class:`WorkerGroup`: they start together
+(one incarnation), are ready when all said hello, done when all reported done, and fail
+together (torchrun's rule: one worker down, the node's others are stopped and the whole
+group restarts as a new incarnation). Membership stays per node.
 
 A worker is started with one end of a socketpair in ``LAZARUS_AGENT_FD`` (see
 :mod:`._channel`). Its stderr goes through the agent, which copies it to its own stderr
@@ -20,8 +27,8 @@ import time
 from datetime import timedelta
 from typing import Any, BinaryIO
 
-__all__ = ["RestartPolicy", "WorkerProcess", "describe_exit", "exit_status", "last_error_line", "spawn_worker",
-           "worker_env"]
+__all__ = ["RestartPolicy", "WorkerGroup", "WorkerProcess", "describe_exit", "exit_status", "last_error_line",
+           "spawn_worker", "worker_env"]
 
 #: Bytes of a worker's stderr kept to name its last error.
 STDERR_TAIL_BYTES = 16 << 10
@@ -62,8 +69,10 @@ def last_error_line(tail: bytes) -> str | None:
 class WorkerProcess:
     """One worker incarnation: its process, its channel and what it reported."""
 
-    def __init__(self, incarnation: int, proc: asyncio.subprocess.Process, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, incarnation: int, proc: asyncio.subprocess.Process, writer: asyncio.StreamWriter,
+                 local_rank: int = 0) -> None:
         self.incarnation = incarnation
+        self.local_rank = local_rank
         self.proc = proc
         self.writer = writer
         self.started = time.monotonic()
@@ -123,7 +132,8 @@ class WorkerProcess:
 
 
 async def spawn_worker(command: list[str], env: dict[str, str], incarnation: int,
-                       stderr_sink: BinaryIO | None = None) -> tuple[WorkerProcess, asyncio.StreamReader]:
+                       stderr_sink: BinaryIO | None = None, local_rank: int = 0,
+                       ) -> tuple[WorkerProcess, asyncio.StreamReader]:
     """Start ``command`` with a channel to the agent (``LAZARUS_AGENT_FD`` is added to
     ``env``). Returns the worker and the agent's reader of its channel.
 
@@ -141,11 +151,98 @@ async def spawn_worker(command: list[str], env: dict[str, str], incarnation: int
     finally:
         child.close()
     reader, writer = await asyncio.open_unix_connection(sock=parent)
-    wk = WorkerProcess(incarnation, proc, writer)
+    wk = WorkerProcess(incarnation, proc, writer, local_rank)
     assert proc.stderr is not None
     sink = stderr_sink if stderr_sink is not None else sys.stderr.buffer
     wk._stderr_task = asyncio.ensure_future(wk._relay_stderr(proc.stderr, sink))
     return wk, reader
+
+
+class WorkerGroup:
+    """One incarnation of a node's workers, ``workers[i]`` being local rank ``i``.
+
+    What the agent reports about "the worker" is about the group: ready when every worker
+    said hello, done when every worker reported done, its step and model are local rank
+    0's, its exit status is the one of the worker whose exit brought it down (``failed``),
+    else the first non-zero status in local-rank order, else 0.
+    """
+
+    def __init__(self, incarnation: int, workers: list[WorkerProcess]) -> None:
+        if not workers:
+            raise ValueError("a worker group needs at least one worker")
+        self.incarnation = incarnation
+        self.workers = workers
+        self.plan_generation = 0            # newest plan relayed to it
+        self.killed = False                 # stopped on purpose (evict / shutdown / leave timeout)
+        self.ready_sent = False             # worker_ready reported for this incarnation
+        self.failed: WorkerProcess | None = None   # the worker whose exit took the group down
+        self.grace_task: asyncio.Task[Any] | None = None
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    @property
+    def alive(self) -> bool:
+        """Some worker still runs."""
+        return any(w.alive for w in self.workers)
+
+    @property
+    def healthy(self) -> bool:
+        """Every worker runs and none brought the group down."""
+        return self.failed is None and all(w.alive for w in self.workers)
+
+    @property
+    def ready(self) -> bool:
+        return all(w.ready for w in self.workers)
+
+    @property
+    def done(self) -> bool:
+        return all(w.done for w in self.workers)
+
+    @property
+    def model(self) -> dict[str, Any]:
+        return self.workers[0].model
+
+    @property
+    def pid(self) -> int:
+        return self.workers[0].pid
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.pid for w in self.workers]
+
+    @property
+    def step(self) -> int | None:
+        return self.workers[0].step
+
+    @property
+    def generation(self) -> int | None:
+        return self.workers[0].generation
+
+    def _culprit(self) -> WorkerProcess | None:
+        if self.failed is not None:
+            return self.failed
+        return next((w for w in self.workers if w.proc.returncode not in (None, 0)), None)
+
+    @property
+    def returncode(self) -> int | None:
+        """None while a worker runs; then the group's status (see the class docstring)."""
+        if self.alive:
+            return None
+        w = self._culprit()
+        return w.proc.returncode if w is not None else 0
+
+    def last_error(self) -> str:
+        """What went wrong, naming the local rank when the node runs several workers."""
+        w = self._culprit() or self.workers[0]
+        return w.last_error() if len(self.workers) == 1 else f"local rank {w.local_rank}: {w.last_error()}"
+
+    async def wait(self) -> int:
+        """Until every worker exited; the group's status."""
+        for w in self.workers:
+            await w.proc.wait()
+        rc = self.returncode
+        return 0 if rc is None else rc
 
 
 class RestartPolicy:

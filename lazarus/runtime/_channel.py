@@ -54,8 +54,16 @@ class AgentChannel:
         incarnation: int = 1,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         on_agent_lost: Callable[[AgentChannel], None] | None = _default_agent_lost,
+        local_rank: int = 0,
+        local_world_size: int = 1,
     ) -> None:
+        if isinstance(local_world_size, bool) or not isinstance(local_world_size, int) or local_world_size < 1:
+            raise ValueError(f"local_world_size must be an integer >= 1, got {local_world_size!r}")
+        if isinstance(local_rank, bool) or not isinstance(local_rank, int) or not 0 <= local_rank < local_world_size:
+            raise ValueError(f"local_rank must be an integer in [0, {local_world_size}), got {local_rank!r}")
         self.node_id = node_id
+        self.local_rank = local_rank              # this worker among its node's (LOCAL_RANK)
+        self.local_world_size = local_world_size  # workers on the node (LOCAL_WORLD_SIZE)
         self.snapshot_dir = snapshot_dir
         self.incarnation = incarnation
         self.on_agent_lost = on_agent_lost
@@ -89,8 +97,14 @@ class AgentChannel:
             secret = bytes.fromhex(secret_hex)
         except ValueError:
             raise ValueError("LAZARUS_SECRET must be the hex of the shared secret") from None
+        try:
+            local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        except ValueError:
+            raise ValueError(f"LOCAL_RANK={os.environ.get('LOCAL_RANK')!r} and LOCAL_WORLD_SIZE="
+                             f"{os.environ.get('LOCAL_WORLD_SIZE')!r} must be integers") from None
         return cls(
-            sock, secret,
+            sock, secret, local_rank=local_rank, local_world_size=local_world,
             node_id=os.environ.get("LAZARUS_NODE_ID", socket.gethostname()),
             snapshot_dir=os.environ.get("LAZARUS_SNAPSHOT_DIR"),
             incarnation=int(os.environ.get("LAZARUS_INCARNATION", "1")),
@@ -112,7 +126,7 @@ class AgentChannel:
     def hello(self, model_info: dict[str, Any]) -> None:
         """Announce the worker; ``model_info`` = ``{"layers": {name: E}, "top_k": k}``."""
         self.send({"type": "hello", "model": model_info, "pid": os.getpid(),
-                   "incarnation": self.incarnation})
+                   "incarnation": self.incarnation, "local_rank": self.local_rank})
 
     # ------------------------------------------------------------------ plans
     def latest_plan(self) -> dict[str, Any] | None:

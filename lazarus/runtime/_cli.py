@@ -24,6 +24,20 @@ def _duration(name: str):
     return parse
 
 
+def _positive_int(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}")
+        return value
+
+    parse.__name__ = "positive integer"
+    return parse
+
+
 def _read_secret(path: str | None, option: str = "--secret-file") -> bytes:
     """The secret from ``path`` (surrounding whitespace stripped) or env LAZARUS_SECRET."""
     if path:
@@ -169,7 +183,8 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
         help="run a node agent that registers with the controller and runs the worker",
         description=(
             "Run a Lazarus node agent: it registers with the controller, heartbeats, starts "
-            "WORKER_COMMAND (after --) with a channel to the agent, relays plans and reports, "
+            "WORKER_COMMAND (after --) with a channel to the agent (--nproc-per-node times, one per "
+            "local GPU), relays plans and reports, "
             "and restarts a crashed worker as a new member (capped by --max-restarts). If the "
             "controller goes away the worker keeps training while the agent reconnects. "
             "SIGTERM = graceful leave."
@@ -179,7 +194,13 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--secret-file", metavar="PATH", default=None,
                    help="file holding the shared secret; default: env LAZARUS_SECRET")
     p.add_argument("--node-id", default=None, help="unique node name (default hostname-pid)")
-    p.add_argument("--slots", type=int, default=None, help="replica slots of this node (default: controller's)")
+    p.add_argument("--slots", type=int, default=None,
+                   help="replica slots of this node, all its workers together (default: controller's)")
+    p.add_argument("--nproc-per-node", type=_positive_int("--nproc-per-node"), default=1, metavar="G",
+                   help="workers to run on this node, one per local GPU (LOCAL_RANK 0..G-1, LOCAL_WORLD_SIZE=G, "
+                        "device cuda:LOCAL_RANK with ElasticConfig(device='auto')); the node's slots are spread "
+                        "over them and its failure removes all G ranks; one worker failing restarts all G "
+                        "(default 1)")
     p.add_argument("--heartbeat-interval", type=_duration("--heartbeat-interval"), default="500ms",
                    help="time between heartbeats (default 500ms)")
     p.add_argument("--snapshot-dir", default=None,
@@ -213,7 +234,8 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
 
 
 _AGENT_OPTIONS = {
-    "node_id": "--node-id", "slots": "--slots", "heartbeat_interval": "--heartbeat-interval",
+    "node_id": "--node-id", "slots": "--slots", "nproc_per_node": "--nproc-per-node",
+    "heartbeat_interval": "--heartbeat-interval",
     "respawn_delay": "--respawn-delay", "connect_timeout": "--connect-timeout",
     "max_restarts": "--max-restarts", "restart_window": "--restart-window",
     "reconnect_timeout": "--reconnect-timeout",
@@ -244,7 +266,7 @@ def _run_agent(args: argparse.Namespace) -> int:
     try:
         cfg = AgentConfig(
             secret=secret, worker_command=cmd, controller_host=host, controller_port=port,
-            slots=args.slots, heartbeat_interval=args.heartbeat_interval,
+            slots=args.slots, nproc_per_node=args.nproc_per_node, heartbeat_interval=args.heartbeat_interval,
             snapshot_dir=args.snapshot_dir, job=args.job, respawn=not args.no_respawn,
             respawn_delay=args.respawn_delay, connect_timeout=args.connect_timeout,
             max_restarts=args.max_restarts, restart_window=args.restart_window,

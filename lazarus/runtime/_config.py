@@ -186,7 +186,12 @@ class AgentConfig:
         worker_command: argv of the training process (started once per incarnation).
         controller_host / controller_port: where the controller listens.
         node_id: unique name of this node (default ``hostname-pid``).
-        slots: replica slots this node offers (None: the controller's ``slots_per_node``).
+        slots: replica slots this node offers, all its workers together (None: the
+            controller's ``slots_per_node``); at least ``nproc_per_node``.
+        nproc_per_node: G, workers (ranks, one per local GPU) this node runs; each gets
+            ``LOCAL_RANK`` in ``[0, G)`` and ``LOCAL_WORLD_SIZE = G``. The node's slots are
+            spread over them; a node failure removes its G ranks together. Every node of
+            a job runs the same G (the controller refuses a node with another).
         heartbeat_interval: time between heartbeats (well below the controller's timeout).
         snapshot_dir: node-memory directory for the workers' snapshots (default
             ``/dev/shm/lazarus-<job>/<node_id>``); created at start, removed on a normal exit.
@@ -215,6 +220,7 @@ class AgentConfig:
     controller_port: int = 29400
     node_id: str = field(default_factory=_default_node_id)
     slots: int | None = None
+    nproc_per_node: int = 1
     heartbeat_interval: timedelta = timedelta(milliseconds=500)
     snapshot_dir: str | os.PathLike[str] | None = None
     job: str = "job"
@@ -243,8 +249,12 @@ class AgentConfig:
             raise ValueError(
                 f"node_id must be 1-128 characters from [A-Za-z0-9_.:@-], got {self.node_id!r}"
             )
+        _check_int("nproc_per_node", self.nproc_per_node, 1, 1024)
         if self.slots is not None:
             _check_int("slots", self.slots, 1)
+            if self.slots < self.nproc_per_node:
+                raise ValueError(f"slots ({self.slots}) must be >= nproc_per_node ({self.nproc_per_node}): "
+                                 f"every worker needs at least one expert slot")
         _check_td("heartbeat_interval", self.heartbeat_interval, lo=timedelta(milliseconds=10))
         _check_td("respawn_delay", self.respawn_delay, positive=False)
         _check_int("max_restarts", self.max_restarts, 0)

@@ -357,8 +357,9 @@ class Controller(Resumable):
         slots = _req(msg, "slots", int, optional=True)
         inc = _req(msg, "incarnation", int)
         pid = _req(msg, "pid", int, optional=True)
-        if not node_id or (slots is not None and slots < 1):
-            raise MalformedMessageError("register: bad node id or slots")
+        nproc = _req(msg, "nproc", int, optional=True) or 1
+        if not node_id or (slots is not None and slots < 1) or nproc < 1:
+            raise MalformedMessageError("register: bad node id, slots or nproc")
         if conn.node_id is not None and conn.node_id != node_id:
             raise MalformedMessageError(f"register: connection already belongs to node {conn.node_id!r}")
         resume = msg.get("resume")
@@ -373,28 +374,52 @@ class Controller(Resumable):
                 return False
             # the same agent reconnected before its old connection was seen to break
             self._event("connection_replaced", node=node_id, peer=conn.peer, old_peer=old.conn.peer)
+        refusal = self._check_nproc(nproc, slots)
+        if refusal is not None:
+            self._event("register_rejected", level=logging.ERROR, node=node_id, peer=conn.peer, reason=refusal)
+            self._send_conn(conn, {"type": "error", "reason": refusal})
+            return False
         if old is not None and old.conn is not conn:
             old.conn.node_id = None
             self._close(old.conn)
+        if self.gpus_per_node is None:
+            self.gpus_per_node = nproc
+            self._save_state()
         if resume is not None:
-            return self._on_resume(conn, node_id, slots, pid, resume)
+            return self._on_resume(conn, node_id, slots, pid, resume, nproc)
         rejoin = old is not None
         if rejoin and node_id in self._members and not old.dead:  # re-register on a live record
             self._declare_failure(node_id, "reregistered")
         conn.node_id = node_id
         self._nodes[node_id] = _Node(node_id, conn, slots or self.config.slots_per_node, inc, pid,
-                                     time.monotonic())
+                                     time.monotonic(), nproc=nproc)
         self._holdings.pop(node_id, None)
         self._done.discard(node_id)
         self._left.discard(node_id)
         self._event("node_registered", node=node_id, peer=conn.peer, incarnation=inc, pid=pid,
-                    slots=slots, rejoin=rejoin)
+                    slots=slots, nproc=nproc, rejoin=rejoin)
         self._send_conn(conn, {"type": "registered", "node": node_id,
                                "slots": self.config.slots_per_node,
                                "heartbeat_timeout_s": self.config.heartbeat_timeout.total_seconds()})
         if self._finished:
             self._send_conn(conn, {"type": "shutdown", "reason": "done"})
         return True
+
+    def _check_nproc(self, nproc: int, slots: int | None) -> str | None:
+        """Why a node running ``nproc`` workers cannot join this job (None: it can).
+
+        Every node of a job runs the same number of workers G (the placement spreads each
+        node's c slots over G ranks); the first node to register fixes G. Each worker
+        needs a slot: c >= G."""
+        job = self.gpus_per_node
+        if job is not None and nproc != job:
+            return (f"--nproc-per-node {nproc} differs from this job's {job} workers per node "
+                    f"(every node must run the same number)")
+        c = slots or self.config.slots_per_node
+        if c < nproc:
+            return (f"{c} slots per node < --nproc-per-node {nproc}: every worker needs at least one expert "
+                    f"slot; give --slots >= {nproc} (agent or controller)")
+        return None
 
     def _dispatch(self, conn: _Conn, msg: dict[str, Any]) -> None:
         kind = msg["type"]

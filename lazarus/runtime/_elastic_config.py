@@ -29,6 +29,8 @@ class ElasticConfig:
             replica dies cannot be recovered and the job stops with an error).
         memory_key: name of this worker's snapshot folder in the node's memory directory
             (stable across ranks and incarnations, so snapshots are found after a crash).
+            ``None``: ``worker<LOCAL_RANK>`` (``worker0`` with one worker per node); a name
+            given here gets ``-<LOCAL_RANK>`` appended when the node runs several workers.
         metrics_path: JSON-lines file where rank 0 appends one record per step and one per
             reconfiguration (``None``: off).
         grad_clip: max global gradient norm (``None``: no clipping).
@@ -45,7 +47,7 @@ class ElasticConfig:
     plan_timeout: timedelta = timedelta(seconds=60)
     report_every: int = 10
     moc: Union[MoCConfig, None] = None
-    memory_key: str = "worker0"
+    memory_key: Union[str, None] = None
     metrics_path: Union[str, None] = None
     grad_clip: Union[float, None] = 1.0
     device: str = "auto"
@@ -65,7 +67,8 @@ class ElasticConfig:
             raise ValueError(f"ElasticConfig.report_every must be an integer >= 1, got {self.report_every!r}")
         if self.moc is not None and not isinstance(self.moc, MoCConfig):
             raise ValueError(f"ElasticConfig.moc must be a moc.MoCConfig or None, got {type(self.moc).__name__}")
-        if not self.memory_key or "/" in self.memory_key or self.memory_key.startswith("."):
+        if self.memory_key is not None and (not isinstance(self.memory_key, str) or not self.memory_key
+                                            or "/" in self.memory_key or self.memory_key.startswith(".")):
             raise ValueError(f"ElasticConfig.memory_key must be a plain folder name, got {self.memory_key!r}")
         if self.grad_clip is not None and not (isinstance(self.grad_clip, (int, float)) and self.grad_clip > 0):
             raise ValueError(f"ElasticConfig.grad_clip must be a positive number or None, got {self.grad_clip!r}")

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._planner import InsufficientSlots, LayerSpec, compute_plan, max_replica_load
+from ._planner import InsufficientSlots, LayerSpec, compute_plan, max_replica_load, rank_layout
 from ._wire import MalformedMessageError
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ class _Node:
     leaving: bool = False
     step: int | None = None
     registered_at: float = field(default_factory=time.time)
+    nproc: int = 1              # workers (GPUs, ranks) the agent runs: --nproc-per-node
 
 
 def _req(msg: dict[str, Any], name: str, kind: type | tuple[type, ...], optional: bool = False) -> Any:
@@ -102,6 +103,9 @@ class Membership(ABC):
         self._finished = False
         self._resuming = False          # a restarted controller waiting for its members (_resume)
         self._resume_collective = False
+        # Workers per node of this job (every node runs the same number): fixed by the
+        # first node that registers, kept across controller restarts.
+        self.gpus_per_node: int | None = None
 
     def _save_state(self, now: bool = False) -> None:
         """Persist the state (see :mod:`._resume`); nothing here."""
@@ -441,7 +445,7 @@ class Membership(ABC):
         layers = self._layer_specs()
         try:
             new = compute_plan(members, self._holdings, layers, loads, self._slots(members),
-                               self.config.min_replicas)
+                               self.config.min_replicas, self.gpus_per_node or 1)
         except InsufficientSlots:
             return
         cur = 0.0
@@ -480,9 +484,10 @@ class Membership(ABC):
             self._stall(reason, members, f"{len(members)} member(s) < min_nodes = {cfg.min_nodes}")
             return False
         t0 = time.perf_counter()
+        per_node = self.gpus_per_node or 1
         try:
             res = precomputed or compute_plan(members, self._holdings, self._layer_specs(), self._loads(),
-                                              self._slots(members), cfg.min_replicas)
+                                              self._slots(members), cfg.min_replicas, per_node)
         except ValueError as exc:  # InsufficientSlots, or a planning input the library refuses
             self._stall(reason, members, str(exc))
             return False
@@ -496,6 +501,10 @@ class Membership(ABC):
             "store": {"host": cfg.store_host, "port": self.store_port, "epoch": self.epoch},
             "prefix": f"lazarus/gen{g}",
             "slots": self._slots(members),
+            # G ranks per node, contiguous: rank = node index * G + local rank. "layers"
+            # rows are per node (c slots, spread over its G ranks: Placement.gpu_slots).
+            "gpus_per_node": per_node, "world_size": len(members) * per_node,
+            "ranks": rank_layout(members, per_node),
             "layers": res.layers, "lost": list(lost), "joined": list(joined),
             "detected_at": detected_at, "issued_at": time.time(),
             "fetches": {"greedy": res.fetches_greedy, "identity": res.fetches_identity},
@@ -511,7 +520,8 @@ class Membership(ABC):
             self._pending_leaves.discard(n)
         self._save_state(now=True)   # before anyone hears of it: a restart resumes from here
         rec = list(res.recovery.values())
-        self._event("plan", generation=g, reason=reason, mode=mode, members=members, lost=list(lost),
+        self._event("plan", generation=g, reason=reason, mode=mode, members=members, gpus_per_node=per_node,
+                    world_size=plan["world_size"], lost=list(lost),
                     joined=list(joined), leaving=leaving, detected_at=detected_at,
                     fetches=plan["fetches"], missing=res.missing, recovery_probability=res.recovery,
                     recovery_mean=sum(rec) / len(rec) if rec else None, recovery_min=min(rec, default=None),

@@ -9,7 +9,14 @@ every MoE layer, independently:
 3. ``place_mro``;
 4. ``plan_migration`` from what each member holds now (joiners hold nothing) to map plan
    nodes onto physical nodes with the fewest fetches;
-5. the per-rank expert lists, in member (rank) order.
+5. the per-node expert lists, in member order.
+
+Several workers (GPUs) per node: ``c`` is the node's slot count, spread over its
+``gpus_per_node`` ranks as :meth:`lazarus.planning.Placement.gpu_slots` deals them (sorted
+slots round-robin, so copies of one expert on a node land on different GPUs). Failures
+stay per node, so replicas of an expert go to distinct *nodes* (MRO works on nodes);
+ranks are contiguous per node: rank = node index * gpus_per_node + local rank
+(:func:`rank_layout`).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from dataclasses import dataclass, field
 
 from lazarus.planning import allocate_replicas, place_mro, plan_migration, recovery_probability
 
-__all__ = ["InsufficientSlots", "LayerSpec", "PlanResult", "compute_plan", "max_replica_load"]
+__all__ = ["InsufficientSlots", "LayerSpec", "PlanResult", "compute_plan", "max_replica_load", "rank_layout"]
 
 
 class InsufficientSlots(ValueError):
@@ -74,6 +81,13 @@ def max_replica_load(assignment: Sequence[Sequence[int]], loads: Sequence[float]
     return worst
 
 
+def rank_layout(members: Sequence[str], gpus_per_node: int) -> dict[str, list[int]]:
+    """``node -> its ranks``: contiguous blocks in member order (node ``i`` holds ranks
+    ``i*G .. i*G+G-1``; its local rank ``l`` is rank ``i*G + l``)."""
+    g = int(gpus_per_node)
+    return {m: list(range(i * g, (i + 1) * g)) for i, m in enumerate(members)}
+
+
 def compute_plan(
     members: Sequence[str],
     holdings: Mapping[str, Mapping[str, Sequence[int]]],
@@ -81,23 +95,29 @@ def compute_plan(
     loads: Mapping[str, Sequence[float]] | None,
     slots: int,
     min_replicas: int,
+    gpus_per_node: int = 1,
 ) -> PlanResult:
-    """Compute per-layer assignments for ``members`` (rank order).
+    """Compute per-layer assignments for ``members`` (node order).
 
     Args:
-        members: physical node ids, rank order.
-        holdings: node -> layer -> experts it holds now (absent: nothing).
+        members: physical node ids, rank order of the nodes.
+        holdings: node -> layer -> experts it holds now (on any of its ranks; absent: nothing).
         layers: the model's MoE layers.
         loads: layer -> tokens per expert (history); missing or all-zero -> uniform.
-        slots: c, slots per node.
-        min_replicas: f (capped at the number of members).
+        slots: c, slots per node (all its GPUs together).
+        min_replicas: f (capped at the number of members): replicas on distinct nodes.
+        gpus_per_node: G ranks per node; each gets ``c // G`` or ``c // G + 1`` slots.
 
     Raises:
-        InsufficientSlots: ``len(members) * slots`` is below some layer's expert count.
+        InsufficientSlots: ``len(members) * slots`` is below some layer's expert count,
+            or ``slots < gpus_per_node`` (a rank without a slot).
     """
     n = len(members)
     if n == 0:
         raise InsufficientSlots("no members to place experts on")
+    if slots < gpus_per_node:
+        raise InsufficientSlots(f"{slots} slots per node < {gpus_per_node} workers per node: every worker "
+                                f"(GPU) needs at least one expert slot; raise --slots to >= {gpus_per_node}")
     out = PlanResult(layers={}, replicas={})
     total_load = 0.0
     for spec in layers:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lazarus.moe import moe_layers
+from lazarus.moe._placement import rank_slots
 from lazarus.planning import Placement
 from moc import CheckpointManager
 from moc._units import apply_partial, capture_unit, discover_units
@@ -51,13 +52,36 @@ from ._transfer import choose_moves, exchange_units, world_comm
 if TYPE_CHECKING:
     from ._trainer import ElasticTrainer
 
-__all__ = ["Reconfigurer", "Superseded"]
+__all__ = ["Reconfigurer", "Superseded", "plan_rank", "plan_world"]
 
 log = logging.getLogger("lazarus.reconfigure")
 
 
 class Superseded(Exception):
     """A newer plan arrived while this one was being applied."""
+
+
+def plan_world(plan: dict[str, Any]) -> int:
+    """Ranks of a plan: its nodes times their workers (``gpus_per_node``)."""
+    return len(plan["members"]) * int(plan.get("gpus_per_node", 1))
+
+
+def plan_rank(plan: dict[str, Any], node: str, local_rank: int, local_world: int) -> int:
+    """The rank of ``node``'s worker ``local_rank`` in ``plan``: ranks are contiguous per
+    node (node index * G + local rank), so a node's ranks are neighbours.
+
+    Raises:
+        RuntimeError: the plan's workers per node differ from this agent's (a node
+            started with another ``--nproc-per-node`` than the job's), or ``node`` is no
+            member.
+    """
+    g = int(plan.get("gpus_per_node", 1))
+    if g != local_world:
+        raise RuntimeError(f"plan {plan.get('generation')} has {g} workers per node but node {node} runs "
+                           f"{local_world} (--nproc-per-node must be the same on every node)")
+    if not 0 <= local_rank < g:
+        raise RuntimeError(f"local rank {local_rank} outside [0, {g})")
+    return plan["members"].index(node) * g + local_rank
 
 
 class Reconfigurer:
@@ -88,7 +112,7 @@ class Reconfigurer:
         if dist.is_initialized():
             r = self.aborter.retire()
             log.info("node %s step %d gen %d: %s group retired (%d NCCL communicators aborted, %d connections "
-                     "shut, teardown %s)", t.node, t.step, t.generation, r.backend, r.nccl_aborted, r.sockets_shut,
+                     "shut, teardown %s)", t.where, t.step, t.generation, r.backend, r.nccl_aborted, r.sockets_shut,
                      r.teardown or "none")
         else:
             self.aborter.interrupt()
@@ -97,7 +121,7 @@ class Reconfigurer:
             try:
                 self.handover = t.ckpt.detach()
             except Exception as exc:  # noqa: BLE001
-                log.warning("node %s: moc detach failed: %s", t.node, exc)
+                log.warning("node %s: moc detach failed: %s", t.where, exc)
             t.ckpt = None
 
     def _store_client(self, host: str, port: int, epoch: int):
@@ -122,7 +146,7 @@ class Reconfigurer:
     def _rendezvous_inner(self, plan: dict[str, Any]) -> None:
         t = self.t
         members = plan["members"]
-        rank, world = members.index(t.node), len(members)
+        rank, world = plan_rank(plan, t.node, t.local_rank, t.local_world), plan_world(plan)
         epoch = int(plan["store"].get("epoch", 0))
         store = self._store_client(plan["store"]["host"], int(plan["store"]["port"]), epoch)
         prefix = plan["prefix"]
@@ -143,6 +167,9 @@ class Reconfigurer:
         self.aborter.formed()
         t.rank, t.world, t.members, t.generation = rank, world, list(members), int(plan["generation"])
         self.group_epoch = epoch
+        # what torchrun would say, for user code that reads it (the rank changes with the plan)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), GROUP_RANK=str(members.index(t.node)),
+                          LOCAL_RANK=str(t.local_rank), LOCAL_WORLD_SIZE=str(t.local_world))
 
     def _store_barrier(self, plan: dict[str, Any], name: str) -> None:
         """Every member of ``plan`` past point ``name``, met on the controller's store (the
@@ -177,7 +204,7 @@ class Reconfigurer:
                     interrupted.append(int(latest["generation"]))
                     n = SocketTracker.shutdown_opened_since(before) + self._store_sockets.shutdown_all()
                     log.warning("node %s: plan %d arrived while applying generation %d; interrupted %d connections",
-                                self.t.node, latest["generation"], gen, n)
+                                self.t.where, latest["generation"], gen, n)
                 else:   # connects retried meanwhile
                     SocketTracker.shutdown_opened_since(before)
 
@@ -219,7 +246,7 @@ class Reconfigurer:
             dist.barrier()
             timings["migrate"] = time.time() - t0
             if t.node in leaving:
-                log.info("node %s: handed over %d units, leaving the job", t.node, stats["moved"])
+                log.info("node %s: handed over %d units, leaving the job", t.where, stats["moved"])
                 self.retire_group()
                 t._left = True
                 return
@@ -266,7 +293,7 @@ class Reconfigurer:
             t.channel.send({k: v for k, v in record.items() if k != "kind"})
             t._metric(record)
         log.info("node %s rank %d/%d gen %d (%s): resumed at step %d in %.3f s; %d experts moved, sources %s",
-                 t.node, t.rank, t.world, t.generation, plan.get("reason"), t.step, t_resumed - t0,
+                 t.where, t.rank, t.world, t.generation, plan.get("reason"), t.step, t_resumed - t0,
                  stats["moved"], stats["sources"])
 
     # -- inventory and migration -------------------------------------------------------------
@@ -284,15 +311,15 @@ class Reconfigurer:
         comm = world_comm()
         has_state = t.model is not None
         modules = sorted(u.name for u in discover_units(t.model).modules()) if has_state else []
-        inv = comm.gather_json({"node": t.node, "step": t.step if has_state else -1, "experts": self._held(),
-                                "modules": modules})
+        inv = comm.gather_json({"node": t.node, "local": t.local_rank, "step": t.step if has_state else -1,
+                                "experts": self._held(), "modules": modules})
         newest = max(r["step"] for r in inv)
         self._joiners = sum(1 for r in inv if r["step"] < 0)
         stats = {"moved": 0, "dense_moves": 0, "sources": {"peer": 0}}
         self._pending_lost_mine = set()
         if newest < 0:
             return {}, [], newest, stats
-        rank_of = {r["node"]: i for i, r in enumerate(inv)}
+        rank_of = {(r["node"], int(r.get("local", 0))): i for i, r in enumerate(inv)}
         current = [i for i, r in enumerate(inv) if r["step"] == newest]
         module_names = next(r["modules"] for r in inv if r["step"] == newest)
         holders: dict[str, list[int]] = {m: list(current) for m in module_names}
@@ -305,16 +332,18 @@ class Reconfigurer:
             fresh = [i for i in ranks if inv[i]["step"] == newest]
             holders[unit] = fresh or ranks
         needs: dict[int, list[str]] = {}
-        for p, node in enumerate(plan["members"]):
-            i = rank_of[node]
+        per_rank = {layer: rank_slots(p) for layer, p in self._placements(plan).items()}
+        g = int(plan.get("gpus_per_node", 1))
+        for p in range(plan_world(plan)):
+            i = rank_of[(plan["members"][p // g], p % g)]
             stale = inv[i]["step"] != newest
             want = [m for m in module_names] if stale else []
-            for layer, slots in plan["layers"].items():
+            for layer, slots in per_rank.items():
                 have = set(inv[i]["experts"].get(layer, [])) if not stale else set()
                 want += [f"expert/{layer}/{e}" for e in sorted(set(slots[p])) if e not in have]
             if want:
                 needs[i] = want
-        moves, missing = choose_moves(needs, holders)
+        moves, missing = choose_moves(needs, holders, [r["node"] for r in inv])
         lost = sorted({u for u, _ in missing if u.startswith("expert/")})
         dense_missing = [u for u, _ in missing if not u.startswith("expert/")]
         if dense_missing:
@@ -335,11 +364,17 @@ class Reconfigurer:
         self._pending_lost_mine = mine
         return received, lost, newest, stats
 
+    def _placements(self, plan: dict[str, Any]) -> dict[str, Placement]:
+        """The plan's per-layer placements: rows per node, spread over its G ranks."""
+        g = int(plan.get("gpus_per_node", 1))
+        return {layer: Placement([list(s) for s in slots], num_experts=int(self.t.layout["layers"][layer]),
+                                 gpus_per_node=g)
+                for layer, slots in plan["layers"].items()}
+
     def _install(self, plan: dict[str, Any], received: dict[str, Any], newest: int) -> None:
         t = self.t
         me = t.rank
-        placements = {layer: Placement([list(s) for s in slots], num_experts=int(t.layout["layers"][layer]))
-                      for layer, slots in plan["layers"].items()}
+        placements = self._placements(plan)
         carried: list[Any] = []
         if t.model is None:
             t.model = self.build_model(placements).to(t.device)
@@ -348,8 +383,9 @@ class Reconfigurer:
             for name, layer in moe_layers(t.model):
                 new = placements[name]
                 held = layer.local_experts
-                added = sorted(set(new.nodes[me]) - set(held))
-                keep = sorted(set(new.nodes[me]) & set(held))
+                mine = rank_slots(new)[me]
+                added = sorted(set(mine) - set(held))
+                keep = sorted(set(mine) & set(held))
                 if layer.experts.fused and (added or len(keep) < len(held)):
                     # Fused expert tensors are rebuilt with the new rows: carry the kept
                     # experts' weights and optimizer state over as units (views of the old
@@ -387,8 +423,8 @@ class Reconfigurer:
         if cfg.coordination_timeout > t.config.collective_timeout:
             cfg.coordination_timeout = t.config.collective_timeout
         with self.sockets.track():   # moc's own gloo groups
-            t.ckpt = CheckpointManager(cfg, model=t.model, optimizer=t.optimizer, memory_key=t.config.memory_key,
-                                       handover=self.handover)
+            t.ckpt = CheckpointManager(cfg, model=t.model, optimizer=t.optimizer, memory_key=t.memory_key,
+                                       handover=self.handover, node=t.node)
         self.handover = None
         if fresh_start:
             t.step = t.ckpt.restore()

@@ -67,7 +67,7 @@ class Resumable(Membership):
             "routing": {name: [list(r) for r in hist] for name, hist in self._routing.items()},
             "last_step": self._last_step, "last_rebalance_step": self._last_rebalance_step,
             "done": sorted(self._done), "left": sorted(self._left), "finished": self._finished,
-            "saved_at": time.time(),
+            "gpus_per_node": self.gpus_per_node, "saved_at": time.time(),
         }
 
     def _save_state(self, now: bool = False) -> None:
@@ -110,6 +110,8 @@ class Resumable(Membership):
         self._last_rebalance_step = int(state["last_rebalance_step"])
         self._done = set(state["done"]) & set(self._members)
         self._left = set(state["left"])
+        g = state.get("gpus_per_node")   # absent in states written before several workers per node
+        self.gpus_per_node = g if isinstance(g, int) and not isinstance(g, bool) and g >= 1 else None
         if self._members:
             self._resuming = True
             self._resume_waiting = set(self._members) - self._done
@@ -129,7 +131,7 @@ class Resumable(Membership):
 
     # ------------------------------------------------------------------ agents coming back
     def _on_resume(self, conn: _Conn, node_id: str, slots: int | None, pid: int | None,
-                   r: dict[str, Any]) -> bool:
+                   r: dict[str, Any], nproc: int = 1) -> bool:
         """Registration of an agent that lost its controller connection and kept its worker."""
         inc = _req(r, "incarnation", int)
         alive = _req(r, "worker_alive", bool)
@@ -146,7 +148,7 @@ class Resumable(Membership):
             self._event("model_mismatch", level=logging.ERROR, node=node_id, layers=model.get("layers"))
             ready = False
         conn.node_id = node_id
-        node = _Node(node_id, conn, slots or self.config.slots_per_node, inc, pid, time.monotonic())
+        node = _Node(node_id, conn, slots or self.config.slots_per_node, inc, pid, time.monotonic(), nproc=nproc)
         node.ready = alive and ready
         node.worker_pid = worker_pid if alive else None
         node.step = step

@@ -95,12 +95,21 @@ class ElasticTrainer:
         self.layout = {"layers": dict(layers), "top_k": int(layout.get("top_k", 1))}
         self.channel = channel
         self.node = str(channel.node_id)
-        self.backend: TrainerBackend = resolve_backend(config.device, config.backend)
+        # Several workers per node (``lazarus agent --nproc-per-node G``): this one's place
+        # on the node, as torchrun sets it (LOCAL_RANK, LOCAL_WORLD_SIZE).
+        self.local_rank = int(getattr(channel, "local_rank", 0))
+        self.local_world = int(getattr(channel, "local_world_size", 1))
+        self.where = self.node if self.local_world == 1 else f"{self.node}/{self.local_rank}"
+        key = config.memory_key
+        #: this worker's snapshot folder in the node's memory (one per local rank)
+        self.memory_key = (f"worker{self.local_rank}" if key is None
+                           else key if self.local_world == 1 else f"{key}-{self.local_rank}")
+        self.backend: TrainerBackend = resolve_backend(config.device, config.backend, local_rank=self.local_rank)
         if self.backend.device.type == "cuda":
             torch.cuda.set_device(self.backend.device)
         if self.backend.backend == "nccl":
-            nccl_environment(f"node {self.node}")
-        log.info("node %s step -: device %s, backend %s", self.node, self.backend.device, self.backend.backend)
+            nccl_environment(f"node {self.where}")
+        log.info("node %s step -: device %s, backend %s", self.where, self.backend.device, self.backend.backend)
         self.reconf = Reconfigurer(self, build_model=build_model, make_optimizer=make_optimizer)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -135,7 +144,7 @@ class ElasticTrainer:
         self.channel.hello(self.layout)
         plan = self._wait_plan(-1)
         self._reconfigure_loop(plan, error=None)
-        watcher = threading.Thread(target=self._watch_plans, name=f"lazarus-watch-{self.node}", daemon=True)
+        watcher = threading.Thread(target=self._watch_plans, name=f"lazarus-watch-{self.where}", daemon=True)
         watcher.start()
         try:
             self._loop(loss_fn, total_steps)
@@ -156,7 +165,7 @@ class ElasticTrainer:
                 if self._training.is_set() and int(plan["generation"]) > self.generation:
                     r = self.reconf.aborter.interrupt()
                     log.warning("node %s step %d: plan %d (%s) arrived while training on generation %d; aborted %d "
-                                "NCCL communicators, interrupted %d connections", self.node, self.step,
+                                "NCCL communicators, interrupted %d connections", self.where, self.step,
                                 plan["generation"], plan.get("reason"), self.generation, r.nccl_aborted,
                                 r.sockets_shut)
                     self._training.clear()
@@ -314,7 +323,7 @@ class ElasticTrainer:
         with self._watch_lock:
             self._training.clear()
         t_error = time.time()
-        log.warning("node %s rank %d step %d gen %d: collective failed: %s", self.node, self.rank, self.step,
+        log.warning("node %s rank %d step %d gen %d: collective failed: %s", self.where, self.rank, self.step,
                     self.generation, error.splitlines()[0][:200])
         try:
             self.channel.send({"type": "collective_error", "generation": self.generation,
@@ -342,12 +351,12 @@ class ElasticTrainer:
                 self.reconf.apply(plan, t_error=error)
                 return
             except Superseded:
-                log.info("node %s: plan %d superseded", self.node, plan["generation"])
+                log.info("node %s: plan %d superseded", self.where, plan["generation"])
             except Exception as exc:  # noqa: BLE001
                 if not is_collective_error(exc):
                     raise
                 broken = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-                log.warning("node %s: reconfiguration to generation %d failed: %s", self.node,
+                log.warning("node %s: reconfiguration to generation %d failed: %s", self.where,
                             plan["generation"], broken)
             if broken is not None:  # outside the except block, see run()
                 self.reconf.retire_group()
@@ -367,7 +376,7 @@ class ElasticTrainer:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                log.error("node %s: no plan newer than generation %d within %s; exiting", self.node, newer_than,
+                log.error("node %s: no plan newer than generation %d within %s; exiting", self.where, newer_than,
                           self.config.plan_timeout)
                 os._exit(EXIT_NO_PLAN)
             try:
@@ -389,7 +398,7 @@ class ElasticTrainer:
             try:
                 self.ckpt.close()
             except Exception as exc:  # noqa: BLE001 - training is done; report and go on
-                log.error("node %s: final checkpoint failed: %s", self.node, exc)
+                log.error("node %s: final checkpoint failed: %s", self.where, exc)
         self.channel.send({"type": "done", "step": self.step})
         if dist.is_initialized():
             dist.destroy_process_group()

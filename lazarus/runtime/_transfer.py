@@ -36,12 +36,15 @@ def world_comm() -> Comm:
     return Comm(rank=dist.get_rank(), world=dist.get_world_size(), group=dist.group.WORLD)
 
 
-def choose_moves(needs: Mapping[int, Sequence[str]], holders: Mapping[str, Sequence[int]]) -> tuple[list[Move], list[tuple[str, int]]]:
+def choose_moves(needs: Mapping[int, Sequence[str]], holders: Mapping[str, Sequence[int]],
+                 nodes: Sequence[str] | None = None) -> tuple[list[Move], list[tuple[str, int]]]:
     """Sources for every (unit, destination) need: the holders of a unit take turns
     (fewest sends of this unit first, then fewest sends overall, then lowest rank), so one
-    expert's fetches are spread over all its owners. Returns ``(moves, missing)`` where
-    ``missing`` lists needs no rank can serve. Deterministic: every rank derives the same
-    answer from the same inputs."""
+    expert's fetches are spread over all its owners. With ``nodes`` (``nodes[r]``: rank
+    r's node), a holder on the destination's own node goes first (several GPUs per node:
+    an expert moving between a node's GPUs never crosses the network). Returns
+    ``(moves, missing)`` where ``missing`` lists needs no rank can serve. Deterministic:
+    every rank derives the same answer from the same inputs."""
     moves: list[Move] = []
     missing: list[tuple[str, int]] = []
     per_unit: dict[tuple[str, int], int] = {}
@@ -52,7 +55,8 @@ def choose_moves(needs: Mapping[int, Sequence[str]], holders: Mapping[str, Seque
             if not owners:
                 missing.append((unit, dst))
                 continue
-            src = min(owners, key=lambda r: (per_unit.get((unit, r), 0), total.get(r, 0), r))
+            src = min(owners, key=lambda r: (nodes is not None and nodes[r] != nodes[dst],
+                                             per_unit.get((unit, r), 0), total.get(r, 0), r))
             per_unit[(unit, src)] = per_unit.get((unit, src), 0) + 1
             total[src] = total.get(src, 0) + 1
             moves.append(Move(unit, src, dst))
