@@ -179,7 +179,7 @@ class Reconfigurer:
         if store is None:
             raise RuntimeError(f"barrier {name!r} of generation {plan['generation']} without a store client")
         key = f"{plan['prefix']}/{name}"
-        if store.add(key, 1) == len(plan["members"]):
+        if store.add(key, 1) == plan_world(plan):
             store.set(key + "/all", "1")
         store.wait([key + "/all"], self.t.config.rendezvous_timeout)
 
