@@ -1,0 +1,94 @@
+"""What the example workers (``train_elastic``, ``train_hf``) share: the job's command-line
+flags, logging that names the worker, the :class:`ElasticConfig` with its moc part, and the
+end-of-run digests the fault tests compare."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from moc import MoCConfig
+
+
+def _duration(text: str) -> timedelta:
+    from lazarus.runtime import parse_duration
+
+    return parse_duration(text, "duration")
+
+
+def add_job_arguments(p: argparse.ArgumentParser, *, batch_size: int) -> None:
+    """The flags of every example worker: data, optimizer, moc, timeouts, device, output."""
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps over the job's life")
+    p.add_argument("--batch-size", type=int, default=batch_size, help="global batch (sequences per step)")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--corpus-bytes", type=int, default=4 << 20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--storage", required=True, help="moc storage URL or path (shared by all nodes)")
+    p.add_argument("--interval", type=int, default=10, help="moc checkpoint every N steps")
+    p.add_argument("--k-snapshot", type=int, default=None, help="experts per layer to memory (default all)")
+    p.add_argument("--k-persist", type=int, default=None, help="experts per layer to storage (default k-snapshot)")
+    p.add_argument("--persist-every", type=int, default=2)
+    p.add_argument("--snapshot-copies", type=int, default=2)
+    p.add_argument("--collective-timeout", type=_duration, default=timedelta(seconds=10))
+    p.add_argument("--rendezvous-timeout", type=_duration, default=timedelta(seconds=30))
+    p.add_argument("--plan-timeout", type=_duration, default=timedelta(seconds=60))
+    p.add_argument("--report-every", type=int, default=10)
+    p.add_argument("--metrics", default=None, help="JSON-lines metrics file written by rank 0")
+    p.add_argument("--digests", default=None,
+                   help="write this rank's state digests here at the end; {node} and {local_rank} are replaced "
+                        "by the node id and the worker's local rank (give both with --nproc-per-node > 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, cuda, cuda:<i> or auto (the process group follows: gloo on CPU, NCCL on CUDA)")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+                   help="torch.distributed backend (auto: follows --device)")
+
+
+def start_worker(args: argparse.Namespace) -> str:
+    """Log lines naming the worker (``node`` or ``node/local_rank``), torch's threads;
+    returns the node id the agent gave this worker."""
+    node = os.environ.get("LAZARUS_NODE_ID", "?")
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    where = node if os.environ.get("LOCAL_WORLD_SIZE", "1") == "1" else f"{node}/{local_rank}"
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s worker {where} %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(args.threads)
+    return node
+
+
+def elastic_config(args: argparse.Namespace, *, top_k: int) -> Any:
+    """The :class:`lazarus.runtime.ElasticConfig` of the flags, moc included."""
+    from lazarus.runtime import ElasticConfig
+
+    moc_cfg = MoCConfig(storage=args.storage, interval=args.interval, k_snapshot=args.k_snapshot,
+                        k_persist=args.k_persist, persist_every=args.persist_every, top_k=top_k,
+                        snapshot_copies=args.snapshot_copies, keep_last=2)
+    return ElasticConfig(collective_timeout=args.collective_timeout, rendezvous_timeout=args.rendezvous_timeout,
+                         plan_timeout=args.plan_timeout, report_every=args.report_every, moc=moc_cfg,
+                         metrics_path=args.metrics, device=args.device, backend=args.backend)
+
+
+def write_digests(args: argparse.Namespace, trainer: Any, node: str, t0: float) -> None:
+    """``--digests``: this rank's state digests, losses and torchrun variables, written
+    atomically once the run is over (not by a rank that left the job)."""
+    if not args.digests or trainer.left:
+        return
+    path = args.digests.replace("{node}", node).replace("{local_rank}", str(trainer.local_rank))
+    with open(path + ".tmp", "w") as f:
+        json.dump({"node": node, "local_rank": trainer.local_rank, "step": trainer.step, "rank": trainer.rank,
+                   "world": trainer.world,
+                   "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                           "GROUP_RANK")},
+                   "generation": trainer.generation, "experts": trainer.expert_digests(),
+                   "dense": trainer.dense_digest(), "losses": trainer.losses,
+                   "seconds": time.time() - t0}, f)
+    os.replace(path + ".tmp", path)
