@@ -92,6 +92,24 @@ def test_sigkill_worker_then_respawned_worker_rejoins(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
+def test_a_joiner_slow_to_build_its_model_joins_without_a_collective_error(tmp_path: Path) -> None:
+    # The joiner sleeps 6 s in build_model, longer than collective_timeout (4 s): the
+    # members wait for it at the store barrier (rendezvous_timeout), not in a collective.
+    steps = 400
+    with _cluster(tmp_path, steps=steps, extra_controller=("--expected-nodes", "3")) as c:
+        c.start(NODES[:3])
+        c.wait_step(15, timeout=180)
+        c.add_node("n3", extra_worker_args=("--slow-build", "6s"))
+        c.wait_for(lambda: [r for r in c.reconfigurations() if r["reason"] == "join"], 150, "the join")
+        join = [r for r in c.reconfigurations() if r["reason"] == "join"][0]
+        assert join["world_size"] == 4 and "n3" in join["members"]
+        assert join["timings"]["joiners"] >= 4.0, join["timings"]   # rank 0 waited out the build
+        assert not _failure_reconfigs(c)
+        _finish(c, tmp_path, NODES, steps=steps)
+        _survivors_not_restarted(c, NODES[:3])
+
+
+@pytest.mark.timeout(300)
 def test_sigstop_frozen_node_caught_by_heartbeat(tmp_path: Path) -> None:
     with _cluster(tmp_path) as c:
         c.start(NODES)

@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Sequence
+from datetime import timedelta
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from ._worker import add_job_arguments, elastic_config, start_worker, write_digests
+from ._worker import _duration, add_job_arguments, elastic_config, start_worker, write_digests
 from .corpus import ByteCorpus
 from .moe_gpt import GPTConfig, MoEGPT, make_optimizer, moe_layer_names
 
@@ -33,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=1)
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--d-hidden", type=int, default=128)
+    p.add_argument("--slow-build", type=_duration, default=timedelta(0),
+                   help="fault injection: sleep this long whenever the model is built (a joiner slow to set up)")
     return p
 
 
@@ -53,7 +56,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         _, loss = model(x.to(device), y.to(device))
         return loss
 
-    trainer = ElasticTrainer(cfg, layout=layout, build_model=lambda placements: MoEGPT(gpt, placements),
+    def build(placements: Mapping[str, Any]) -> torch.nn.Module:
+        time.sleep(args.slow_build.total_seconds())
+        return MoEGPT(gpt, placements)
+
+    trainer = ElasticTrainer(cfg, layout=layout, build_model=build,
                              make_optimizer=lambda model: make_optimizer(model, lr=args.lr))
     t0 = time.time()
     trainer.run(loss_fn, args.steps)
