@@ -172,18 +172,22 @@ class BufferPool:
         done = [b for b in self.buffers if b.step is not None and b.state in (READY, PERSIST)]
         return max(done, key=lambda b: b.step) if done else None
 
-    def acquire(self) -> SnapshotBuffer:
-        """A buffer to fill: free, else the oldest complete one that is neither being
-        persisted nor the newest complete copy (that one is the RECOVERY copy)."""
+    def victim(self) -> SnapshotBuffer | None:
+        """The buffer :meth:`acquire` would fill now: free, else the oldest complete one
+        that is neither being persisted nor the newest complete copy (that one is the
+        RECOVERY copy); None when there is none."""
         newest = self.newest_complete()
         for b in self.buffers:
             if b.state == FREE:
-                break
-        else:
-            candidates = [x for x in self.buffers if x.state == READY and x is not newest]
-            if not candidates:
-                raise RuntimeError("no snapshot buffer available (more than one snapshot in flight)")
-            b = min(candidates, key=lambda x: x.step)
+                return b
+        candidates = [x for x in self.buffers if x.state == READY and x is not newest]
+        return min(candidates, key=lambda x: x.step) if candidates else None
+
+    def acquire(self) -> SnapshotBuffer:
+        """The buffer to fill (:meth:`victim`), its published snapshot withdrawn."""
+        b = self.victim()
+        if b is None:
+            raise RuntimeError("no snapshot buffer available (more than one snapshot in flight)")
         b.invalidate()
         b.state = SNAPSHOT
         return b

@@ -2,24 +2,28 @@
 plan of shares (which byte ranges of which units this rank copies, persists, and sends to
 another rank's memory).
 
-Pure planning over the layout and collectives of metadata; no tensor bytes move here.
+The inventory is gathered once, collectively. A checkpoint's plan is then pure: it is
+computed from what every rank agreed on (the selection and every rank's published unit
+sizes, see :mod:`moc._coordination`), so the ranks plan without talking. No tensor bytes
+move here.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Mapping
 
 import torch
 
-from ._codec import TreePlan, plan_tree
+from ._codec import TreePlan
 from ._config import MoCConfig
 from ._dist import Comm
 from ._layouts import UnitLayout, UnitSpec
 from ._policy import Selection
 from ._sharding import plan_shares
-from ._units import capture_unit, expert_unit_name, parse_expert, unit_base
+from ._units import expert_unit_name, parse_expert, unit_base
 
 __all__ = ["Inventory", "SnapshotPlan", "plan_snapshot", "unit_meta"]
 
@@ -95,7 +99,6 @@ class SnapshotPlan:
     sync_entries: set[str]       # copied in step(), before the next forward can change them
     persist_units: set[str]      # units that go to storage if this snapshot is persisted
     remote: list[Remote]         # every remote copy of the job, in one global order
-    remote_meta: dict[str, Any]  # descriptions of the units this rank receives copies of
 
     def incoming(self, rank: int) -> list[Remote]:
         return [r for r in self.remote if r[4] == rank]
@@ -114,32 +117,43 @@ def unit_meta(plan: TreePlan, spec: UnitSpec | None) -> dict[str, Any]:
     }
 
 
-def plan_snapshot(cfg: MoCConfig, inventory: Inventory, comm: Comm, *, step: int, selection: Selection,
-                  model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                  extra_tree: dict[str, Any]) -> SnapshotPlan:
-    """This rank's share of the checkpoint of ``step`` (collective: sizes and remote
-    copies' descriptions are exchanged)."""
-    rank, world, layout = comm.rank, comm.world, inventory.layout
-    state = model.state_dict(keep_vars=True)
-    params = dict(model.named_parameters())
-    plans: dict[str, tuple[TreePlan, UnitSpec | None]] = {}
-    for layer, (snap, _) in selection.items():
-        for e in snap:
+@lru_cache(maxsize=None)
+def _expert_of(name: str) -> tuple[str, int] | None:
+    return parse_expert(name) if name.startswith("expert/") else None
+
+
+def plan_snapshot(cfg: MoCConfig, inventory: Inventory, *, rank: int, world: int, step: int, selection: Selection,
+                  plans: Mapping[str, TreePlan], extra: TreePlan, sizes: list[Mapping[str, int]]) -> SnapshotPlan:
+    """This rank's share of the checkpoint of ``step``: a pure function of what every rank
+    agrees on (the selection, every rank's published unit ``sizes``) and this rank's own
+    unit ``plans`` and ``extra`` plan, so the ranks plan without talking."""
+    layout = inventory.layout
+    mine: dict[str, tuple[TreePlan, UnitSpec | None]] = {}
+    snap = {layer: set(s) for layer, (s, _) in selection.items()}
+    for layer, (chosen, _) in selection.items():
+        for e in chosen:
             spec = layout.expert_unit(layer, e)
             if spec is not None:
-                plans[spec.name] = (plan_tree(capture_unit(spec, model, optimizer, state=state, params=params)), spec)
+                mine[spec.name] = (plans[spec.name], spec)
     for spec in layout.modules():
-        plans[spec.name] = (plan_tree(capture_unit(spec, model, optimizer, state=state, params=params)), spec)
+        mine[spec.name] = (plans[spec.name], spec)
     extra_name = f"extra/rank{rank}"
-    plans[extra_name] = (plan_tree(extra_tree), None)
-    sizes = comm.gather_json({n: p.nbytes for n, (p, _) in plans.items()})
+    mine[extra_name] = (extra, None)
+
     size_of: dict[str, int] = {}
     disagree: set[str] = set()
-    for d in sizes:
-        for n, nb in d.items():
+    for table in sizes:
+        for n, nb in table.items():
+            ex = _expert_of(n)
+            if ex is not None and ex[1] not in snap.get(ex[0], ()):
+                continue
             if n in size_of and size_of[n] != nb:
                 disagree.add(n)
             size_of[n] = nb
+    missing = [n for n, (p, _) in mine.items() if sizes[rank].get(n) != p.nbytes]
+    if missing:
+        raise RuntimeError(f"rank {rank} step {step}: units {missing[:4]} are planned with sizes this rank has "
+                           "not published")
     if disagree:
         # Replicas of one unit must serialise identically, or split shares would not
         # tile it; keep such units whole on their first holder.
@@ -162,28 +176,19 @@ def plan_snapshot(cfg: MoCConfig, inventory: Inventory, comm: Comm, *, step: int
         # it would replace (an expert is lost only when all its holders are), while a
         # copy elsewhere survives them. Co-holders (copied from their own replica, no
         # network) fill up when there are not enough other ranks.
-        extra = cfg.snapshot_copies - 1
+        extra_copies = cfg.snapshot_copies - 1
         others = sorted((r for r in range(world) if r not in unit_holders),
-                        key=lambda r: (copy_load[r], (r - sh.rank) % world))[:extra]
+                        key=lambda r: (copy_load[r], (r - sh.rank) % world))[:extra_copies]
         for r in others:
             copy_load[r] += sh.end - sh.start
             remote.append((sh.unit, sh.start, sh.end, sh.rank, r))
         i = unit_holders.index(sh.rank)
         copies = {unit_holders[(i + j) % len(unit_holders)]
-                  for j in range(min(1 + extra - len(others), len(unit_holders)))}
+                  for j in range(min(1 + extra_copies - len(others), len(unit_holders)))}
         if rank not in copies:
             continue
-        plan, spec = plans[sh.unit]
+        plan, spec = mine[sh.unit]
         entries.append((sh.unit, plan, sh.start, sh.end, spec, sh.rank == rank))
         if sh.unit in inventory.units_with_buffers:
             sync_entries.add(sh.unit)
-    remote_meta: dict[str, Any] = {}
-    if remote:
-        # Receivers hold no replica, so the senders describe the units they send.
-        mine = {u for (u, _, _, src, _) in remote if src == rank}
-        described = comm.gather_json({u: unit_meta(*plans[u]) for u in sorted(mine)})
-        wanted = {u for (u, _, _, _, dst) in remote if dst == rank}
-        for d in described:
-            remote_meta.update({u: m for u, m in d.items() if u in wanted})
-    return SnapshotPlan(entries=entries, sync_entries=sync_entries, persist_units=persist_units, remote=remote,
-                        remote_meta=remote_meta)
+    return SnapshotPlan(entries=entries, sync_entries=sync_entries, persist_units=persist_units, remote=remote)
