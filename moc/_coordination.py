@@ -26,6 +26,7 @@ import torch
 
 from ._codec import TreePlan
 from ._dist import Comm
+from ._snapshot_plan import PublishedSizes
 
 __all__ = ["Ballot", "Agreement", "Coordinator"]
 
@@ -81,7 +82,7 @@ class Agreement:
 
 class Coordinator:
     """Runs rounds over the training thread's group and keeps every rank's published unit
-    sizes (``sizes[r]``: unit name -> bytes as rank r plans it).
+    sizes (``sizes``).
 
     Args:
         comm: the manager's collectives.
@@ -91,13 +92,13 @@ class Coordinator:
     def __init__(self, comm: Comm, routing_len: int) -> None:
         self.comm = comm
         self.routing_len = routing_len
-        self.sizes: list[dict[str, int]] = [{} for _ in range(comm.world)]
+        self.sizes = PublishedSizes(comm.world)
         self.rounds = 0
         self.collectives = 0
 
     def changed_sizes(self, plans: Mapping[str, TreePlan]) -> dict[str, int]:
         """This rank's units whose size differs from what it last published."""
-        mine = self.sizes[self.comm.rank]
+        mine = self.sizes.tables[self.comm.rank]
         return {n: p.nbytes for n, p in plans.items() if mine.get(n) != p.nbytes}
 
     def agree(self, ballot: Ballot) -> Agreement:
@@ -130,7 +131,7 @@ class Coordinator:
             collectives += int(self.comm.distributed)
             for r, b in enumerate(blobs):
                 if b:
-                    self.sizes[r].update({str(n): int(nb) for n, nb in json.loads(b.decode()).items()})
+                    self.sizes.update(r, {str(n): int(nb) for n, nb in json.loads(b.decode()).items()})
         self.rounds += 1
         self.collectives += collectives
         retry = vals[retry0:seq0]

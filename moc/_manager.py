@@ -12,6 +12,11 @@ Per checkpoint (every ``interval`` steps, called right after ``optimizer.step()`
 4. persist: another background thread writes the buffer to storage, the ranks exchange
    chunk records, rank 0 commits the manifest. Storage errors are retried, reported in
    :meth:`status` and never raised into training.
+
+What the ranks must decide alike at a checkpoint (SIGTERM, failures, routing counts, K,
+which snapshot to persist, unit sizes) is settled in one round, one collective in steady
+state (:mod:`moc._coordination`); unit serialisation plans are cached across checkpoints
+(:mod:`moc._plan_cache`), so the rest of ``step()`` is local and short.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any, Mapping
 
 import torch
@@ -25,7 +24,7 @@ from ._policy import Selection
 from ._sharding import plan_shares
 from ._units import expert_unit_name, parse_expert, unit_base
 
-__all__ = ["Inventory", "SnapshotPlan", "plan_snapshot", "unit_meta"]
+__all__ = ["Inventory", "PublishedSizes", "SnapshotPlan", "plan_snapshot", "unit_meta"]
 
 log = logging.getLogger("moc")
 
@@ -117,19 +116,48 @@ def unit_meta(plan: TreePlan, spec: UnitSpec | None) -> dict[str, Any]:
     }
 
 
-@lru_cache(maxsize=None)
-def _expert_of(name: str) -> tuple[str, int] | None:
-    return parse_expert(name) if name.startswith("expert/") else None
+class PublishedSizes:
+    """Every rank's unit sizes (unit name -> bytes as that rank serialises it), as
+    published in the rounds, and the merged view planning reads (rebuilt only when a rank
+    publishes new sizes, which in steady state it does not)."""
+
+    def __init__(self, world: int) -> None:
+        self.tables: list[dict[str, int]] = [{} for _ in range(world)]
+        self._merged: tuple[dict[str, int], set[str], dict[tuple[str, int], list[str]], list[str]] | None = None
+
+    def update(self, rank: int, sizes: Mapping[str, int]) -> None:
+        self.tables[rank].update(sizes)
+        self._merged = None
+
+    def merged(self) -> tuple[dict[str, int], set[str], dict[tuple[str, int], list[str]], list[str]]:
+        """(size of each unit, units whose holders disagree on it, expert (layer, e) -> its
+        unit names, the other units' names)."""
+        if self._merged is None:
+            size_of: dict[str, int] = {}
+            disagree: set[str] = set()
+            experts: dict[tuple[str, int], list[str]] = {}
+            others: list[str] = []
+            for table in self.tables:
+                for n, nb in table.items():
+                    if n not in size_of:
+                        if n.startswith("expert/"):
+                            experts.setdefault(parse_expert(n), []).append(n)
+                        else:
+                            others.append(n)
+                    elif size_of[n] != nb:
+                        disagree.add(n)
+                    size_of[n] = nb
+            self._merged = (size_of, disagree, experts, others)
+        return self._merged
 
 
 def plan_snapshot(cfg: MoCConfig, inventory: Inventory, *, rank: int, world: int, step: int, selection: Selection,
-                  plans: Mapping[str, TreePlan], extra: TreePlan, sizes: list[Mapping[str, int]]) -> SnapshotPlan:
+                  plans: Mapping[str, TreePlan], extra: TreePlan, sizes: PublishedSizes) -> SnapshotPlan:
     """This rank's share of the checkpoint of ``step``: a pure function of what every rank
     agrees on (the selection, every rank's published unit ``sizes``) and this rank's own
     unit ``plans`` and ``extra`` plan, so the ranks plan without talking."""
     layout = inventory.layout
     mine: dict[str, tuple[TreePlan, UnitSpec | None]] = {}
-    snap = {layer: set(s) for layer, (s, _) in selection.items()}
     for layer, (chosen, _) in selection.items():
         for e in chosen:
             spec = layout.expert_unit(layer, e)
@@ -139,21 +167,15 @@ def plan_snapshot(cfg: MoCConfig, inventory: Inventory, *, rank: int, world: int
         mine[spec.name] = (plans[spec.name], spec)
     extra_name = f"extra/rank{rank}"
     mine[extra_name] = (extra, None)
-
-    size_of: dict[str, int] = {}
-    disagree: set[str] = set()
-    for table in sizes:
-        for n, nb in table.items():
-            ex = _expert_of(n)
-            if ex is not None and ex[1] not in snap.get(ex[0], ()):
-                continue
-            if n in size_of and size_of[n] != nb:
-                disagree.add(n)
-            size_of[n] = nb
-    missing = [n for n, (p, _) in mine.items() if sizes[rank].get(n) != p.nbytes]
+    missing = [n for n, (p, _) in mine.items() if sizes.tables[rank].get(n) != p.nbytes]
     if missing:
         raise RuntimeError(f"rank {rank} step {step}: units {missing[:4]} are planned with sizes this rank has "
                            "not published")
+
+    all_sizes, all_disagree, by_expert, others = sizes.merged()
+    names = [n for layer, (chosen, _) in selection.items() for e in chosen for n in by_expert.get((layer, e), ())]
+    size_of = {n: all_sizes[n] for n in names + others}
+    disagree = all_disagree & set(size_of)
     if disagree:
         # Replicas of one unit must serialise identically, or split shares would not
         # tile it; keep such units whole on their first holder.
