@@ -77,7 +77,7 @@ class SnapshotEngine:
         self.collect_device_stall()
         self.copier = copier_for((src for e in plan.entries for src in e[1].sources), self.copier)
         buf = self.pool.acquire()
-        buf.ensure(plan.nbytes(self.run.rank), pin=self.copier.pins_buffers)
+        buf.ensure(plan.nbytes(self.run.rank), pin=self.copier.pins_buffers, defer_shrink=True)
         offset = 0
         placed = []
         for entry in plan.entries:
@@ -123,7 +123,16 @@ class SnapshotEngine:
     def _fill(self, buf: SnapshotBuffer, placed, plan: SnapshotPlan, header: dict[str, Any],
               landing, batch: CudaCopyBatch | None = None, issued: bool = False) -> SnapshotBuffer:
         """Background: copy this rank's share into the buffer (or wait for the device to
-        have copied it), send/receive the remote copies, checksum everything, publish."""
+        have copied it), send/receive the remote copies, checksum everything, publish;
+        then let a shrink of the buffer free its pages (deferred so far, see
+        :meth:`SnapshotBuffer.ensure`: it would slow these copies and step()'s)."""
+        try:
+            return self._fill_now(buf, placed, plan, header, landing, batch, issued)
+        finally:
+            buf.release_shrink()
+
+    def _fill_now(self, buf: SnapshotBuffer, placed, plan: SnapshotPlan, header: dict[str, Any],
+                  landing, batch: CudaCopyBatch | None, issued: bool) -> SnapshotBuffer:
         t0 = time.perf_counter()
         if issued:
             batch.synchronize()

@@ -317,6 +317,8 @@ def fsdp_worker(rank: int, workdir: Path, shm: Path) -> int:
             if isinstance(m, MoC):
                 row["layout"] = m.ckpt.layout_info["description"]
             rows.append(row)
+        for row in rows:
+            arrivals(row)
         result = {"rank": rank, "step": statistics.median(r["step"] for r in rows), "rows": rows,
                   "profile": {moc.name: prof.result()} if prof else {}}
         (workdir / f"rank{rank}.json").write_text(json.dumps(result))
@@ -324,6 +326,19 @@ def fsdp_worker(rank: int, workdir: Path, shm: Path) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def arrivals(row: dict[str, Any]) -> None:
+    """How long after this rank the last rank entered each measured checkpoint call
+    (collective). A call that waits for every rank (MoC's one all-reduce) spends that long
+    waiting for the slower rank, which the step would otherwise spend in FSDP's next
+    all-gather; the rest of the call is the method's own cost."""
+    mine = torch.tensor(row["entered"], dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(WORLD)]
+    dist.all_gather(every, mine)
+    waits = (torch.stack(every).max(0).values - mine).tolist()
+    row["arrival_wait"] = statistics.mean(waits)
+    row["call_after_arrival"] = statistics.mean(max(0.0, c - w) for c, w in zip(row["calls"], waits))
 
 
 def run_fsdp(p: dict[str, Any], shm: Path, log, errors: list[str], timeout: timedelta) -> list[dict[str, Any]] | None:
@@ -471,16 +486,26 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], single
                  + " (median, no checkpoint). The ranks wait for each other in every all-gather and "
                  "reduce-scatter, so one rank's stall shows up in the other's step times too.")
         L.append("")
-        L.append(f"| method | rank | call returns (ms) | loop blocked (ms) | stall (ms) | window mean +- s.e. (ms) | "
+        L.append(f"| method | rank | call returns (ms) | last rank enters the call (ms later) | call after the last "
+                 f"rank entered (ms) | loop blocked (ms) | stall (ms) | window mean +- s.e. (ms) | "
                  f"vs {dcp_best or 'DCP'} (same rank) | checkpoint CPU (s) | on disk per checkpoint, all ranks (MB) |")
-        L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for name, rs in per.items():
             for i, r in enumerate(rs):
                 ref = per[dcp_best][i]["stall"] if dcp_best else float("nan")
                 va = f"{r['stall']/ref:.2f}x" if ref > 0 else "-"
                 size = f"{fsdp[0]['rows'][list(per).index(name)]['size']/MB:,.1f}" if i == 0 else "\""
-                L.append(f"| {name} | {i} | {fmt_ms(r['call'])} | {fmt_ms(r['blocked'])} | {fmt_ms(r['stall'])} | "
-                         f"{fmt_ms(r['stall_mean'])} +- {fmt_ms(r['stall_se'])} | {va} | {r['cpu']:.2f} | {size} |")
+                wait = fmt_ms(r["arrival_wait"]) if "arrival_wait" in r else "-"
+                own = fmt_ms(r["call_after_arrival"]) if r.get("syncs_ranks") and "call_after_arrival" in r else "-"
+                L.append(f"| {name} | {i} | {fmt_ms(r['call'])} | {wait} | {own} | {fmt_ms(r['blocked'])} | "
+                         f"{fmt_ms(r['stall'])} | {fmt_ms(r['stall_mean'])} +- {fmt_ms(r['stall_se'])} | {va} | "
+                         f"{r['cpu']:.2f} | {size} |")
+        L.append("")
+        L.append("\"last rank enters the call\": how long after this rank the slower rank started the same "
+                 "checkpoint (one clock for both processes). MoC's `step()` holds one all-reduce over the ranks, so "
+                 "it spends that long waiting for the slower rank, time the faster rank would otherwise wait in "
+                 "FSDP's next all-gather; \"call after the last rank entered\" is the rest, MoC's own cost. DCP's "
+                 "call holds no collective (its planning runs in its background thread).")
         L.append("")
         L.append("DCP rows: `async_save(get_state_dict(model, optimizer))`, sharded DTensors, each rank writing its "
                  "shards, on a gloo group of its own. MoC: `CheckpointManager` on the same model, default "
@@ -538,6 +563,17 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], single
                      f"| {fmt_ms(moc['stall'])} ms (window mean {fmt_ms(moc['stall_mean'])} +- "
                      f"{fmt_ms(moc['stall_se'])} ms); loop blocked {fmt_ms(moc['blocked'])} ms | "
                      f"{verdict(moc['stall'], lim, moc['stall_se'])} |")
+        stager = next((r for r in fsdp[0]["rows"] if "DefaultStager" in r["name"]), None)
+        for f in fsdp if stager is not None else []:
+            moc = next(r for r in f["rows"] if r["name"].startswith("MoC"))
+            ref = next(r for r in f["rows"] if r["name"] == stager["name"])
+            after = moc.get("call_after_arrival")
+            L.append(f"| FSDP2 rank {f['rank']}: {moc['name']} loop blocked <= half of {ref['name']}'s "
+                     f"({fmt_ms(ref['blocked'])} ms) | {fmt_ms(moc['blocked'])} ms, of which "
+                     f"{fmt_ms(moc.get('arrival_wait', float('nan')))} ms waiting for the other rank to arrive "
+                     f"({fmt_ms(after) if after is not None else '-'} ms after it did) | "
+                     f"{'yes' if moc['blocked'] <= 0.5 * ref['blocked'] else 'no'} (after the arrival: "
+                     f"{'yes' if after is not None and after <= 0.5 * ref['blocked'] else 'no'}) |")
     L.append(f"| MoC bytes per checkpoint match the PEC formula | {sum(c['holds'] for c in checks)} of {len(checks)} "
              f"cases | {'yes' if checks and all(c['holds'] for c in checks) else 'no'} |")
     L.append("")
