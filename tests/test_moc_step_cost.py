@@ -77,6 +77,35 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: i
     opt.step()
 
 
+# -- the round's decisions ---------------------------------------------------------------------
+def test_persist_decision_needs_idle_ranks_and_one_candidate():
+    from moc._coordination import Agreement
+
+    def agreed(busy: bool, steps: list) -> Agreement:
+        return Agreement(sigterm=False, failed=False, broken=False, persist_busy=busy, retry_steps=steps,
+                         finished_seq=0, routing=None, k_snapshot=None, interval=None, collectives=1)
+
+    assert agreed(False, [None, None]).persist_step(True, 12) == 12      # the new snapshot
+    assert agreed(True, [8, 8]).persist_step(True, 12) is None           # a persist thread still busy
+    assert agreed(False, [8, 8]).persist_step(False, 12) == 8            # every rank has step 8 ready
+    assert agreed(False, [8, 4]).persist_step(False, 12) is None         # ranks disagree: none
+    assert agreed(False, [8, None]).persist_step(False, 12) is None
+
+
+def test_published_sizes_merge_and_flag_disagreeing_holders():
+    from moc._snapshot_plan import PublishedSizes
+
+    sizes = PublishedSizes(3)
+    sizes.update(0, {"expert/l0/1": 64, "module/a": 32, "extra/rank0": 8})
+    sizes.update(1, {"expert/l0/1": 64, "expert/l0/2": 64, "module/a": 48, "extra/rank1": 8})
+    size_of, disagree, experts, others = sizes.merged()
+    assert disagree == {"module/a"} and size_of["expert/l0/2"] == 64
+    assert experts == {("l0", 1): ["expert/l0/1"], ("l0", 2): ["expert/l0/2"]}
+    assert sorted(others) == ["extra/rank0", "extra/rank1", "module/a"]
+    sizes.update(2, {"module/a": 32})
+    assert sizes.merged()[1] == {"module/a"} and sizes.merged() is sizes.merged()   # rebuilt once per change
+
+
 # -- one process -----------------------------------------------------------------------------
 @pytest.mark.timeout(120)
 def test_plans_follow_lazy_optimizer_state_and_are_reused(tmp_path):
