@@ -170,11 +170,13 @@ def stall_target_rows(save: dict | None, k1: list[dict], best_async: dict | None
 class Method:
     name = ""
     note = ""
+    syncs_ranks = False   # the checkpoint call itself waits for every rank (a collective)
 
     def __init__(self, tr: Trainer, root: Path) -> None:
         self.tr, self.root = tr, root
         self.sizes: list[int] = []
         self.extra_blocked: list[float] = []  # per checkpoint: waits inside later steps
+        self.entered: list[float] = []        # per measured checkpoint: time.monotonic() at the call
 
     def setup(self) -> None: ...
     def checkpoint(self, step: int) -> None: ...
@@ -328,6 +330,8 @@ class MoC(Method):
     when it has one (``moc._toy.ToyMoE``), else from the manager's own router hooks
     (transformers models). ``cfg_extra`` goes to :class:`moc.MoCConfig` (``top_k``...)."""
 
+    syncs_ranks = True    # step() holds one all-reduce over the ranks
+
     def __init__(self, tr: Trainer, root: Path, shm: Path, label: str, k_snapshot: int | None,
                  k_persist: int | None, persist_every: int, **cfg_extra: Any) -> None:
         super().__init__(tr, root)
@@ -416,6 +420,7 @@ def run_window(tr: Trainer, steps: int, method: Method | None) -> tuple[list[flo
         t0 = time.perf_counter()
         s = tr.step()
         if method is not None and i == 0:
+            method.entered.append(time.monotonic())   # one clock for every process of the host
             c0 = time.perf_counter()
             method.checkpoint(s)
             call = time.perf_counter() - c0
@@ -465,7 +470,8 @@ def measure(tr: Trainer, m: Method, window: int, reps: int, log: Callable[[str],
     out = {
         "name": m.name, "note": m.note, "stall": robust, "stall_mean": statistics.mean(diffs),
         "stall_se": statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan"),
-        "call": statistics.mean(calls), "drain": med(drains), "cpu": med(cpu_ck) - med(cpu_base),
+        "call": statistics.mean(calls), "calls": calls, "entered": m.entered[-reps:], "syncs_ranks": m.syncs_ranks,
+        "drain": med(drains), "cpu": med(cpu_ck) - med(cpu_base),
         "blocked": statistics.mean(c + e for c, e in zip(calls, extra)),
         "step": med([x for b in base for x in b]), "size": statistics.median(m.sizes) if m.sizes else 0,
         "diffs": diffs, "spread": max(sum(b) for b in base) / max(1e-9, min(sum(b) for b in base)),

@@ -59,6 +59,7 @@ class SnapshotBuffer:
     _map: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8), repr=False)
     _mapped: int = 0
     _shrinking: threading.Thread | None = field(default=None, repr=False)
+    _shrink_to: int | None = field(default=None, repr=False)   # a shrink waiting for release_shrink()
     pinned: bool = False          # page-locked for asynchronous device-to-host copies
     _pin_failed: bool = field(default=False, repr=False)
 
@@ -70,7 +71,7 @@ class SnapshotBuffer:
     def header_path(self) -> str:
         return os.path.join(self.directory, f"buf{self.index}.json")
 
-    def ensure(self, nbytes: int, *, pin: bool = False) -> None:
+    def ensure(self, nbytes: int, *, pin: bool = False, defer_shrink: bool = False) -> None:
         """Make the buffer at least ``nbytes`` long (and page-locked with ``pin``).
 
         It grows when it must, and shrinks when it is more than twice what is needed: the
@@ -79,7 +80,10 @@ class SnapshotBuffer:
         shrunk buffer keeps 25% headroom so that snapshots of slightly different sizes do
         not resize it again. Shrinking truncates the file in a background thread (freeing
         a GB of tmpfs pages takes ~0.1-0.2 s) and keeps the mapping, so growing back up to
-        the mapped size is another truncate, not a new map.
+        the mapped size is another truncate, not a new map. While that truncate runs,
+        writes into the buffer's remaining pages are slow too (0.2 s for a few KB, measured
+        on a 1.3 GB buffer): ``defer_shrink`` leaves it to :meth:`release_shrink`, called
+        once the copies into the buffer are done.
         """
         if nbytes <= self.capacity <= max(2 * nbytes, SHRINK_MIN):
             return
@@ -95,11 +99,9 @@ class SnapshotBuffer:
                 self._mapped = capacity
         else:
             capacity = _pages(nbytes + nbytes // 4)
-            # Nothing touches the map past ``capacity`` from here on (the kernel drops
-            # those pages from it), so the truncate can run while the snapshot fills.
-            self._shrinking = threading.Thread(target=os.truncate, args=(self.path, capacity),
-                                               name="moc-buffer-shrink", daemon=True)
-            self._shrinking.start()
+            self._shrink_to = capacity
+            if not defer_shrink:
+                self.release_shrink()
         self.capacity = capacity
         self.data = self._map[:capacity]
         if pin and not self._pin_failed:
@@ -114,10 +116,22 @@ class SnapshotBuffer:
             host_unregister(self.data, where=f"snapshot buffer {self.path}")
             self.pinned = False
 
+    def release_shrink(self) -> None:
+        """Start the truncate of a shrink :meth:`ensure` deferred (a no-op otherwise)."""
+        if self._shrink_to is None or self._shrinking is not None:
+            return
+        # Nothing touches the map past the new capacity from here on (the kernel drops
+        # those pages from it), so the truncate can run while the buffer is read.
+        self._shrinking = threading.Thread(target=os.truncate, args=(self.path, self._shrink_to),
+                                           name="moc-buffer-shrink", daemon=True)
+        self._shrink_to = None
+        self._shrinking.start()
+
     def _settle(self) -> None:
         if self._shrinking is not None:
             self._shrinking.join()
             self._shrinking = None
+        self._shrink_to = None   # never started: the resize that follows sets the file's size
 
     def invalidate(self) -> None:
         """Withdraw the published snapshot before the bytes get overwritten."""
@@ -172,18 +186,22 @@ class BufferPool:
         done = [b for b in self.buffers if b.step is not None and b.state in (READY, PERSIST)]
         return max(done, key=lambda b: b.step) if done else None
 
-    def acquire(self) -> SnapshotBuffer:
-        """A buffer to fill: free, else the oldest complete one that is neither being
-        persisted nor the newest complete copy (that one is the RECOVERY copy)."""
+    def victim(self) -> SnapshotBuffer | None:
+        """The buffer :meth:`acquire` would fill now: free, else the oldest complete one
+        that is neither being persisted nor the newest complete copy (that one is the
+        RECOVERY copy); None when there is none."""
         newest = self.newest_complete()
         for b in self.buffers:
             if b.state == FREE:
-                break
-        else:
-            candidates = [x for x in self.buffers if x.state == READY and x is not newest]
-            if not candidates:
-                raise RuntimeError("no snapshot buffer available (more than one snapshot in flight)")
-            b = min(candidates, key=lambda x: x.step)
+                return b
+        candidates = [x for x in self.buffers if x.state == READY and x is not newest]
+        return min(candidates, key=lambda x: x.step) if candidates else None
+
+    def acquire(self) -> SnapshotBuffer:
+        """The buffer to fill (:meth:`victim`), its published snapshot withdrawn."""
+        b = self.victim()
+        if b is None:
+            raise RuntimeError("no snapshot buffer available (more than one snapshot in flight)")
         b.invalidate()
         b.state = SNAPSHOT
         return b

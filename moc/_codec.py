@@ -147,6 +147,9 @@ class TreePlan:
             out[pos - start:].zero_()
 
 
+_PLAIN = frozenset((int, str, bool, type(None)))   # leaves a skeleton holds as they are
+
+
 def plan_tree(tree: Any) -> TreePlan:
     """Lay out ``tree``; raise ``TypeError`` naming the path of any unsupported leaf."""
     tensors: list[TensorMeta] = []
@@ -177,10 +180,12 @@ def plan_tree(tree: Any) -> TreePlan:
                     raise TypeError(f"{path or '<root>'}: dict key {k!r} of type {type(k).__name__} is not supported")
                 items.append([k, walk(v, f"{path}[{k!r}]")])
             return {"@d": items}
-        if isinstance(node, tuple):
-            return {"@tuple": [walk(v, f"{path}[{i}]") for i, v in enumerate(node)]}
-        if isinstance(node, list):
-            return [walk(v, f"{path}[{i}]") for i, v in enumerate(node)]
+        if isinstance(node, (tuple, list)):
+            if all(type(v) in _PLAIN for v in node):   # e.g. Python's RNG state: 625 ints
+                items = list(node)
+            else:
+                items = [walk(v, f"{path}[{i}]") for i, v in enumerate(node)]
+            return {"@tuple": items} if isinstance(node, tuple) else items
         if isinstance(node, float) and not math.isfinite(node):
             return {"@f": repr(node)}
         if node is None or isinstance(node, (bool, int, float, str)):

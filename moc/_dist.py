@@ -61,6 +61,22 @@ class Comm:
         dist.all_gather(out, padded, group=group)
         return [json.loads(bytes(o[: int(s.item())].numpy()).decode()) for o, s in zip(out, sizes)]
 
+    def gather_bytes(self, payload: bytes, lengths: list[int]) -> list[bytes]:
+        """Every rank's ``payload`` in rank order (training-thread group), in ONE all-gather:
+        ``lengths`` (every rank's payload length, agreed beforehand) sizes the padding."""
+        if len(lengths) != self.world or lengths[self.rank] != len(payload):
+            raise ValueError(f"lengths must list {self.world} payload sizes with this rank's "
+                             f"({len(payload)}) at index {self.rank}, got {lengths}")
+        if not self.distributed:
+            return [payload]
+        longest = max(lengths)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        if payload:
+            padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world)]
+        dist.all_gather(out, padded, group=self.group)
+        return [bytes(o[:n].numpy()) for o, n in zip(out, lengths)]
+
     def broadcast_json(self, value: Any, src: int = 0, *, persist: bool = False) -> Any:
         if not self.distributed:
             return value

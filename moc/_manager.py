@@ -12,6 +12,11 @@ Per checkpoint (every ``interval`` steps, called right after ``optimizer.step()`
 4. persist: another background thread writes the buffer to storage, the ranks exchange
    chunk records, rank 0 commits the manifest. Storage errors are retried, reported in
    :meth:`status` and never raised into training.
+
+What the ranks must decide alike at a checkpoint (SIGTERM, failures, routing counts, K,
+which snapshot to persist, unit sizes) is settled in one round, one collective in steady
+state (:mod:`moc._coordination`); unit serialisation plans are cached across checkpoints
+(:mod:`moc._plan_cache`), so the rest of ``step()`` is local and short.
 """
 
 from __future__ import annotations
@@ -34,10 +39,13 @@ from storage_backends import open_store
 
 from ._buffers import BufferPool
 from ._ckpt_store import CheckpointStore
+from ._codec import plan_tree
 from ._config import MoCConfig
+from ._coordination import Agreement, Ballot, Coordinator
 from ._dist import Comm
 from ._errors import CheckpointError
 from ._persister import Persister
+from ._plan_cache import UnitPlans
 from ._plt import PLTTracker
 from ._policy import CheckpointPolicy
 from ._recovery import Recovery
@@ -122,6 +130,8 @@ class CheckpointManager:
         if self.rank == 0:
             log.info("rank %d step -: expert layout %s", self.rank, self.inventory.info["description"])
         self.policy = CheckpointPolicy(cfg, num_experts=self.inventory.num_experts, run=self.run, comm=self.comm)
+        self.plans = UnitPlans(model, optimizer, layout)
+        self.coordinator = Coordinator(self.comm, self.policy.routing_len)
 
         store = CheckpointStore(open_store(cfg.storage, **cfg.storage_options),
                                 compression=cfg.compression, keep_last=cfg.keep_last)
@@ -250,44 +260,85 @@ class CheckpointManager:
         self.policy.observe_step()
         self.run.last_step = step
         due = self.policy.due(step)
-        decision = self.policy.decision_point(step)
-        if due or decision:
-            # Decision points are the same steps on every rank, so collectives line up.
-            if self.comm.any_true(self._sigterm):
-                self._flush_and_exit()
+        if not (due or self.policy.decision_point(step)):
+            return
+        # Checkpoints and decision points are the same steps on every rank, so the rounds
+        # (one collective each in steady state) line up.
+        t0 = time.perf_counter()
         if due:
-            t0 = time.perf_counter()
-            self._checkpoint(step)
-            self._step_call_last = time.perf_counter() - t0
-            self._step_call_total += self._step_call_last
-            self.policy.save_overhead = self._step_call_last + self.engine.stall_last
-            self.policy.tune(self.engine.seconds)
-        elif decision:
-            self.persister.maybe_persist("retry")
+            self.engine.wait()
+        plans, extra, error = self._plan_units(step) if due else (None, None, None)
+        agreed = self._agree(step, due, plans, extra, error)
+        if agreed.sigterm:
+            self._flush_and_exit()
+        self.persister.settle(agreed.finished_seq, self.cfg.persist_timeout.total_seconds())
+        self.policy.adopt(agreed.k_snapshot, agreed.interval)
+        if not due:
+            retry = agreed.persist_step(False, step)
+            if retry is not None:
+                self.persister.start(retry)
+            return
+        if agreed.broken:
+            if error is not None:
+                raise error
+            raise CheckpointError(f"{self.run.where()}: another rank could not plan its units (see its log)")
+        if agreed.failed:
+            raise self.engine.failure_error(self.persister.last_persisted_step)
+        self._checkpoint(step, agreed, plans, extra)
+        self._step_call_last = time.perf_counter() - t0
+        self._step_call_total += self._step_call_last
+        self.policy.save_overhead = self._step_call_last + self.engine.stall_last
+        self.policy.tune(self.engine.seconds)
 
-    def _checkpoint(self, step: int) -> None:
-        self.engine.wait()
-        self.engine.check_failures(self.persister.last_persisted_step)
-        self._sync_routing()
+    def _plan_units(self, step: int) -> tuple[Any, Any, BaseException | None]:
+        """Every unit's serialisation plan (cached while its tensors are unchanged) and the
+        extra unit's; an error is reported in the round, so all ranks raise together."""
+        try:
+            plans = self.plans.refresh()
+            extra = plan_tree(self._extra_tree(step))
+        except Exception as exc:  # noqa: BLE001 - raised after the round, on every rank
+            log.error("%s: planning the checkpoint failed: %s", self.run.where(), exc)
+            return None, None, exc
+        return plans, extra, None
+
+    def _agree(self, step: int, due: bool, plans: Any, extra: Any, error: BaseException | None) -> Agreement:
+        """This step's round: what every rank must decide alike (see :mod:`moc._coordination`)."""
+        proposal = self.policy.take_proposal()
+        ballot = Ballot(sigterm=self._sigterm, persist_busy=self.persister.busy,
+                        retry_step=self.persister.retry_candidate(before_snapshot=due),
+                        finished_seq=self.persister.finished_seq,
+                        k_snapshot=proposal.get("k_snapshot"), interval=proposal.get("interval"))
+        if due:
+            ballot.failed = self.engine.failing()
+            ballot.broken = error is not None
+            ballot.routing = self.policy.take_routing(self._taps.drain)
+            if error is None:
+                ballot.sizes = self.coordinator.changed_sizes({**plans, f"extra/rank{self.rank}": extra})
+        return self.coordinator.agree(ballot)
+
+    def _checkpoint(self, step: int, agreed: Agreement, plans: Any, extra: Any) -> None:
+        self.policy.fold_routing(agreed.routing)
         # Until one checkpoint holding every unit is committed, save (and persist) every
         # expert; afterwards every persist_every-th snapshot also goes to storage.
         designated = self.policy.designated()
         selection = self.policy.select(not self.run.has_base, designated)
-        plan = plan_snapshot(self.cfg, self.inventory, self.comm, step=step, selection=selection, model=self.model,
-                             optimizer=self.optimizer, extra_tree=self._extra_tree(step))
+        plan = plan_snapshot(self.cfg, self.inventory, rank=self.rank, world=self.world, step=step,
+                             selection=selection, plans=plans, extra=extra, sizes=self.coordinator.sizes)
         meta = self._meta()
         plt_state = self.policy.mark_snapshot(selection, designated)
         header = {"run": self.run.run_id, "rank": self.rank, "world": self.world, "step": step,
                   "plt": plt_state, "meta": meta, "persist_due": designated,
                   "selection": {l: list(v[1]) for l, v in selection.items()}}
+        persist = agreed.persist_step(designated, step)
         snapshot = self.engine.start(plan, header)
         self.run.first_done = True
-        self.persister.maybe_persist("new" if designated else "retry", snapshot)
+        if persist is not None:
+            self.persister.start(persist, snapshot if designated else None)
 
     def _extra_tree(self, step: int) -> dict[str, Any]:
         extra: dict[str, Any] = {"step": step, "rng": capture_rng(), "rank": self.rank, "world": self.world}
         if self.optimizer is not None:
-            extra["optimizer_groups"] = optimizer_groups(self.model, self.optimizer)
+            extra["optimizer_groups"] = optimizer_groups(self.model, self.optimizer, params=self.plans.params or None)
         if self.extra_state:
             extra["user"] = {name: obj.state_dict() for name, obj in self.extra_state.items()}
         return {"extra": extra}
@@ -310,7 +361,11 @@ class CheckpointManager:
         Collective: every rank of the process group must call it.
         """
         self.engine.wait()
-        next_step, manifest = self.recovery.restore()
+        self.persister.drain(self.cfg.persist_timeout.total_seconds())
+        try:
+            next_step, manifest = self.recovery.restore()
+        finally:
+            self.plans.invalidate()   # the model and optimizer state were written into
         if next_step:
             self.persister.base = manifest if self.rank == 0 else None
         return next_step
@@ -327,8 +382,12 @@ class CheckpointManager:
         keeps its current values).
         """
         self.engine.wait()
+        self.persister.drain(self.cfg.persist_timeout.total_seconds())
         self._sync_routing()
-        return self.recovery.restore_units(names)
+        try:
+            return self.recovery.restore_units(names)
+        finally:
+            self.plans.invalidate()
 
     # -- reconfiguration -----------------------------------------------------------------
     def _export_state(self) -> dict[str, Any]:
@@ -368,6 +427,7 @@ class CheckpointManager:
             self.run.abandoned = True
         self.engine.abandon(grace)
         self.persister.abandon(grace)
+        self.persister.apply_outcomes()   # the successor continues from every commit seen here
         self.engine.retire_buffers()
         state = self._export_state()
         self._closed = True
@@ -385,10 +445,15 @@ class CheckpointManager:
         form is local to this rank; the flushing form is collective under
         torch.distributed (every rank decides the flush together)."""
         self.engine.wait()
-        if not flush:
-            self.persister.wait_in_flight(self.cfg.persist_timeout.total_seconds())
-            return
-        self.persister.flush(time.monotonic() + self.cfg.persist_timeout.total_seconds())
+        try:
+            if not flush:
+                self.persister.wait_in_flight(self.cfg.persist_timeout.total_seconds())
+                return
+            self.persister.flush(time.monotonic() + self.cfg.persist_timeout.total_seconds())
+        finally:
+            # Local, and still deterministic: a rank's next round makes every other rank
+            # catch up with the jobs it has booked (Persister.settle).
+            self.persister.apply_outcomes()
 
     def _on_sigterm(self, signum, frame) -> None:
         self._sigterm = True

@@ -54,14 +54,46 @@ class Persister:
         self.base: Manifest | None = None          # newest committed manifest (rank 0)
         self.last_persisted_step: int | None = None
         self.failures = 0
+        # Jobs are numbered in start order, the same on every rank (starts are collective
+        # decisions). What a commit changes in the decisions of later checkpoints (has_base,
+        # the persist level of PLT) is applied by the training thread at a point where
+        # every rank applies the same jobs (:meth:`settle`), never from the persist thread.
+        self.started_seq = 0
+        self.finished_seq = 0
+        self._outcomes: list[tuple[int, dict[str, list[int]], dict[str, list[int]]]] = []
 
     @property
     def busy(self) -> bool:
         return self.in_flight is not None and not self.in_flight.done()
 
+    def retry_candidate(self, mode: str = "retry", *, before_snapshot: bool = False) -> int | None:
+        """The complete snapshot this rank would persist now (local; the ranks agree on it
+        in a round): ``retry``: the newest one that was due for storage but is not there
+        yet; ``flush``: the newest one, due or not. ``before_snapshot``: a snapshot starts
+        before the persist does, so the buffer it will fill is no candidate."""
+        with self.run.lock:
+            refill = self.pool.victim() if before_snapshot else None
+            done = [b for b in self.pool.buffers if b.step is not None and b.state in (READY, PERSIST)
+                    and b is not refill]
+            if mode == "retry":
+                done = [b for b in done if b.header.get("persist_due")]
+            newest = max(done, key=lambda b: b.step) if done else None
+            # Never commit a step older than one already committed: manifests only move forward.
+            behind = newest is not None and self.last_persisted_step is not None \
+                and newest.step <= self.last_persisted_step
+            return None if newest is None or newest.persisted or behind else newest.step
+
+    def start(self, step: int, snapshot: Future | None = None) -> None:
+        """Persist the snapshot of ``step`` in the background (every rank starts the same
+        steps in the same order: the caller took the decision with the others).
+        ``snapshot``: the snapshot still being taken, else a complete buffer of ``step``."""
+        self.reap()
+        self.started_seq += 1
+        self.in_flight = self._exec.submit(self._job, snapshot, step, self.started_seq)
+
     def maybe_persist(self, mode: str, snapshot: Future | None = None) -> None:
-        """Start a persist if every rank is idle; a collective decision, so all ranks
-        persist the same steps in the same order.
+        """Start a persist if every rank is idle and agrees on the snapshot (collective:
+        two rounds here; checkpoints take this decision inside their one round instead).
 
         ``new``: the snapshot just started (``snapshot``, due for storage); ``retry``: the
         newest complete snapshot that was due but is not in storage yet; ``flush``: the
@@ -70,22 +102,11 @@ class Persister:
         if self.comm.any_true(self.busy):
             return
         self.reap()
-        if mode == "new":
-            candidate: int | None = self.run.last_step
-        else:
-            with self.run.lock:
-                done = [b for b in self.pool.buffers if b.step is not None and b.state in (READY, PERSIST)]
-                if mode == "retry":
-                    done = [b for b in done if b.header.get("persist_due")]
-                newest = max(done, key=lambda b: b.step) if done else None
-            # Never commit a step older than one already committed: manifests only move forward.
-            behind = newest is not None and self.last_persisted_step is not None \
-                and newest.step <= self.last_persisted_step
-            candidate = None if newest is None or newest.persisted or behind else newest.step
+        candidate = self.run.last_step if mode == "new" else self.retry_candidate(mode)
         steps = self.comm.gather_json(candidate)
         if any(s is None for s in steps) or len(set(steps)) != 1:
             return
-        self.in_flight = self._exec.submit(self._job, snapshot if mode == "new" else None, candidate)
+        self.start(candidate, snapshot if mode == "new" else None)
 
     def reap(self) -> None:
         fut = self.in_flight
@@ -95,7 +116,54 @@ class Persister:
             if exc is not None:
                 self.run.last_error = f"persist failed: {exc}"
 
-    def _job(self, snap: Future | None, step: int) -> bool:
+    def drain(self, timeout: float) -> None:
+        """Wait for the job in flight (its errors are reported, not raised) and apply every
+        finished job (the caller is at a point every rank reaches with no job running)."""
+        fut = self.in_flight
+        if fut is not None:
+            try:
+                fut.result(timeout=timeout)
+            except FuturesTimeout:
+                log.error("%s: persist job still running after %.0f s", self.run.where(), timeout)
+            except Exception:  # noqa: BLE001 - reported by reap()
+                pass
+            self.reap()
+        self.apply_outcomes()
+
+    def settle(self, seq: int, timeout: float) -> None:
+        """Apply the outcomes of persist jobs up to number ``seq`` (the newest job any rank
+        has finished, agreed in a round): this rank's own job ``seq`` is past its last
+        collective then and finishes at once, so wait for it first. Every rank calls this
+        with the same ``seq``, so has_base and the PLT persist marks change at the same
+        point everywhere, whatever moment each rank's persist thread finished at."""
+        if self.finished_seq < seq and self.in_flight is not None:
+            try:
+                self.in_flight.result(timeout=timeout)
+            except FuturesTimeout:
+                log.error("%s: persist job %d finished on another rank but not here within %.0f s",
+                          self.run.where(), seq, timeout)
+            except Exception:  # noqa: BLE001 - reported by reap()
+                pass
+            self.reap()
+        self.apply_outcomes(seq)
+
+    def apply_outcomes(self, upto: int | None = None) -> None:
+        """Book committed jobs numbered <= ``upto`` (default: all finished here)."""
+        upto = self.finished_seq if upto is None else upto
+        with self.run.lock:
+            while self._outcomes and self._outcomes[0][0] <= upto:
+                _, selection, cum = self._outcomes.pop(0)
+                self.run.has_base = True
+                self.policy.mark_persisted(selection, cum)
+
+    def _job(self, snap: Future | None, step: int, seq: int) -> bool:
+        try:
+            return self._persist(snap, step, seq)
+        finally:
+            with self.run.lock:
+                self.finished_seq = max(self.finished_seq, seq)
+
+    def _persist(self, snap: Future | None, step: int, seq: int) -> bool:
         buf = None
         if snap is not None:
             try:
@@ -136,9 +204,8 @@ class Persister:
                 buf.state = READY
             if outcome["committed"]:
                 buf.persisted = True
-                self.run.has_base = True
                 self.last_persisted_step = step
-                self.policy.mark_persisted(buf.header["selection"], buf.header["plt"]["cum"])
+                self._outcomes.append((seq, buf.header["selection"], buf.header["plt"]["cum"]))
             else:
                 self.failures += 1
                 self.run.last_error = outcome["error"]

@@ -1,8 +1,9 @@
 """What each checkpoint saves and how often: expert selection, K per level, the interval,
 and the proportion of lost tokens (PLT) that partial checkpoints cost.
 
-Owned by :class:`moc.CheckpointManager`; decisions that must agree across ranks
-(``tune``) go through the manager's :class:`~moc._dist.Comm`.
+Owned by :class:`moc.CheckpointManager`. Decisions that must agree across ranks (routing
+sums, rank 0's tuning proposals) travel in the manager's rounds (:mod:`moc._coordination`);
+everything else here is a deterministic function of what the ranks agreed on.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class CheckpointPolicy:
         self.recoveries = 0
         self.save_overhead: float | None = None   # blocking part of the newest checkpoint
         self._step_times: list[float] = []
+        self._proposal: dict[str, int] = {}
         self._last_step_wall: float | None = None
         self._started = time.time()
 
@@ -92,16 +94,29 @@ class CheckpointPolicy:
         else:
             self._pending[layer] += t
 
-    def sync_routing(self, drain: Callable[[Callable[..., None]], None] | None = None) -> None:
-        """Fold the pending per-rank routing counts into the global PLT counters
-        (collective). ``drain`` first hands over counts gathered elsewhere (router taps)."""
+    @property
+    def routing_len(self) -> int:
+        """Length of the flat routing-count vector (every layer's experts, in layer order)."""
+        return sum(t.numel() for t in self._pending.values())
+
+    def take_routing(self, drain: Callable[[Callable[..., None]], None] | None = None) -> torch.Tensor:
+        """This rank's pending routing counts, flat in layer order, and zero them
+        (``drain`` first hands over counts gathered elsewhere: router taps)."""
         if drain is not None:
             drain(self.record_routing)
-        layers = list(self._pending)
-        flat = torch.cat([self._pending[l] for l in layers])
-        self.comm.sum_int64(flat)
-        flat += torch.cat([self._pending_global[l] for l in layers])
+        flat = torch.cat([self._pending[l] for l in self._pending])
+        if self.run.rank == 0:
+            # Counted once over the job: only rank 0 brings them to the sum over ranks.
+            flat += torch.cat([self._pending_global[l] for l in self._pending])
+        for l in self._pending:
+            self._pending[l].zero_()
+            self._pending_global[l].zero_()
+        return flat
+
+    def fold_routing(self, flat: torch.Tensor) -> None:
+        """Book routing counts summed over ranks (a :meth:`take_routing` vector) into PLT."""
         pos = 0
+        layers = list(self._pending)
         with self.run.lock:
             for l in layers:
                 n = self._pending[l].numel()
@@ -109,9 +124,6 @@ class CheckpointPolicy:
                 pos += n
             first = flat[: self._pending[layers[0]].numel()]
             self.tracker.add_tokens(int(first.sum()) // self.cfg.top_k)
-        for l in layers:
-            self._pending[l].zero_()
-            self._pending_global[l].zero_()
 
     def pending_state(self) -> dict[str, dict[str, list[int]]]:
         """Routing counts not yet synced, for the manager that replaces this one."""
@@ -136,6 +148,13 @@ class CheckpointPolicy:
             v = (given[0].get("global") or {}).get(layer)
             if isinstance(v, list) and len(v) == row.numel():
                 self._pending_global[layer] += torch.tensor(v, dtype=torch.int64)
+
+    def sync_routing(self, drain: Callable[[Callable[..., None]], None] | None = None) -> None:
+        """Fold the pending per-rank routing counts into the global PLT counters
+        (collective: one all-reduce; checkpoints carry the counts in their round instead)."""
+        flat = self.take_routing(drain)
+        self.comm.sum_int64(flat)
+        self.fold_routing(flat)
 
     # -- when ------------------------------------------------------------------------------
     def observe_step(self) -> None:
@@ -204,17 +223,30 @@ class CheckpointPolicy:
 
     # -- how many, how often ---------------------------------------------------------------
     def tune(self, snapshot_seconds: float | None) -> None:
-        """``k_snapshot="auto"`` and ``interval="auto"``: decided by rank 0, broadcast."""
+        """``k_snapshot="auto"`` and ``interval="auto"``: this rank's proposals, from its
+        step times and copy time; rank 0's are adopted by every rank at the next round
+        (:meth:`take_proposal`, :meth:`adopt`), so there is no collective here."""
         step_time = sorted(self._step_times)[len(self._step_times) // 2] if self._step_times else None
         if self.cfg.k_snapshot == "auto" and step_time and snapshot_seconds:
             # Largest K whose copy fits in one forward+backward (copy time ~ linear in K).
             per_expert = snapshot_seconds / max(1, self._snapshotted_experts())
             e_min = min(self.num_experts.values())
             fit = int(step_time / max(per_expert * len(self.num_experts), 1e-9))
-            k = max(self.k_persist, min(e_min, fit))
-            self.k_snapshot = max(int(self.comm.broadcast_json(k)), 1)
+            self._proposal["k_snapshot"] = max(self.k_persist, min(e_min, fit), 1)
         if self.cfg.interval == "auto" and step_time and self.save_overhead is not None:
-            self.interval = int(self.comm.broadcast_json(self.young_daly_interval(step_time)))
+            self._proposal["interval"] = self.young_daly_interval(step_time)
+
+    def take_proposal(self) -> dict[str, int]:
+        """The proposals of the newest :meth:`tune` (each is sent once)."""
+        out, self._proposal = self._proposal, {}
+        return out
+
+    def adopt(self, k_snapshot: int | None, interval: int | None) -> None:
+        """Rank 0's proposals, agreed in a round."""
+        if k_snapshot is not None:
+            self.k_snapshot = max(int(k_snapshot), 1)
+        if interval is not None:
+            self.interval = int(interval)
 
     def _snapshotted_experts(self) -> int:
         return sum(min(self.k_snapshot, n) for n in self.num_experts.values()) if self.checkpoints > 1 else \

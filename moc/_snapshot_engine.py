@@ -13,6 +13,7 @@ waits for that event, then checksums and publishes. Failures are counted;
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -76,7 +77,7 @@ class SnapshotEngine:
         self.collect_device_stall()
         self.copier = copier_for((src for e in plan.entries for src in e[1].sources), self.copier)
         buf = self.pool.acquire()
-        buf.ensure(plan.nbytes(self.run.rank), pin=self.copier.pins_buffers)
+        buf.ensure(plan.nbytes(self.run.rank), pin=self.copier.pins_buffers, defer_shrink=True)
         offset = 0
         placed = []
         for entry in plan.entries:
@@ -122,7 +123,16 @@ class SnapshotEngine:
     def _fill(self, buf: SnapshotBuffer, placed, plan: SnapshotPlan, header: dict[str, Any],
               landing, batch: CudaCopyBatch | None = None, issued: bool = False) -> SnapshotBuffer:
         """Background: copy this rank's share into the buffer (or wait for the device to
-        have copied it), send/receive the remote copies, checksum everything, publish."""
+        have copied it), send/receive the remote copies, checksum everything, publish;
+        then let a shrink of the buffer free its pages (deferred so far, see
+        :meth:`SnapshotBuffer.ensure`: it would slow these copies and step()'s)."""
+        try:
+            return self._fill_now(buf, placed, plan, header, landing, batch, issued)
+        finally:
+            buf.release_shrink()
+
+    def _fill_now(self, buf: SnapshotBuffer, placed, plan: SnapshotPlan, header: dict[str, Any],
+                  landing, batch: CudaCopyBatch | None, issued: bool) -> SnapshotBuffer:
         t0 = time.perf_counter()
         if issued:
             batch.synchronize()
@@ -141,8 +151,9 @@ class SnapshotEngine:
                            "persist": owner and (name in plan.persist_units or units[name]["kind"] == "extra")})
         if plan.remote:
             try:
-                pieces += self._exchange_copies(buf, plan.remote, landing, where)
-                units.update(plan.remote_meta)
+                received, meta = self._exchange_copies(buf, plan.remote, landing, where, units)
+                pieces += received
+                units.update(meta)
             except Exception as exc:  # noqa: BLE001 - the local part of the snapshot stays valid
                 self.run.last_error = f"remote snapshot copies failed: {exc}"
                 log.warning("rank %d step %d: remote snapshot copies failed: %s", self.run.rank, header["step"], exc)
@@ -158,20 +169,37 @@ class SnapshotEngine:
         self.seconds = time.perf_counter() - t0
         return buf
 
-    def _exchange_copies(self, buf: SnapshotBuffer, remote, landing, where) -> list[dict[str, Any]]:
+    def _exchange_copies(self, buf: SnapshotBuffer, remote, landing, where,
+                         described: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """Send the shares this rank owns to their remote copy holders and land the
-        copies it holds for others, with one all-to-all on the snapshot thread's group."""
+        copies it holds for others, on the snapshot thread's group: one all-to-all of the
+        lengths of the unit descriptions each rank sends each other rank (receivers hold
+        no replica, so the senders describe what they send), then one of the bytes, each
+        destination's shares followed by their descriptions (JSON)."""
         rank, world = self.run.rank, self.comm.world
         send_parts, send_splits, recv_splits = [], [0] * world, [0] * world
+        to_describe: list[dict[str, Any]] = [{} for _ in range(world)]
         for unit, start, end, src, dst in remote:   # one global order on every rank
             if src == rank:
                 off = where[(unit, start)]
                 send_parts.append((dst, buf.data[off: off + end - start]))
                 send_splits[dst] += end - start
+                to_describe[dst][unit] = described[unit]
             if dst == rank:
                 recv_splits[src] += end - start
+        blobs = [json.dumps(d, separators=(",", ":")).encode() if d else b"" for d in to_describe]
+        lengths = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
+        meta_lengths = self.comm.exchange(lengths.view(torch.uint8), [8] * world, [8] * world, snapshot=True)
+        meta_lengths = meta_lengths.view(torch.int64).tolist()
+        for dst, b in enumerate(blobs):
+            if b:
+                send_parts.append((dst, torch.frombuffer(bytearray(b), dtype=torch.uint8)))
+                send_splits[dst] += len(b)
+        for src in range(world):
+            recv_splits[src] += meta_lengths[src]
         # all_to_all_single wants the send buffer grouped by destination rank; a stable
-        # sort keeps the global order within each destination, which is how it lands.
+        # sort keeps the global order within each destination (shares, then the
+        # description), which is how it lands.
         send_parts.sort(key=lambda x: x[0])
         send = torch.cat([t for _, t in send_parts]) if send_parts else torch.empty(0, dtype=torch.uint8)
         received = self.comm.exchange(send, send_splits, recv_splits, snapshot=True)
@@ -189,7 +217,16 @@ class SnapshotEngine:
                 starts[src] += n
                 pieces.append({"unit": unit, "start": start, "end": end, "offset": off,
                                "checksum": "xxh3:" + xxhash.xxh3_64_hexdigest(buf.view(off, n)), "persist": False})
-        return pieces
+        meta: dict[str, Any] = {}
+        for src in range(world):
+            n = meta_lengths[src]
+            if n:
+                meta.update(json.loads(bytes(received[starts[src]: starts[src] + n].cpu().numpy()).decode()))
+        wanted = {r[0] for r, _ in landing}
+        missing = sorted(wanted - set(meta))
+        if missing:
+            raise RuntimeError(f"remote copies of {missing[:4]} arrived without their descriptions")
+        return pieces, {u: m for u, m in meta.items() if u in wanted}
 
     # -- waiting ---------------------------------------------------------------------------
     def wait(self) -> bool:
@@ -250,17 +287,21 @@ class SnapshotEngine:
         self._stall_batch = None
         self._book_stall(seconds)
 
-    def check_failures(self, last_persisted_step: int | None) -> None:
-        """Raise :class:`CheckpointError` on every rank once any rank's snapshots failed
-        ``max_consecutive_failures`` times in a row (a collective decision)."""
+    def failing(self) -> bool:
+        """``max_consecutive_failures`` snapshots in a row failed on this rank."""
+        return self.consecutive_failures >= self.cfg.max_consecutive_failures
+
+    def failure_error(self, last_persisted_step: int | None) -> CheckpointError:
+        """What every rank raises once any rank is :meth:`failing` (a decision the ranks
+        take together, see :mod:`moc._coordination`)."""
         limit = self.cfg.max_consecutive_failures
-        if self.comm.any_true(self.consecutive_failures >= limit):
-            cause = self.last_exception
-            where = f"rank {self.run.rank}" if cause is not None else "another rank"
-            raise CheckpointError(
-                f"{self.run.where()}: {limit} snapshots in a row failed on {where}; nothing newer than step "
-                f"{last_persisted_step} is protected. Last error: {self.run.last_error}"
-            ) from cause
+        cause = self.last_exception if self.failing() else None
+        where = f"rank {self.run.rank}" if cause is not None else "another rank"
+        err = CheckpointError(
+            f"{self.run.where()}: {limit} snapshots in a row failed on {where}; nothing newer than step "
+            f"{last_persisted_step} is protected. Last error: {self.run.last_error}")
+        err.__cause__ = cause
+        return err
 
     # -- reading back ----------------------------------------------------------------------
     def newest_state(self) -> tuple[int, dict[str, Any]] | None:

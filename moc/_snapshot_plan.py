@@ -2,7 +2,10 @@
 plan of shares (which byte ranges of which units this rank copies, persists, and sends to
 another rank's memory).
 
-Pure planning over the layout and collectives of metadata; no tensor bytes move here.
+The inventory is gathered once, collectively. A checkpoint's plan is then pure: it is
+computed from what every rank agreed on (the selection and every rank's published unit
+sizes, see :mod:`moc._coordination`), so the ranks plan without talking. No tensor bytes
+move here.
 """
 
 from __future__ import annotations
@@ -13,15 +16,15 @@ from typing import Any, Mapping
 
 import torch
 
-from ._codec import TreePlan, plan_tree
+from ._codec import TreePlan
 from ._config import MoCConfig
 from ._dist import Comm
 from ._layouts import UnitLayout, UnitSpec
 from ._policy import Selection
 from ._sharding import plan_shares
-from ._units import capture_unit, expert_unit_name, parse_expert, unit_base
+from ._units import expert_unit_name, parse_expert, unit_base
 
-__all__ = ["Inventory", "SnapshotPlan", "copy_targets", "plan_snapshot", "unit_meta"]
+__all__ = ["Inventory", "PublishedSizes", "SnapshotPlan", "copy_targets", "plan_snapshot", "unit_meta"]
 
 log = logging.getLogger("moc")
 
@@ -106,7 +109,6 @@ class SnapshotPlan:
     sync_entries: set[str]       # copied in step(), before the next forward can change them
     persist_units: set[str]      # units that go to storage if this snapshot is persisted
     remote: list[Remote]         # every remote copy of the job, in one global order
-    remote_meta: dict[str, Any]  # descriptions of the units this rank receives copies of
 
     def incoming(self, rank: int) -> list[Remote]:
         return [r for r in self.remote if r[4] == rank]
@@ -149,32 +151,66 @@ def copy_targets(holders: list[int], owner: int, world: int, count: int, nodes: 
     return picked
 
 
-def plan_snapshot(cfg: MoCConfig, inventory: Inventory, comm: Comm, *, step: int, selection: Selection,
-                  model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                  extra_tree: dict[str, Any]) -> SnapshotPlan:
-    """This rank's share of the checkpoint of ``step`` (collective: sizes and remote
-    copies' descriptions are exchanged)."""
-    rank, world, layout = comm.rank, comm.world, inventory.layout
-    state = model.state_dict(keep_vars=True)
-    params = dict(model.named_parameters())
-    plans: dict[str, tuple[TreePlan, UnitSpec | None]] = {}
-    for layer, (snap, _) in selection.items():
-        for e in snap:
+class PublishedSizes:
+    """Every rank's unit sizes (unit name -> bytes as that rank serialises it), as
+    published in the rounds, and the merged view planning reads (rebuilt only when a rank
+    publishes new sizes, which in steady state it does not)."""
+
+    def __init__(self, world: int) -> None:
+        self.tables: list[dict[str, int]] = [{} for _ in range(world)]
+        self._merged: tuple[dict[str, int], set[str], dict[tuple[str, int], list[str]], list[str]] | None = None
+
+    def update(self, rank: int, sizes: Mapping[str, int]) -> None:
+        self.tables[rank].update(sizes)
+        self._merged = None
+
+    def merged(self) -> tuple[dict[str, int], set[str], dict[tuple[str, int], list[str]], list[str]]:
+        """(size of each unit, units whose holders disagree on it, expert (layer, e) -> its
+        unit names, the other units' names)."""
+        if self._merged is None:
+            size_of: dict[str, int] = {}
+            disagree: set[str] = set()
+            experts: dict[tuple[str, int], list[str]] = {}
+            others: list[str] = []
+            for table in self.tables:
+                for n, nb in table.items():
+                    if n not in size_of:
+                        if n.startswith("expert/"):
+                            experts.setdefault(parse_expert(n), []).append(n)
+                        else:
+                            others.append(n)
+                    elif size_of[n] != nb:
+                        disagree.add(n)
+                    size_of[n] = nb
+            self._merged = (size_of, disagree, experts, others)
+        return self._merged
+
+
+def plan_snapshot(cfg: MoCConfig, inventory: Inventory, *, rank: int, world: int, step: int, selection: Selection,
+                  plans: Mapping[str, TreePlan], extra: TreePlan, sizes: PublishedSizes) -> SnapshotPlan:
+    """This rank's share of the checkpoint of ``step``: a pure function of what every rank
+    agrees on (the selection, every rank's published unit ``sizes``) and this rank's own
+    unit ``plans`` and ``extra`` plan, so the ranks plan without talking."""
+    layout = inventory.layout
+    mine: dict[str, tuple[TreePlan, UnitSpec | None]] = {}
+    for layer, (chosen, _) in selection.items():
+        for e in chosen:
             spec = layout.expert_unit(layer, e)
             if spec is not None:
-                plans[spec.name] = (plan_tree(capture_unit(spec, model, optimizer, state=state, params=params)), spec)
+                mine[spec.name] = (plans[spec.name], spec)
     for spec in layout.modules():
-        plans[spec.name] = (plan_tree(capture_unit(spec, model, optimizer, state=state, params=params)), spec)
+        mine[spec.name] = (plans[spec.name], spec)
     extra_name = f"extra/rank{rank}"
-    plans[extra_name] = (plan_tree(extra_tree), None)
-    sizes = comm.gather_json({n: p.nbytes for n, (p, _) in plans.items()})
-    size_of: dict[str, int] = {}
-    disagree: set[str] = set()
-    for d in sizes:
-        for n, nb in d.items():
-            if n in size_of and size_of[n] != nb:
-                disagree.add(n)
-            size_of[n] = nb
+    mine[extra_name] = (extra, None)
+    missing = [n for n, (p, _) in mine.items() if sizes.tables[rank].get(n) != p.nbytes]
+    if missing:
+        raise RuntimeError(f"rank {rank} step {step}: units {missing[:4]} are planned with sizes this rank has "
+                           "not published")
+
+    all_sizes, all_disagree, by_expert, others = sizes.merged()
+    names = [n for layer, (chosen, _) in selection.items() for e in chosen for n in by_expert.get((layer, e), ())]
+    size_of = {n: all_sizes[n] for n in names + others}
+    disagree = all_disagree & set(size_of)
     if disagree:
         # Replicas of one unit must serialise identically, or split shares would not
         # tile it; keep such units whole on their first holder.
@@ -198,27 +234,18 @@ def plan_snapshot(cfg: MoCConfig, inventory: Inventory, comm: Comm, *, step: int
         # all its holders are), while a copy on another node survives them. Co-holders
         # (copied from their own replica, no network) fill up when there are not enough
         # other nodes.
-        extra = cfg.snapshot_copies - 1
-        others = copy_targets(unit_holders, sh.rank, world, extra, inventory.nodes, copy_load)
+        extra_copies = cfg.snapshot_copies - 1
+        others = copy_targets(unit_holders, sh.rank, world, extra_copies, inventory.nodes, copy_load)
         for r in others:
             copy_load[r] += sh.end - sh.start
             remote.append((sh.unit, sh.start, sh.end, sh.rank, r))
         i = unit_holders.index(sh.rank)
         copies = {unit_holders[(i + j) % len(unit_holders)]
-                  for j in range(min(1 + extra - len(others), len(unit_holders)))}
+                  for j in range(min(1 + extra_copies - len(others), len(unit_holders)))}
         if rank not in copies:
             continue
-        plan, spec = plans[sh.unit]
+        plan, spec = mine[sh.unit]
         entries.append((sh.unit, plan, sh.start, sh.end, spec, sh.rank == rank))
         if sh.unit in inventory.units_with_buffers:
             sync_entries.add(sh.unit)
-    remote_meta: dict[str, Any] = {}
-    if remote:
-        # Receivers hold no replica, so the senders describe the units they send.
-        mine = {u for (u, _, _, src, _) in remote if src == rank}
-        described = comm.gather_json({u: unit_meta(*plans[u]) for u in sorted(mine)})
-        wanted = {u for (u, _, _, _, dst) in remote if dst == rank}
-        for d in described:
-            remote_meta.update({u: m for u, m in d.items() if u in wanted})
-    return SnapshotPlan(entries=entries, sync_entries=sync_entries, persist_units=persist_units, remote=remote,
-                        remote_meta=remote_meta)
+    return SnapshotPlan(entries=entries, sync_entries=sync_entries, persist_units=persist_units, remote=remote)

@@ -51,9 +51,11 @@ def _param_names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
 
-def optimizer_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Hyper-parameters of each param group, with parameters named instead of numbered."""
-    names = _param_names(model)
+def optimizer_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                     params: Mapping[str, torch.nn.Parameter] | None = None) -> list[dict[str, Any]]:
+    """Hyper-parameters of each param group, with parameters named instead of numbered
+    (``params``: ``dict(model.named_parameters())`` when the caller has it already)."""
+    names = _param_names(model) if params is None else {id(p): name for name, p in params.items()}
     groups = []
     for g in optimizer.param_groups:
         entry = {k: v for k, v in g.items() if k != "params"}

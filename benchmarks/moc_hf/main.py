@@ -3,6 +3,7 @@
     python benchmarks/moc_hf/main.py            # full run: ~1.3 GB of fp32 + Adam state (~20-30 min on 2 cores)
     python benchmarks/moc_hf/main.py --quick    # tiny model, smoke test (< 2 min)
     python benchmarks/moc_hf/main.py --profile  # also: where MoC K=1's time in step() goes (cProfile)
+    python benchmarks/moc_hf/main.py --fsdp-only --moc-only --profile   # just MoC's FSDP2 rows (~6 min)
     python benchmarks/moc_hf/main.py --render benchmarks/moc_hf/results.json   # tables and plot again
 
 Writes ``results.md``, ``results.json`` and ``stall.png`` beside this file (or under
@@ -76,15 +77,18 @@ PROFILED = 4              # --profile: profiled MoC checkpoints per row, after t
 # parts are inside the one above them, collectives are inside the parts that issue them.
 PARTS = (
     ("CheckpointManager.step(), all", "moc/_manager.py", ("step",)),
-    ("planning (`_plan`: units, sizes, shares; its collectives included)", "moc/_manager.py", ("_plan",)),
-    ("- capturing units (`capture_unit`: state-dict views, Adam state)", "moc/_units.py", ("capture_unit",)),
-    ("- - DTensor local views (`local_tensor`)", "moc/_layouts.py", ("local_tensor",)),
+    ("planning units (`_plan_units`: cached unit plans checked, extra unit planned)", "moc/_manager.py",
+     ("_plan_units",)),
+    ("- plan cache check (`UnitPlans.refresh`: signatures, re-plans of changed units)", "moc/_plan_cache.py",
+     ("refresh",)),
+    ("- - capturing units (`capture_unit`: state-dict views, Adam state)", "moc/_units.py", ("capture_unit",)),
     ("- serialisation plans (`plan_tree`)", "moc/_codec.py", ("plan_tree",)),
-    ("router-hook drain + routing all-reduce (`_sync_routing`)", "moc/_manager.py", ("_sync_routing",)),
-    ("snapshot buffer (`acquire` + `ensure`)", "moc/_buffers.py", ("acquire", "ensure")),
-    ("persist decision (`_maybe_persist`)", "moc/_manager.py", ("_maybe_persist",)),
-    ("moc's collectives, all (`gather_json`, `any_true`, `sum_int64`)", "moc/_dist.py",
-     ("gather_json", "any_true", "sum_int64")),
+    ("the round (`_agree`: ballot, its collective(s), router-hook drain)", "moc/_manager.py", ("_agree",)),
+    ("shares of this checkpoint (`plan_snapshot`, no collective)", "moc/_snapshot_plan.py", ("plan_snapshot",)),
+    ("snapshot start (`SnapshotEngine.start`: buffer, synchronous copies, background job)",
+     "moc/_snapshot_engine.py", ("start",)),
+    ("moc's collectives, all (`sum_int64`, `gather_bytes`, `gather_json`, `any_true`)", "moc/_dist.py",
+     ("sum_int64", "gather_bytes", "gather_json", "any_true")),
     ("- waiting in gloo (`Work.wait`, incl. waiting for the other rank)", "~",
      ("<built-in method torch._C._distributed_c10d.wait>",)),
 )
@@ -225,6 +229,13 @@ class StepProfile:
 
 # --------------------------------------------------------------------------------------
 # one process
+def model_info(p: dict[str, Any]) -> dict[str, Any]:
+    """What the report says about the model, without training it (``--fsdp-only``)."""
+    tr = HFTrainer(p)
+    return {"P_e": tr.P_e, "P_ne": tr.P_ne, "buffers": tr.buffer_bytes, "state_bytes": (tr.P_ne + tr.P_e) * 12,
+            "expert_tensors": tr.expert_tensors[:2], "step": float("nan"), "rows": [], "profile": {}}
+
+
 def run_single(p: dict[str, Any], root: Path, shm: Path, log, errors: list[str], *, quick: bool,
                profile: bool) -> dict[str, Any]:
     tr = HFTrainer(p)
@@ -239,6 +250,8 @@ def run_single(p: dict[str, Any], root: Path, shm: Path, log, errors: list[str],
         MoC(tr, root, shm, "K=1, 1 level", 1, 1, 1, **moc_kw),
         MoC(tr, root, shm, "K=1, 2 levels", 1, 1, 4, **moc_kw),
     ]
+    if p.get("moc_only"):
+        methods = [m for m in methods if isinstance(m, MoC)]
     profiles: dict[str, StepProfile] = {}
     rows, retried = [], []
     for m in methods:
@@ -295,6 +308,8 @@ def fsdp_worker(rank: int, workdir: Path, shm: Path) -> int:
             DCPAsync(tr, root, cached=True, process_group=dcp_group),
             moc,
         ]
+        if p.get("moc_only"):
+            methods = [moc]
         rows = []
         for m in methods:
             row = measure(tr, m, p["fsdp_window"], p["fsdp_reps"], log,
@@ -302,6 +317,8 @@ def fsdp_worker(rank: int, workdir: Path, shm: Path) -> int:
             if isinstance(m, MoC):
                 row["layout"] = m.ckpt.layout_info["description"]
             rows.append(row)
+        for row in rows:
+            arrivals(row)
         result = {"rank": rank, "step": statistics.median(r["step"] for r in rows), "rows": rows,
                   "profile": {moc.name: prof.result()} if prof else {}}
         (workdir / f"rank{rank}.json").write_text(json.dumps(result))
@@ -309,6 +326,19 @@ def fsdp_worker(rank: int, workdir: Path, shm: Path) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def arrivals(row: dict[str, Any]) -> None:
+    """How long after this rank the last rank entered each measured checkpoint call
+    (collective). A call that waits for every rank (MoC's one all-reduce) spends that long
+    waiting for the slower rank, which the step would otherwise spend in FSDP's next
+    all-gather; the rest of the call is the method's own cost."""
+    mine = torch.tensor(row["entered"], dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(WORLD)]
+    dist.all_gather(every, mine)
+    waits = (torch.stack(every).max(0).values - mine).tolist()
+    row["arrival_wait"] = statistics.mean(waits)
+    row["call_after_arrival"] = statistics.mean(max(0.0, c - w) for c, w in zip(row["calls"], waits))
 
 
 def run_fsdp(p: dict[str, Any], shm: Path, log, errors: list[str], timeout: timedelta) -> list[dict[str, Any]] | None:
@@ -396,18 +426,20 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], single
     flags = (" --quick" if quick else "") + "".join(f" --{k.replace('_', '-')} {p[k]}"
                                                     for k in ("reps", "window", "fsdp_reps", "fsdp_window")
                                                     if p[k] != base[k]) + (" --profile" if p.get("profile") else "") \
+        + (" --fsdp-only" if p.get("fsdp_only") else "") + (" --moc-only" if p.get("moc_only") else "") \
         + (f" --threads {p['threads']}" if p["threads"] != (1 if quick else info["default_threads"]) else "")
     L.append(f"Rerun: `python benchmarks/moc_hf/main.py{flags}` (whole run {info['wall']:.0f} s).")
     L.append("")
-    layout = next((r["layout"] for r in rows if "layout" in r), "?")
+    layout = next((r["layout"] for r in rows + [x for f in fsdp or [] for x in f["rows"]] if "layout" in r), "?")
     L.append(f"Model: transformers `qwen3_moe` from a config (random init): {p['layers']} decoder layers, hidden "
              f"{p['dim']}, {p['heads']} heads ({p['kv_heads']} KV), vocab {p['vocab']}, {E} experts per layer "
              f"(moe_intermediate_size {p['moe_hidden']}), top-{p['top_k']}; fused experts "
              f"(`{single['expert_tensors'][0]}` ...), seen by moc as: {layout}. "
              f"P_e = {P_e/1e6:.2f} M expert + P_ne = {P_ne/1e6:.2f} M non-expert parameters "
              f"({100*P_e/(P_e+P_ne):.1f}% in experts), persistent buffers {single['buffers']} B; fp32 weights + Adam = "
-             f"{single['state_bytes']/GB:.2f} GB of state. Training step ({p['tokens']} tokens, forward + backward + "
-             f"Adam): {single['step']:.2f} s in one process (median).")
+             f"{single['state_bytes']/GB:.2f} GB of state."
+             + (f" Training step ({p['tokens']} tokens, forward + backward + Adam): {single['step']:.2f} s in one "
+                "process (median)." if rows else ""))
     L.append("")
     L.append(f"Method: {p['reps']} ABBA pairs of windows per method in one process ({p['window']} steps each), "
              f"{p['fsdp_reps']} pairs of {p['fsdp_window']} steps on the FSDP2 ranks; a checkpoint window takes one "
@@ -419,10 +451,13 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], single
 
     L.append("## Stall per checkpoint, one process")
     L.append("")
-    L.append("| method | configuration | call returns (ms) | loop blocked (ms) | stall (ms) | "
-             "window mean +- s.e. (ms) | "
-             "% of torch.save | vs best async | checkpoint CPU (s) | on disk per checkpoint (MB) |")
-    L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    if not rows:
+        L.append("Not measured in this run (`--fsdp-only`).")
+    else:
+        L.append("| method | configuration | call returns (ms) | loop blocked (ms) | stall (ms) | "
+                 "window mean +- s.e. (ms) | "
+                 "% of torch.save | vs best async | checkpoint CPU (s) | on disk per checkpoint (MB) |")
+        L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         pct = f"{100*r['stall']/save['stall']:.1f}%" if save and save["stall"] > 0 else "-"
         va = f"{r['stall']/best_async['stall']:.2f}x" if best_async and best_async["stall"] > 0 else "-"
@@ -451,16 +486,26 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], single
                  + " (median, no checkpoint). The ranks wait for each other in every all-gather and "
                  "reduce-scatter, so one rank's stall shows up in the other's step times too.")
         L.append("")
-        L.append(f"| method | rank | call returns (ms) | loop blocked (ms) | stall (ms) | window mean +- s.e. (ms) | "
+        L.append(f"| method | rank | call returns (ms) | last rank enters the call (ms later) | call after the last "
+                 f"rank entered (ms) | loop blocked (ms) | stall (ms) | window mean +- s.e. (ms) | "
                  f"vs {dcp_best or 'DCP'} (same rank) | checkpoint CPU (s) | on disk per checkpoint, all ranks (MB) |")
-        L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for name, rs in per.items():
             for i, r in enumerate(rs):
                 ref = per[dcp_best][i]["stall"] if dcp_best else float("nan")
                 va = f"{r['stall']/ref:.2f}x" if ref > 0 else "-"
                 size = f"{fsdp[0]['rows'][list(per).index(name)]['size']/MB:,.1f}" if i == 0 else "\""
-                L.append(f"| {name} | {i} | {fmt_ms(r['call'])} | {fmt_ms(r['blocked'])} | {fmt_ms(r['stall'])} | "
-                         f"{fmt_ms(r['stall_mean'])} +- {fmt_ms(r['stall_se'])} | {va} | {r['cpu']:.2f} | {size} |")
+                wait = fmt_ms(r["arrival_wait"]) if "arrival_wait" in r else "-"
+                own = fmt_ms(r["call_after_arrival"]) if r.get("syncs_ranks") and "call_after_arrival" in r else "-"
+                L.append(f"| {name} | {i} | {fmt_ms(r['call'])} | {wait} | {own} | {fmt_ms(r['blocked'])} | "
+                         f"{fmt_ms(r['stall'])} | {fmt_ms(r['stall_mean'])} +- {fmt_ms(r['stall_se'])} | {va} | "
+                         f"{r['cpu']:.2f} | {size} |")
+        L.append("")
+        L.append("\"last rank enters the call\": how long after this rank the slower rank started the same "
+                 "checkpoint (one clock for both processes). MoC's `step()` holds one all-reduce over the ranks, so "
+                 "it spends that long waiting for the slower rank, time the faster rank would otherwise wait in "
+                 "FSDP's next all-gather; \"call after the last rank entered\" is the rest, MoC's own cost. DCP's "
+                 "call holds no collective (its planning runs in its background thread).")
         L.append("")
         L.append("DCP rows: `async_save(get_state_dict(model, optimizer))`, sharded DTensors, each rank writing its "
                  "shards, on a gloo group of its own. MoC: `CheckpointManager` on the same model, default "
@@ -505,6 +550,17 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], single
                      f"| {fmt_ms(moc['stall'])} ms (window mean {fmt_ms(moc['stall_mean'])} +- "
                      f"{fmt_ms(moc['stall_se'])} ms); loop blocked {fmt_ms(moc['blocked'])} ms | "
                      f"{verdict(moc['stall'], lim, moc['stall_se'])} |")
+        stager = next((r for r in fsdp[0]["rows"] if "DefaultStager" in r["name"]), None)
+        for f in fsdp if stager is not None else []:
+            moc = next(r for r in f["rows"] if r["name"].startswith("MoC"))
+            ref = next(r for r in f["rows"] if r["name"] == stager["name"])
+            after = moc.get("call_after_arrival")
+            L.append(f"| FSDP2 rank {f['rank']}: {moc['name']} loop blocked <= half of {ref['name']}'s "
+                     f"({fmt_ms(ref['blocked'])} ms) | {fmt_ms(moc['blocked'])} ms, of which "
+                     f"{fmt_ms(moc.get('arrival_wait', float('nan')))} ms waiting for the other rank to arrive "
+                     f"({fmt_ms(after) if after is not None else '-'} ms after it did) | "
+                     f"{'yes' if moc['blocked'] <= 0.5 * ref['blocked'] else 'no'} (after the arrival: "
+                     f"{'yes' if after is not None and after <= 0.5 * ref['blocked'] else 'no'}) |")
     L.append(f"| MoC bytes per checkpoint match the PEC formula | {sum(c['holds'] for c in checks)} of {len(checks)} "
              f"cases | {'yes' if checks and all(c['holds'] for c in checks) else 'no'} |")
     L.append("")
@@ -610,6 +666,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fsdp-reps", type=int, help="window pairs per method on the FSDP2 ranks")
     ap.add_argument("--fsdp-window", type=int, help="training steps per window on the FSDP2 ranks")
     ap.add_argument("--no-fsdp", action="store_true", help="skip the 2-rank FSDP2 job")
+    ap.add_argument("--fsdp-only", action="store_true", help="only the 2-rank FSDP2 job (no 1-process part)")
+    ap.add_argument("--moc-only", action="store_true", help="only the MoC rows (no torch.save / DCP baselines)")
     ap.add_argument("--threads", type=int, help="intra-op threads of the 1-process part (default: torch's, "
                     "1 with --quick); FSDP2 ranks always use 1")
     ap.add_argument("--profile", action="store_true", help="cProfile MoC K=1's CheckpointManager.step() calls")
@@ -634,7 +692,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {v}")
             p[k] = v
 
+    if args.fsdp_only and args.no_fsdp:
+        raise ValueError("--fsdp-only and --no-fsdp exclude each other")
     p["profile"] = bool(args.profile)
+    p["moc_only"] = bool(args.moc_only)
+    p["fsdp_only"] = bool(args.fsdp_only)
     default_threads = torch.get_num_threads()
     if args.threads is not None:
         if args.threads < 1:
@@ -659,8 +721,12 @@ def main(argv: list[str] | None = None) -> int:
     errors: list[str] = []
     dist.init_process_group("gloo", store=dist.FileStore(str(root / "pg-store"), 1), rank=0, world_size=1)
     try:
-        log(f"one process; load {load_before}; temp {root}, {shm}")
-        single = run_single(p, root, shm, log, errors, quick=args.quick, profile=args.profile)
+        if args.fsdp_only:
+            single = model_info(p)
+            errors.append("1-process part skipped (--fsdp-only)")
+        else:
+            log(f"one process; load {load_before}; temp {root}, {shm}")
+            single = run_single(p, root, shm, log, errors, quick=args.quick, profile=args.profile)
         if not args.quick and single["state_bytes"] < 1e9:
             raise RuntimeError(f"the full model must hold >= 1 GB of state, has {single['state_bytes']/GB:.2f} GB")
     finally:
