@@ -202,3 +202,14 @@ def test_two_ranks_grouped_experts_match_reference_and_move(tmp_path: Path) -> N
 @pytest.mark.timeout(250)
 def test_four_ranks_grouped_experts_match_reference_and_move(tmp_path: Path) -> None:
     run_ranks(prog_grouped, 4, tmp_path, OLD_4, NEW_4)
+
+
+def test_a_layer_without_router_says_how_to_route() -> None:
+    class NoRouter(ElasticMoE):
+        def __init__(self) -> None:
+            super().__init__(E)
+            self.experts = SwiGLUExperts(E, list(range(E)), {n: w for n, w in full_weights().items()})
+            self._init_placement(Placement([list(range(E))], num_experts=E))
+
+    with pytest.raises(TypeError, match="no `router`"):
+        NoRouter()(torch.randn(3, D))

@@ -60,9 +60,9 @@ class ElasticMoE(nn.Module):
 
     Subclasses register the model's modules (``experts`` must be a
     :class:`~lazarus.moe.LocalExperts` holding this rank's experts under the placement),
-    then call :meth:`_init_placement`. ``forward`` routes with :meth:`route` and
-    dispatches; models whose block does more (shared experts, another output) override
-    ``forward`` and call :meth:`dispatch`.
+    then call :meth:`_init_placement`. ``forward`` routes with :meth:`route` (the
+    ``router`` module by default) and dispatches; models whose block does more (shared
+    experts, another output) override ``forward`` and call :meth:`dispatch`.
 
     Args:
         num_experts: E, global expert ids ``0..E-1``.
@@ -202,8 +202,14 @@ class ElasticMoE(nn.Module):
 
     # ----- forward -----------------------------------------------------------------------------
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(expert ids [tokens, k], gates [tokens, k])`` for ``h`` [tokens, d]."""
-        raise NotImplementedError
+        """``(expert ids [tokens, k], gates [tokens, k])`` for ``h`` [tokens, d]: the
+        model's ``router`` attribute (a :class:`SoftmaxRouter` or any module returning
+        that pair). Override it, or ``forward``, for routing that is not one call."""
+        router = getattr(self, "router", None)
+        if not callable(router):
+            raise TypeError(f"{type(self).__name__} has no `router` to route with: register one as "
+                            "self.router, or override route() or forward() and call dispatch()")
+        return router(h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1])
@@ -368,9 +374,6 @@ class MoELayer(ElasticMoE):
         self.router = SoftmaxRouter(config.d_model, config.num_experts, config.top_k, seed=config.seed)
         self.experts = MLPExperts(config, slots[self.rank])
         self._init_placement(placement)
-
-    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.router(h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.config.d_model:
