@@ -164,6 +164,14 @@ def stall_target_rows(save: dict | None, k1: list[dict], best_async: dict | None
     return rows
 
 
+def report_footer(errors: list[str], plot: str) -> list[str]:
+    """The last lines of a results.md: this run's notes (when any), then where the plot is."""
+    rows: list[str] = []
+    if errors:
+        rows += ["## Notes from this run", ""] + [f"- {e}" for e in errors] + [""]
+    return rows + [f"Plot: `{plot}`.", ""]
+
+
 # --------------------------------------------------------------------------------------
 # checkpoint methods: checkpoint(step) -> seconds the call blocked; drain() waits for the
 # background work; after() is untimed housekeeping between windows.

@@ -61,7 +61,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks._ckpt_bench import (GB, MB, DCPAsync, Method, MoC, TorchSave, fmt_ms, loadavg, machine,  # noqa: E402
-                                    measure, stall_target_rows, verdict)
+                                    measure, report_footer, stall_target_rows, verdict)
 
 # seq: tokens per sequence; tokens: tokens per training step (the whole batch; FSDP ranks
 # take half each). moe_hidden is Qwen3-MoE's moe_intermediate_size (F).
@@ -600,14 +600,7 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], single
     L.append("- FSDP2 on gloo/CPU spends most of a step in all-gathers and reduce-scatters; a checkpoint's "
              "background copies and writes compete with them for the same two cores.")
     L.append("")
-    if errors:
-        L.append("## Notes from this run")
-        L.append("")
-        for e in errors:
-            L.append(f"- {e}")
-        L.append("")
-    L.append("Plot: `benchmarks/moc_hf/stall.png`.")
-    L.append("")
+    L.extend(report_footer(errors, "benchmarks/moc_hf/stall.png"))
     return "\n".join(L)
 
 

@@ -60,7 +60,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks._ckpt_bench import (GB, MB, DCPAsync, Method, MoC, TorchSave, TorchSnapshot,  # noqa: E402
                                     dir_bytes, evict, fmt_ms, io_read_bytes, loadavg, machine, measure,
-                                    stall_target_rows)
+                                    report_footer, stall_target_rows)
 
 EXPERT_RE = r"(?P<layer>.+)\.experts\.(?P<expert>\d+)\."
 
@@ -385,14 +385,7 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], rows: 
     L.append("- The S3 row is moto's Python server on loopback (tens of MB/s): an upper bound on what a "
              "real remote store costs here, not a measurement of S3.")
     L.append("")
-    if errors:
-        L.append("## Notes from this run")
-        L.append("")
-        for e in errors:
-            L.append(f"- {e}")
-        L.append("")
-    L.append("Plot: `benchmarks/moc_overhead/stall.png`.")
-    L.append("")
+    L.extend(report_footer(errors, "benchmarks/moc_overhead/stall.png"))
     return "\n".join(L)
 
 

@@ -92,3 +92,18 @@ def write_digests(args: argparse.Namespace, trainer: Any, node: str, t0: float) 
                    "dense": trainer.dense_digest(), "losses": trainer.losses,
                    "seconds": time.time() - t0}, f)
     os.replace(path + ".tmp", path)
+
+
+def run_job(args: argparse.Namespace, cfg: Any, *, layout: Any, build_model: Any, loss_fn: Any, node: str) -> int:
+    """Train under Lazarus until ``--steps`` (AdamW of ``moe_gpt.make_optimizer`` at
+    ``--lr``), then write ``--digests``; the worker's exit status."""
+    from lazarus.runtime import ElasticTrainer
+
+    from .moe_gpt import make_optimizer
+
+    trainer = ElasticTrainer(cfg, layout=layout, build_model=build_model,
+                             make_optimizer=lambda model: make_optimizer(model, lr=args.lr))
+    t0 = time.time()
+    trainer.run(loss_fn, args.steps)
+    write_digests(args, trainer, node, t0)
+    return 0

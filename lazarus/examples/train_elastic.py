@@ -20,9 +20,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ._worker import _duration, add_job_arguments, elastic_config, start_worker, write_digests
+from ._worker import _duration, add_job_arguments, elastic_config, run_job, start_worker
 from .corpus import ByteCorpus
-from .moe_gpt import GPTConfig, MoEGPT, make_optimizer, moe_layer_names
+from .moe_gpt import GPTConfig, MoEGPT, moe_layer_names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     node = start_worker(args)
-    from lazarus.runtime import ElasticTrainer
 
     gpt = GPTConfig(d_model=args.d_model, n_layers=args.layers, moe_every=args.moe_every, num_experts=args.experts,
                     top_k=args.top_k, d_hidden=args.d_hidden, seq_len=args.seq_len, tie_head=False, seed=args.seed)
@@ -60,12 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         time.sleep(args.slow_build.total_seconds())
         return MoEGPT(gpt, placements)
 
-    trainer = ElasticTrainer(cfg, layout=layout, build_model=build,
-                             make_optimizer=lambda model: make_optimizer(model, lr=args.lr))
-    t0 = time.time()
-    trainer.run(loss_fn, args.steps)
-    write_digests(args, trainer, node, t0)
-    return 0
+    return run_job(args, cfg, layout=layout, build_model=build, loss_fn=loss_fn, node=node)
 
 
 if __name__ == "__main__":

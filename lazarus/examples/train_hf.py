@@ -20,15 +20,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from ._worker import add_job_arguments, elastic_config, start_worker, write_digests
+from ._worker import add_job_arguments, elastic_config, run_job, start_worker
 from .corpus import ByteCorpus
-from .moe_gpt import make_optimizer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,7 +71,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     node = start_worker(args)
     from lazarus.adapters.hf import elastic_layout, make_elastic
-    from lazarus.runtime import ElasticTrainer
 
     config = qwen3_moe_config(args)
     if args.hf_config_out:
@@ -93,12 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logits = model(input_ids=x).logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
-    trainer = ElasticTrainer(cfg, layout=layout, build_model=build,
-                             make_optimizer=lambda model: make_optimizer(model, lr=args.lr))
-    t0 = time.time()
-    trainer.run(loss_fn, args.steps)
-    write_digests(args, trainer, node, t0)
-    return 0
+    return run_job(args, cfg, layout=layout, build_model=build, loss_fn=loss_fn, node=node)
 
 
 if __name__ == "__main__":
