@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: test test-gpu demo demo-moc docs-heatmap bench bench-store bench-placement bench-dispatch bench-hf bench-moc bench-simulate bench-runtime bench-gpu soak install clean
+.PHONY: test test-gpu demo demo-moc docs-heatmap bench bench-store bench-placement bench-node-gpus bench-dispatch bench-hf bench-moc bench-simulate bench-runtime bench-gpu soak install clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -38,13 +38,16 @@ demo-moc: $(STAMP)
 docs-heatmap: $(STAMP)
 	$(VPY) docs/make_inspect_heatmap.py --dir runs/inspect-heatmap -o docs/inspect_heatmap.png
 
-bench: bench-store bench-placement bench-dispatch bench-hf bench-moc bench-simulate bench-runtime
+bench: bench-store bench-placement bench-node-gpus bench-dispatch bench-hf bench-moc bench-simulate bench-runtime
 
 bench-store: $(STAMP)
 	$(VPY) benchmarks/store/main.py
 
 bench-placement: $(STAMP)
 	$(VPY) benchmarks/placement/main.py
+
+bench-node-gpus: $(STAMP)
+	$(VPY) benchmarks/node_gpus/main.py
 
 bench-dispatch: $(STAMP)
 	$(VPY) benchmarks/dispatch/main.py

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from lazarus._local_cluster import LocalCluster
+from lazarus.planning import round_robin_gpus
 from moc._ckpt_store import CheckpointStore
 
 STEPS = 45
@@ -22,8 +23,8 @@ NODES = ["n0", "n1", "n2"]
 G = 2
 
 
-def _cluster(tmp_path: Path, *, slots: int, min_replicas: int, steps: int = STEPS) -> LocalCluster:
-    worker = ["--steps", str(steps), "--storage", str(tmp_path / "store"), "--layers", "2", "--experts", "4",
+def _cluster(tmp_path: Path, *, slots: int, min_replicas: int, steps: int = STEPS, experts: int = 4) -> LocalCluster:
+    worker = ["--steps", str(steps), "--storage", str(tmp_path / "store"), "--layers", "2", "--experts", str(experts),
               "--d-model", "32", "--d-hidden", "64", "--batch-size", "12", "--seq-len", "32",
               "--corpus-bytes", str(1 << 20), "--interval", "5", "--persist-every", "2",
               "--k-persist", "1", "--snapshot-copies", "2", "--collective-timeout", "4s",
@@ -39,7 +40,15 @@ def _failure_reconfigs(c: LocalCluster) -> list[dict]:
     return [r for r in c.reconfigurations() if r["reason"] in ("failure", "collective_error")]
 
 
-def _kill_node_then_check(c: LocalCluster, tmp_path: Path, victim: str) -> dict:
+def _check_gpu_moves(rec: dict) -> None:
+    """A reconfiguration moved between GPUs of one node exactly the expert copies the
+    controller's plan predicted, and no more than the round-robin deal would have."""
+    fetches = rec["fetches"]
+    assert rec["same_node_moved"] == fetches["same_node"], rec
+    assert fetches["same_node"] <= fetches["same_node_round_robin"], rec
+
+
+def _kill_node_then_check(c: LocalCluster, tmp_path: Path, victim: str, experts: int = 4) -> dict:
     """SIGKILL ``victim`` (agent + 2 workers); check the failure plan, finish the job and
     check its end. Returns the failure's reconfiguration record."""
     plan = c.latest_plan()
@@ -54,12 +63,13 @@ def _kill_node_then_check(c: LocalCluster, tmp_path: Path, victim: str) -> dict:
                and victim not in e["members"]]
     assert without[0]["lost"] == [victim] and without[0]["world_size"] == 4, without[0]
     assert rec["world_size"] == 4 and sorted(rec["members"]) == survivors
+    _check_gpu_moves(rec)
     assert c.wait(timeout=240) == 0, (tmp_path / "job" / "controller.log").read_text()[-3000:]
     for node in survivors:
         assert c.agents[node].wait(timeout=60) == 0
     alive = LocalCluster.workers(survivors, G)
     digests = c.read_digests(str(tmp_path / "digest-{node}-{local_rank}.json"), survivors, G)
-    assert c.final_state_problems(digests, alive, STEPS, expert_units=2 * 4) == [], c.dir
+    assert c.final_state_problems(digests, alive, STEPS, expert_units=2 * experts) == [], c.dir
     # ranks are contiguous per node: node index * G + local rank
     members = rec["members"]
     assert {w: d["rank"] for w, d in digests.items()} == {
@@ -78,17 +88,23 @@ def _kill_node_then_check(c: LocalCluster, tmp_path: Path, victim: str) -> dict:
 
 @pytest.mark.timeout(300)
 def test_sigkill_node_of_two_workers_loses_no_expert_with_two_replicas_on_distinct_nodes(tmp_path: Path) -> None:
-    # c = 4 slots per node (2 per worker), f = 2: every expert on two nodes
-    with _cluster(tmp_path, slots=4, min_replicas=2) as c:
+    # 12 experts, c = 8 slots per node (4 per worker), f = 2: every expert on two nodes.
+    # The survivors' new rows change, and their GPUs keep the experts they hold: the
+    # failure plan's split is not the round-robin one, and the workers follow it.
+    with _cluster(tmp_path, slots=8, min_replicas=2, experts=12) as c:
         c.start(NODES)
         c.wait_step(12, timeout=180)
         plan = c.latest_plan()
         for layer, rows in plan["layers"].items():
-            for e in range(4):
+            for e in range(12):
                 assert sum(e in row for row in rows) >= 2, (layer, rows)    # on two distinct nodes
-        rec = _kill_node_then_check(c, tmp_path, "n1")
+        rec = _kill_node_then_check(c, tmp_path, "n1", experts=12)
         assert rec["lost_experts"] == [] and rec["sources"]["memory"] == 0 and rec["sources"]["storage"] == 0
         assert rec["plt"] == 0.0                                             # nothing lost, nothing booked
+        fail = next(e for e in c.events() if e.get("event") == "plan" and e["generation"] == rec["generation"])
+        assert any(fail["gpus"][layer][i] != round_robin_gpus(row, G)
+                   for layer, rows in fail["layers"].items() for i, row in enumerate(rows)), fail
+        assert rec["fetches"]["same_node"] < rec["fetches"]["same_node_round_robin"], rec
 
 
 @pytest.mark.timeout(300)
@@ -149,6 +165,7 @@ def test_one_worker_killed_restarts_its_node_which_rejoins(tmp_path: Path) -> No
         c.wait_for(lambda: [r for r in c.reconfigurations() if r["reason"] == "join"], 90, "the rejoin")
         join = [r for r in c.reconfigurations() if r["reason"] == "join"][0]
         assert join["world_size"] == 6 and join["dense_moves"] > 0
+        _check_gpu_moves(join)
         exits = [e for e in c.events() if e.get("event") == "worker_exit" and e.get("node") == "n1"]
         assert exits[0]["incarnation"] == 1 and "local rank 1: killed by SIGKILL" in exits[0]["error"]
         assert c.wait(timeout=240) == 0

@@ -13,6 +13,7 @@ Typical use::
 
 from ._allocate import allocate_replicas, effective_min_replicas
 from ._bruteforce import best_survivor_counts, survivor_counts
+from ._gpus import NodeGpus, deal_gpus, round_robin_gpus, same_node_moves, split_node
 from ._layers import LayerPlan, plan_layers
 from ._migration import Migration, plan_migration
 from ._placement import MroLayout, mro_layout, place_compact, place_mro_paper, place_spread
@@ -30,10 +31,12 @@ __all__ = [
     "LayerPlan",
     "Migration",
     "MroLayout",
+    "NodeGpus",
     "Placement",
     "RecoveryEstimate",
     "allocate_replicas",
     "best_survivor_counts",
+    "deal_gpus",
     "effective_min_replicas",
     "improve_placement",
     "minimal_owner_sets",
@@ -47,5 +50,8 @@ __all__ = [
     "recovery_curve",
     "recovery_estimate",
     "recovery_probability",
+    "round_robin_gpus",
+    "same_node_moves",
+    "split_node",
     "survivor_counts",
 ]

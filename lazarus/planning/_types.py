@@ -25,12 +25,17 @@ class Placement:
             ``range(E)`` must have at least one replica.
         gpus_per_node: GPUs a node's slots are spread over (failures are still per node).
         strategy: free-form label of the algorithm that produced the plan (not compared).
+        gpus: optional explicit per-GPU split, ``gpus[i][j]`` = expert ids on GPU ``j`` of
+            node ``i`` (each node's GPU lists together hold exactly its row, ``c // G`` or
+            ``c // G + 1`` slots per GPU; :func:`lazarus.planning.deal_gpus` makes one that
+            keeps experts on the GPUs holding them). None: the round-robin default.
     """
 
     nodes: list[list[int]]
     num_experts: int = -1
     gpus_per_node: int = 1
     strategy: str = field(default="", compare=False)
+    gpus: list[list[list[int]]] | None = None
 
     def __post_init__(self) -> None:
         nodes = self.nodes
@@ -70,6 +75,8 @@ class Placement:
         object.__setattr__(self, "nodes", table)
         object.__setattr__(self, "num_experts", int(e))
         object.__setattr__(self, "gpus_per_node", g)
+        if self.gpus is not None:
+            object.__setattr__(self, "gpus", _check_split(self.gpus, table, g))
 
     @classmethod
     def _unchecked(
@@ -87,6 +94,7 @@ class Placement:
         object.__setattr__(plan, "num_experts", num_experts)
         object.__setattr__(plan, "gpus_per_node", gpus_per_node)
         object.__setattr__(plan, "strategy", strategy)
+        object.__setattr__(plan, "gpus", None)
         return plan
 
     # ----- shape -----------------------------------------------------------------
@@ -122,15 +130,18 @@ class Placement:
     def gpu_slots(self) -> list[list[list[int]]]:
         """``gpu_slots()[node][gpu]``: expert ids on each GPU of each node.
 
-        A node's (sorted) slots are dealt round-robin over its GPUs, so copies of the same
-        expert on one node land on different GPUs and each GPU gets ``c // g`` or
-        ``c // g + 1`` slots.
+        The explicit split (``gpus``) when the placement has one; otherwise a node's
+        (sorted) slots dealt round-robin over its GPUs, so copies of the same expert on one
+        node land on different GPUs and each GPU gets ``c // g`` or ``c // g + 1`` slots.
         """
+        if self.gpus is not None:
+            return [[list(gpu) for gpu in node] for node in self.gpus]
         g = self.gpus_per_node
         return [[sorted(row)[j::g] for j in range(g)] for row in self.nodes]
 
     def with_gpus(self, gpus_per_node: int) -> Placement:
-        """The same plan with its slots spread over ``gpus_per_node`` GPUs per node."""
+        """The same plan with its slots spread over ``gpus_per_node`` GPUs per node (the
+        round-robin split; an explicit ``gpus`` split is dropped)."""
         g = _check_gpus(gpus_per_node, self.slots_per_node)
         table = [list(row) for row in self.nodes]
         return Placement._unchecked(table, self.num_experts, g, self.strategy)
@@ -157,6 +168,31 @@ def _expert_id(node: int, x: Any) -> int:
             f"Placement.nodes[{node}] must hold non-negative integer expert ids, got {x!r}"
         )
     return int(x)
+
+
+def _check_split(gpus: Any, table: list[list[int]], g: int) -> list[list[list[int]]]:
+    """Validate an explicit per-GPU split against the node rows (see ``Placement.gpus``)."""
+    if isinstance(gpus, (str, bytes)) or not hasattr(gpus, "__len__") or len(gpus) != len(table):
+        raise ValueError(f"Placement.gpus must hold one list of per-GPU lists for each of the {len(table)} nodes")
+    c = len(table[0])
+    lo, hi = c // g, -(-c // g)
+    out: list[list[list[int]]] = []
+    for i, (node, row) in enumerate(zip(gpus, table)):
+        if isinstance(node, (str, bytes)) or not hasattr(node, "__len__") or len(node) != g:
+            raise ValueError(f"Placement.gpus[{i}] must hold gpus_per_node = {g} lists of expert ids")
+        split: list[list[int]] = []
+        for j, gpu in enumerate(node):
+            if isinstance(gpu, (str, bytes)) or not hasattr(gpu, "__iter__"):
+                raise ValueError(f"Placement.gpus[{i}][{j}] must be a list of expert ids, got {gpu!r}")
+            ids = [_expert_id(i, x) for x in gpu]
+            if not lo <= len(ids) <= hi:
+                raise ValueError(f"Placement.gpus[{i}][{j}] holds {len(ids)} slots; every GPU holds "
+                                 f"{lo}" + ("" if lo == hi else f" or {hi}") + f" of the node's {c}")
+            split.append(ids)
+        if sorted(x for gpu in split for x in gpu) != sorted(row):
+            raise ValueError(f"Placement.gpus[{i}] must split exactly node {i}'s slots {sorted(row)}")
+        out.append(split)
+    return out
 
 
 def _check_gpus(g: Any, c: int) -> int:

@@ -393,7 +393,7 @@ class Controller(Resumable):
         conn.node_id = node_id
         self._nodes[node_id] = _Node(node_id, conn, slots or self.config.slots_per_node, inc, pid,
                                      time.monotonic(), nproc=nproc)
-        self._holdings.pop(node_id, None)
+        self._forget_holdings(node_id)
         self._done.discard(node_id)
         self._left.discard(node_id)
         self._event("node_registered", node=node_id, peer=conn.peer, incarnation=inc, pid=pid,

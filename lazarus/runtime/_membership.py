@@ -78,6 +78,8 @@ class Membership(ABC):
         self._plan: dict[str, Any] | None = None
         self._members: list[str] = []
         self._holdings: dict[str, dict[str, list[int]]] = {}
+        # several GPUs per node: node -> layer -> per-GPU expert lists of the applied plan
+        self._gpu_holdings: dict[str, dict[str, list[list[int]]]] = {}
         self._applied_gen = 0
         self._stalled = False
         self._model: dict[str, Any] | None = None
@@ -145,7 +147,7 @@ class Membership(ABC):
         node.incarnation = inc
         node.ready = True
         node.worker_pid = _req(msg, "pid", int, optional=True)
-        self._holdings.pop(node.node_id, None)
+        self._forget_holdings(node.node_id)
         self._event("worker_ready", node=node.node_id, incarnation=inc, pid=node.worker_pid)
         if self._finished:
             return
@@ -165,7 +167,7 @@ class Membership(ABC):
         was_ready = node.ready
         node.ready = False
         node.worker_pid = None
-        self._holdings.pop(node.node_id, None)
+        self._forget_holdings(node.node_id)
         self._pending_joins.discard(node.node_id)
         self._event("worker_exit", node=node.node_id, returncode=rc, incarnation=node.incarnation, **detail)
         if (was_ready and node.node_id in self._members and node.node_id not in self._done):
@@ -238,11 +240,18 @@ class Membership(ABC):
             return
         self._mark_applied(plan)
 
+    def _forget_holdings(self, node_id: str) -> None:
+        """``node_id``'s worker(s) restarted or left: it holds nothing any more."""
+        self._holdings.pop(node_id, None)
+        self._gpu_holdings.pop(node_id, None)
+
     def _mark_applied(self, plan: dict[str, Any]) -> None:
         gen = plan["generation"]
         self._applied_gen = gen
         self._holdings = {m: {layer: list(rows[i]) for layer, rows in plan["layers"].items()}
                           for i, m in enumerate(plan["members"])}
+        self._gpu_holdings = {m: {layer: [list(gpu) for gpu in split[i]] for layer, split in plan.get("gpus", {}).items()}
+                              for i, m in enumerate(plan["members"])}
         if self._inflight is not None and self._inflight["generation"] == gen:
             self._inflight = None
         self._save_state(now=True)
@@ -445,7 +454,7 @@ class Membership(ABC):
         layers = self._layer_specs()
         try:
             new = compute_plan(members, self._holdings, layers, loads, self._slots(members),
-                               self.config.min_replicas, self.gpus_per_node or 1)
+                               self.config.min_replicas, self.gpus_per_node or 1, self._gpu_holdings)
         except InsufficientSlots:
             return
         cur = 0.0
@@ -487,7 +496,8 @@ class Membership(ABC):
         per_node = self.gpus_per_node or 1
         try:
             res = precomputed or compute_plan(members, self._holdings, self._layer_specs(), self._loads(),
-                                              self._slots(members), cfg.min_replicas, per_node)
+                                              self._slots(members), cfg.min_replicas, per_node,
+                                              self._gpu_holdings)
         except ValueError as exc:  # InsufficientSlots, or a planning input the library refuses
             self._stall(reason, members, str(exc))
             return False
@@ -502,15 +512,19 @@ class Membership(ABC):
             "prefix": f"lazarus/gen{g}",
             "slots": self._slots(members),
             # G ranks per node, contiguous: rank = node index * G + local rank. "layers"
-            # rows are per node (c slots, spread over its G ranks: Placement.gpu_slots).
+            # rows are per node (c slots); with G > 1 "gpus" splits them over the node's
+            # ranks (Placement.gpus), keeping experts on the GPUs that hold them.
             "gpus_per_node": per_node, "world_size": len(members) * per_node,
             "ranks": rank_layout(members, per_node),
             "layers": res.layers, "lost": list(lost), "joined": list(joined),
             "detected_at": detected_at, "issued_at": time.time(),
-            "fetches": {"greedy": res.fetches_greedy, "identity": res.fetches_identity},
+            "fetches": {"greedy": res.fetches_greedy, "identity": res.fetches_identity,
+                        "same_node": res.gpu_moves, "same_node_round_robin": res.gpu_moves_round_robin},
             "missing": res.missing, "transfers": res.transfers,
             "recovery_probability": res.recovery,
         }
+        if res.gpus:
+            plan["gpus"] = res.gpus
         self._plan = plan
         self._members = list(members)
         self._stalled = False
@@ -525,7 +539,8 @@ class Membership(ABC):
                     joined=list(joined), leaving=leaving, detected_at=detected_at,
                     fetches=plan["fetches"], missing=res.missing, recovery_probability=res.recovery,
                     recovery_mean=sum(rec) / len(rec) if rec else None, recovery_min=min(rec, default=None),
-                    compute_ms=round(compute_ms, 3), gain=gain, layers=res.layers)
+                    compute_ms=round(compute_ms, 3), gain=gain, layers=res.layers,
+                    **({"gpus": res.gpus} if res.gpus else {}))
         for n in list(members) + [n for n in leaving if n not in members]:
             self._send(n, plan)
         self._refresh_joins()

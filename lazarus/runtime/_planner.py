@@ -12,8 +12,10 @@ every MoE layer, independently:
 5. the per-node expert lists, in member order.
 
 Several workers (GPUs) per node: ``c`` is the node's slot count, spread over its
-``gpus_per_node`` ranks as :meth:`lazarus.planning.Placement.gpu_slots` deals them (sorted
-slots round-robin, so copies of one expert on a node land on different GPUs). Failures
+``gpus_per_node`` ranks by :func:`lazarus.planning.split_node` (balanced, copies of one
+expert on different GPUs, and every expert a GPU holds now stays there when the node keeps
+it; a joining node gets the round-robin deal). The split travels in the plan (``gpus``), so
+a failure elsewhere does not reshuffle the experts among a surviving node's GPUs. Failures
 stay per node, so replicas of an expert go to distinct *nodes* (MRO works on nodes);
 ranks are contiguous per node: rank = node index * gpus_per_node + local rank
 (:func:`rank_layout`).
@@ -24,7 +26,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from lazarus.planning import allocate_replicas, place_mro, plan_migration, recovery_probability
+from lazarus.planning import (
+    allocate_replicas,
+    place_mro,
+    plan_migration,
+    recovery_probability,
+    split_node,
+)
 
 __all__ = ["InsufficientSlots", "LayerSpec", "PlanResult", "compute_plan", "max_replica_load", "rank_layout"]
 
@@ -51,6 +59,12 @@ class PlanResult:
     transfers: dict[str, list[list]] = field(default_factory=dict)
     recovery: dict[str, float] = field(default_factory=dict)
     max_load: float = 0.0
+    # several GPUs per node: layer -> node (member order) -> GPU -> expert ids
+    gpus: dict[str, list[list[list[int]]]] = field(default_factory=dict)
+    # copies a GPU must fetch although its node holds them on another GPU: with the
+    # stable deal, and what the round-robin deal would have needed (for reporting)
+    gpu_moves: int = 0
+    gpu_moves_round_robin: int = 0
 
 
 def _loads_for(name: str, e: int, loads: Mapping[str, Sequence[float]] | None) -> list[float]:
@@ -96,6 +110,7 @@ def compute_plan(
     slots: int,
     min_replicas: int,
     gpus_per_node: int = 1,
+    gpu_holdings: Mapping[str, Mapping[str, Sequence[Sequence[int]]]] | None = None,
 ) -> PlanResult:
     """Compute per-layer assignments for ``members`` (node order).
 
@@ -107,6 +122,8 @@ def compute_plan(
         slots: c, slots per node (all its GPUs together).
         min_replicas: f (capped at the number of members): replicas on distinct nodes.
         gpus_per_node: G ranks per node; each gets ``c // G`` or ``c // G + 1`` slots.
+        gpu_holdings: node -> layer -> per-GPU expert lists now (the last plan's
+            ``gpus``); absent for a node: it gets the round-robin deal.
 
     Raises:
         InsufficientSlots: ``len(members) * slots`` is below some layer's expert count,
@@ -133,6 +150,14 @@ def compute_plan(
         mig = plan_migration(old, placement)
         assign = [list(placement.nodes[mig.mapping[m]]) for m in members]
         out.layers[spec.name] = assign
+        if gpus_per_node > 1:
+            split = []
+            for m, row in zip(members, assign):
+                node = split_node(row, gpus_per_node, (gpu_holdings or {}).get(m, {}).get(spec.name))
+                split.append(node.split)
+                out.gpu_moves += node.moves
+                out.gpu_moves_round_robin += node.round_robin_moves
+            out.gpus[spec.name] = split
         out.replicas[spec.name] = r
         out.fetches_greedy += mig.num_fetches
         out.fetches_identity += mig.identity_fetches

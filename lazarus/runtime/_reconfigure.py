@@ -286,6 +286,7 @@ class Reconfigurer:
                   "reason": plan.get("reason"), "world_size": t.world, "members": members, "step": t.step,
                   "t_error": t_error, "t_plan": plan.get("issued_at"), "detected_at": plan.get("detected_at"),
                   "t_resumed": t_resumed, "timings": timings, "moved": stats["moved"],
+                  "same_node_moved": stats.get("same_node_moved", 0),
                   "dense_moves": stats["dense_moves"], "sources": stats["sources"],
                   "lost_experts": sorted(lost), "plt": t.ckpt.plt() if t.ckpt is not None else 0.0,
                   "fetches": plan.get("fetches"), "recovery_probability": plan.get("recovery_probability")}
@@ -315,7 +316,7 @@ class Reconfigurer:
                                 "experts": self._held(), "modules": modules})
         newest = max(r["step"] for r in inv)
         self._joiners = sum(1 for r in inv if r["step"] < 0)
-        stats = {"moved": 0, "dense_moves": 0, "sources": {"peer": 0}}
+        stats = {"moved": 0, "same_node_moved": 0, "dense_moves": 0, "sources": {"peer": 0}}
         self._pending_lost_mine = set()
         if newest < 0:
             return {}, [], newest, stats
@@ -357,6 +358,9 @@ class Reconfigurer:
                     trees[m.unit] = capture_unit(layout.units[m.unit], t.model, t.optimizer, state=state)
         received = exchange_units(moves, trees, comm, device=t.backend.transfer_device)
         stats["moved"] = sum(1 for m in moves if m.unit.startswith("expert/"))
+        # expert copies that moved between two GPUs of one node (never over the network)
+        stats["same_node_moved"] = sum(1 for m in moves if m.unit.startswith("expert/")
+                                       and inv[m.src]["node"] == inv[m.dst]["node"])
         stats["dense_moves"] = sum(1 for m in moves if not m.unit.startswith("expert/"))
         stats["sources"]["peer"] = stats["moved"]
         # Units this rank must get from moc (no surviving replica anywhere).
@@ -365,10 +369,12 @@ class Reconfigurer:
         return received, lost, newest, stats
 
     def _placements(self, plan: dict[str, Any]) -> dict[str, Placement]:
-        """The plan's per-layer placements: rows per node, spread over its G ranks."""
+        """The plan's per-layer placements: rows per node, spread over its G ranks as the
+        plan's ``gpus`` split says (round-robin in plans without one)."""
         g = int(plan.get("gpus_per_node", 1))
+        split = plan.get("gpus") or {}
         return {layer: Placement([list(s) for s in slots], num_experts=int(self.t.layout["layers"][layer]),
-                                 gpus_per_node=g)
+                                 gpus_per_node=g, gpus=split.get(layer) if g > 1 else None)
                 for layer, slots in plan["layers"].items()}
 
     def _install(self, plan: dict[str, Any], received: dict[str, Any], newest: int) -> None:

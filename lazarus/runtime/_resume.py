@@ -63,7 +63,7 @@ class Resumable(Membership):
             "epoch": self.epoch, "port": int(self.port or 0), "store_port": int(self.store_port or 0),
             "generation": self.generation, "plan": self._plan, "members": list(self._members),
             "stalled": self._stalled, "applied_gen": self._applied_gen,
-            "holdings": self._holdings, "model": self._model,
+            "holdings": self._holdings, "gpu_holdings": self._gpu_holdings, "model": self._model,
             "routing": {name: [list(r) for r in hist] for name, hist in self._routing.items()},
             "last_step": self._last_step, "last_rebalance_step": self._last_rebalance_step,
             "done": sorted(self._done), "left": sorted(self._left), "finished": self._finished,
@@ -102,6 +102,9 @@ class Resumable(Membership):
         self._applied_gen = int(state["applied_gen"])
         self._holdings = {str(n): {str(k): [int(x) for x in v] for k, v in layers.items()}
                           for n, layers in state["holdings"].items() if isinstance(layers, dict)}
+        # absent in states written before plans carried a per-GPU split
+        self._gpu_holdings = {str(n): {str(k): [[int(x) for x in gpu] for gpu in v] for k, v in layers.items()}
+                              for n, layers in (state.get("gpu_holdings") or {}).items() if isinstance(layers, dict)}
         self._model = state["model"]
         window = self.config.routing_window
         self._routing = {str(k): deque([[float(x) for x in r] for r in hist][-window:], maxlen=window)
