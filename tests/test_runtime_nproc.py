@@ -244,3 +244,65 @@ def test_sigterm_takes_all_workers_of_the_node(cluster: Callable[..., Cluster]) 
     assert not c.events("node_failed")
     time.sleep(0.5)
     assert c.agents["a"].poll() is None
+
+
+# ============================================================================ part 4
+
+
+@pytest.mark.timeout(120)
+def test_controller_restart_keeps_the_gpu_splits_and_the_jobs_workers_per_node(tmp_path: Path) -> None:
+    """3 nodes x 2 workers; the controller is SIGKILLed and restarted. The workers are not
+    touched; the restarted controller knows the job's G (refusing a node with another) and
+    the GPU split of every node, and plans the next failure from it."""
+    from test_runtime_control import saved_state
+
+    from lazarus.planning import split_node
+
+    c = Cluster(tmp_path, ["--expected-nodes", "3", "--slots", "4", "--resume-grace", "5s"], {"FAKE_EXPERTS": "6"})
+    try:
+        nodes = ("a", "b", "c")
+        for n in nodes:
+            c.add_agent(n, "--nproc-per-node", "2")
+        plan = c.wait_plan(20, reason="start")
+        assert plan["world_size"] == 6 and set(plan["gpus"]) == set(plan["layers"])
+        for m in nodes:
+            wait_for(lambda m=m: len(c.events("reconfigured", node=m, generation=1)) == 2, 10,
+                     f"both workers of {m} reconfigured\n{c.debug()}")
+        workers = {n: wait_for(lambda n=n: len(_workers(c.agents[n].pid)) == 2 and _workers(c.agents[n].pid), 10,
+                               f"{n}'s two workers") for n in nodes}
+        split = {m: {layer: s[i] for layer, s in plan["gpus"].items()} for i, m in enumerate(plan["members"])}
+        state = wait_for(lambda: (s := saved_state(c))["applied_gen"] == 1 and s, 10, "plan 1 applied in the state")
+        assert state["gpus_per_node"] == 2 and state["gpu_holdings"] == split
+
+        c.kill_group(c.ctl)
+        c.ctl.wait(timeout=10)
+        time.sleep(0.5)
+        c.start_controller()
+        resumed = c.wait_event("resumed", 15)
+        assert sorted(resumed["back"]) == list(nodes) and resumed["lost"] == []
+        for n in nodes:                                  # no worker was restarted
+            assert {lr: pid for lr, (pid, _) in _workers(c.agents[n].pid).items()} == \
+                {lr: pid for lr, (pid, _) in workers[n].items()}
+        assert saved_state(c)["gpu_holdings"] == split and saved_state(c)["epoch"] == 2
+
+        # a node started with another worker count is refused by the restarted controller
+        d = c.add_agent("d", "--nproc-per-node", "1")
+        assert d.wait(timeout=20) != 0
+        assert "--nproc-per-node 1 differs from this job's 2 workers per node" in (tmp_path / "agent-d.log").read_text()
+
+        # a failure after the restart: planned from the restored splits
+        c.kill_group(c.agents["b"])
+        fail = c.wait_plan(15, reason="failure")
+        assert fail["members"] == ["a", "c"] and fail["world_size"] == 4
+        sent = saved_state(c)["plan"]                   # the plan message as sent
+        assert sent["generation"] == fail["generation"] and sent["ranks"] == {"a": [0, 1], "c": [2, 3]}
+        assert sent["gpus"] == fail["gpus"]
+        for layer, rows in fail["layers"].items():
+            for i, m in enumerate(fail["members"]):
+                assert fail["gpus"][layer][i] == split_node(rows[i], 2, split[m][layer]).split
+        assert fail["fetches"]["same_node"] <= fail["fetches"]["same_node_round_robin"]
+        for m in ("a", "c"):
+            wait_for(lambda m=m: len(c.events("reconfigured", node=m, generation=fail["generation"])) == 2, 10,
+                     f"both workers of {m} applied the failure plan\n{c.debug()}")
+    finally:
+        c.close()
