@@ -306,3 +306,53 @@ def test_controller_restart_keeps_the_gpu_splits_and_the_jobs_workers_per_node(t
                      f"both workers of {m} applied the failure plan\n{c.debug()}")
     finally:
         c.close()
+
+
+def _node_workers_alive(node: str) -> list[int]:
+    """Pids of live processes started for ``node``'s workers (by their environment)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            raw = (d / "environ").read_bytes()
+        except OSError:
+            continue
+        if f"LAZARUS_NODE_ID={node}".encode() in raw.split(b"\0") and not _gone(int(d.name)):
+            out.append(int(d.name))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_crash_loop_of_one_worker_restarts_the_node_then_it_leaves(tmp_path: Path) -> None:
+    """c's local rank 1 raises at its 3rd step in every incarnation: each crash stops its
+    sibling and restarts both as one incarnation; the cap counts node restarts (2), then
+    the node leaves naming the error, none of its workers is left, and a, b go on."""
+    c = Cluster(tmp_path, ["--expected-nodes", "3", "--slots", "4"])
+    try:
+        for n in ("a", "b"):
+            c.add_agent(n, "--nproc-per-node", "2")
+        c.add_agent("c", "--nproc-per-node", "2", "--env", "FAKE_CRASH_AT_STEP=3", "--env", "FAKE_CRASH_LOCAL_RANK=1",
+                    "--max-restarts", "2", "--restart-window", "1m", "--respawn-delay", "300ms")
+        c.wait_plan(20, reason="start")
+        assert c.agents["c"].wait(timeout=60) == 5
+        log_c = (tmp_path / "agent-c.log").read_text()
+        assert "RuntimeError: injected crash at step 3 on node c (local rank 1)" in log_c
+        assert "crashed 3 times" in log_c
+        leave = c.wait_event("leave", 5, node="c")
+        assert leave["reason"] == "crash_loop" and "local rank 1" in leave["error"]
+        exits = [e for e in c.events("worker_exit", node="c") if not e.get("stale")]
+        assert [e["incarnation"] for e in exits] == [1, 2, 3]          # one exit per node incarnation
+        assert all("local rank 1" in e["error"] and "injected crash" in e["error"] for e in exits)
+        readies = {e["incarnation"]: e["t"] for e in c.events("worker_ready", node="c")}
+        assert sorted(readies) == [1, 2, 3]                              # both workers back each time
+        assert readies[2] - exits[0]["t"] >= 0.3 and readies[3] - exits[1]["t"] >= 0.6   # backoff doubles
+        assert _node_workers_alive("c") == []                            # the sibling did not outlive it
+        after = wait_for(lambda: [p for p in c.events("plan") if p["t"] >= leave["t"] and "c" not in p["members"]],
+                         20, f"a plan without c after its leave\n{c.debug()}")
+        assert sorted(after[-1]["members"]) == ["a", "b"] and after[-1]["world_size"] == 4
+        assert c.agents["a"].poll() is None and c.agents["b"].poll() is None
+        assert len(_node_workers_alive("a")) == 2 and len(_node_workers_alive("b")) == 2
+        assert not c.events("node_failed", node="a") and not c.events("node_failed", node="b")
+    finally:
+        c.close()
