@@ -4,7 +4,9 @@ Part 1: the plan's rank mapping (contiguous per node), the placement over a node
 input validation. Part 2: a controller in a thread refusing nodes that do not fit the job.
 Part 3: ``lazarus controller`` + ``lazarus agent --nproc-per-node 2`` subprocesses running
 ``tests/runtime_fake_worker.py``: one node, one plan, G ranks; one worker's crash restarts
-the node's workers together; a SIGTERM takes all of them.
+the node's workers together; a SIGTERM takes all of them. Part 4: the same with three
+nodes and a controller that is SIGKILLed and restarted (the job's G and every node's GPU
+split survive it; a worker crash while it is away), and a crash loop of one worker.
 """
 
 from __future__ import annotations
@@ -354,5 +356,47 @@ def test_crash_loop_of_one_worker_restarts_the_node_then_it_leaves(tmp_path: Pat
         assert c.agents["a"].poll() is None and c.agents["b"].poll() is None
         assert len(_node_workers_alive("a")) == 2 and len(_node_workers_alive("b")) == 2
         assert not c.events("node_failed", node="a") and not c.events("node_failed", node="b")
+    finally:
+        c.close()
+
+
+@pytest.mark.timeout(120)
+def test_one_worker_crash_while_the_controller_is_away_restarts_the_node_which_rejoins(tmp_path: Path) -> None:
+    """b's local rank 0 is SIGKILLed while no controller runs: the agent restarts both of
+    b's workers as incarnation 2 and queues the reports; the returning controller counts b
+    as lost (a failure plan without it), then b's new workers join as one node."""
+    from test_runtime_control import saved_state
+
+    c = Cluster(tmp_path, ["--expected-nodes", "3", "--slots", "4", "--resume-grace", "5s"])
+    try:
+        for n in ("a", "b", "c"):
+            c.add_agent(n, "--nproc-per-node", "2")
+        c.wait_plan(20, reason="start")
+        old = wait_for(lambda: len(_workers(c.agents["b"].pid)) == 2 and _workers(c.agents["b"].pid), 10,
+                       "b's two workers")
+        c.kill_group(c.ctl)
+        c.ctl.wait(timeout=10)
+        os.kill(old[0][0], signal.SIGKILL)
+        wait_for(lambda: _gone(old[1][0]), 10, "b's other worker stopped with it")
+        new = wait_for(lambda: len(w := _workers(c.agents["b"].pid)) == 2
+                       and {p for p, _ in w.values()}.isdisjoint({p for p, _ in old.values()}) and w, 15,
+                       "b's two new workers")
+        assert {lr for lr in new} == {0, 1}
+        c.start_controller()
+        resumed = c.wait_event("resumed", 15)
+        assert sorted(resumed["back"]) == ["a", "b", "c"] and resumed["lost"] == ["b"]
+        ev = c.events("node_resumed", node="b")[0]
+        assert ev["incarnation"] == 2 and ev["planned_incarnation"] == 1 and not ev["same_worker"]
+        assert c.events("node_failed", node="b")[0]["cause"] == "worker_lost_while_away"
+        exit_ = c.wait_event("worker_exit", 5, node="b", incarnation=1)
+        assert exit_["returncode"] == -signal.SIGKILL and "local rank 0" in exit_["error"]
+        plan = c.wait_plan(5, reason="failure")
+        assert plan["members"] == ["a", "c"] and plan["lost"] == ["b"] and plan["world_size"] == 4
+        join = c.wait_plan(15, reason="join")
+        assert join["members"] == ["a", "c", "b"] and join["world_size"] == 6
+        assert saved_state(c)["plan"]["incarnations"]["b"] == 2
+        wait_for(lambda: len(c.events("reconfigured", node="b", generation=join["generation"])) == 2, 10,
+                 f"both of b's new workers applied the join\n{c.debug()}")
+        assert {p for p, _ in _workers(c.agents["b"].pid).values()} == {p for p, _ in new.values()}
     finally:
         c.close()
