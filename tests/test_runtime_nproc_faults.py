@@ -23,13 +23,14 @@ NODES = ["n0", "n1", "n2"]
 G = 2
 
 
-def _cluster(tmp_path: Path, *, slots: int, min_replicas: int, steps: int = STEPS, experts: int = 4) -> LocalCluster:
+def _cluster(tmp_path: Path, *, slots: int, min_replicas: int, steps: int = STEPS, experts: int = 4,
+             extra: list[str] = ()) -> LocalCluster:
     worker = ["--steps", str(steps), "--storage", str(tmp_path / "store"), "--layers", "2", "--experts", str(experts),
               "--d-model", "32", "--d-hidden", "64", "--batch-size", "12", "--seq-len", "32",
               "--corpus-bytes", str(1 << 20), "--interval", "5", "--persist-every", "2",
               "--k-persist", "1", "--snapshot-copies", "2", "--collective-timeout", "4s",
               "--rendezvous-timeout", "20s", "--report-every", "5",
-              "--digests", str(tmp_path / "digest-{node}-{local_rank}.json")]
+              "--digests", str(tmp_path / "digest-{node}-{local_rank}.json"), *extra]
     controller = ["--slots", str(slots), "--min-replicas", str(min_replicas), "--expected-nodes", "3",
                   "--heartbeat-timeout", "2s", "--join-window", "1s"]
     return LocalCluster(tmp_path / "job", worker_args=worker, controller_args=controller,
@@ -154,16 +155,21 @@ def test_spot_notice_hands_both_workers_experts_over_and_the_node_leaves(tmp_pat
 @pytest.mark.timeout(300)
 def test_one_worker_killed_restarts_its_node_which_rejoins(tmp_path: Path) -> None:
     # the 4 survivors must not finish before the node's two new workers (started with
-    # torch imports on a loaded 2-core machine: up to ~15 s) rejoin
+    # torch imports on a loaded 2-core machine: 18 s seen) rejoin: from the kill until the
+    # rejoin every step takes 0.5 s longer (--slow-while), so 140 steps last over 70 s
     steps = 150
-    with _cluster(tmp_path, slots=4, min_replicas=2, steps=steps) as c:
+    slow = tmp_path / "slow"
+    with _cluster(tmp_path, slots=4, min_replicas=2, steps=steps, extra=["--slow-while", str(slow)]) as c:
         c.start(NODES)
         c.wait_step(8, timeout=180)
+        slow.touch()
         c.kill_worker("n1", local_rank=1)           # the agent stops local rank 0 too
         c.wait_for(lambda: _failure_reconfigs(c), 60, "reconfiguration after the worker kill")
         assert _failure_reconfigs(c)[0]["world_size"] == 4
         c.wait_for(lambda: [r for r in c.reconfigurations() if r["reason"] == "join"], 90, "the rejoin")
+        slow.unlink()
         join = [r for r in c.reconfigurations() if r["reason"] == "join"][0]
+        assert join["step"] < steps
         assert join["world_size"] == 6 and join["dense_moves"] > 0
         _check_gpu_moves(join)
         exits = [e for e in c.events() if e.get("event") == "worker_exit" and e.get("node") == "n1"]

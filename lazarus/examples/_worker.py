@@ -51,6 +51,9 @@ def add_job_arguments(p: argparse.ArgumentParser, *, batch_size: int) -> None:
                    help="cpu, cuda, cuda:<i> or auto (the process group follows: gloo on CPU, NCCL on CUDA)")
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
                    help="torch.distributed backend (auto: follows --device)")
+    p.add_argument("--slow-while", default=None, metavar="FILE",
+                   help="fault injection: while FILE exists every step takes 0.5 s longer (a test keeps "
+                        "the survivors training until a respawned node is back, however slowly it starts)")
 
 
 def start_worker(args: argparse.Namespace) -> str:
@@ -103,6 +106,14 @@ def run_job(args: argparse.Namespace, cfg: Any, *, layout: Any, build_model: Any
 
     trainer = ElasticTrainer(cfg, layout=layout, build_model=build_model,
                              make_optimizer=lambda model: make_optimizer(model, lr=args.lr))
+    if args.slow_while:
+        inner, flag = loss_fn, args.slow_while
+
+        def loss_fn(model: Any, step: int, rank: int, world: int) -> Any:
+            if os.path.exists(flag):
+                time.sleep(0.5)
+            return inner(model, step, rank, world)
+
     t0 = time.time()
     trainer.run(loss_fn, args.steps)
     write_digests(args, trainer, node, t0)
