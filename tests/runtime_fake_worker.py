@@ -6,7 +6,8 @@ a small model (``FAKE_LAYERS`` layers x ``FAKE_EXPERTS`` experts), then every
 On a new plan it replies ``reconfigured``; if it is in the plan's ``leaving`` list it exits
 0 after that. After ``FAKE_STEPS`` steps (0 = never) it reports ``done`` and waits for
 ``stop``. With ``FAKE_CRASH_AT_STEP`` it raises at that step of every incarnation (a
-deterministic crash loop). Writing ``collective_error`` into the file ``$FAKE_CONTROL_DIR/<node>`` makes it
+deterministic crash loop); with ``FAKE_CRASH_LOCAL_RANK`` as well, only the worker of that
+``LOCAL_RANK`` does (one rank of a node with ``--nproc-per-node`` > 1). Writing ``collective_error`` into the file ``$FAKE_CONTROL_DIR/<node>`` makes it
 report a collective error once. After ``stop`` it lingers ``FAKE_LINGER_S`` seconds (user
 code after ``trainer.run()``: an export, an evaluation), writes ``$FAKE_CONTROL_DIR/<node>.finished``
 and exits ``FAKE_EXIT_CODE`` (default 0).
@@ -35,6 +36,9 @@ def main() -> int:
     total = int(os.environ.get("FAKE_STEPS", "0"))
     control = os.environ.get("FAKE_CONTROL_DIR")
     crash_at = int(os.environ.get("FAKE_CRASH_AT_STEP", "0"))
+    crash_rank = os.environ.get("FAKE_CRASH_LOCAL_RANK")
+    if crash_rank is not None and crash_rank != os.environ.get("LOCAL_RANK", "0"):
+        crash_at = 0
     names = [f"layers.{i}.moe" for i in range(layers)]
     ch.hello({"layers": {n: experts for n in names}, "top_k": 2})
     gen, step, done_sent = 0, 0, False
