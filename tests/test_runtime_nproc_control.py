@@ -96,7 +96,7 @@ def test_controller_restart_keeps_every_nodes_workers_then_a_failure_is_planned_
     for n in ("a", "b", "c"):
         ev = c.events("node_resumed", node=n)[0]
         assert ev["same_worker"] and ev["member"] and ev["worker_alive"] and ev["worker_ready"]
-        assert ev["incarnation"] == 1
+        assert ev["incarnation"] == 1 and ev["nproc"] == G and ev["worker_pids"] == before[n]
         assert _pids(c, n) == before[n]               # all G workers back, none restarted
     assert not c.events("node_failed") and len(c.events("plan")) == 1
     # the restarted controller kept the job's G, and the next failure is planned with it
@@ -133,6 +133,7 @@ def test_one_worker_crash_while_the_controller_is_away_loses_the_node_then_it_re
     assert sorted(resumed["back"]) == ["a", "b", "c"] and resumed["lost"] == ["b"] and resumed["missing"] == []
     ev = c.events("node_resumed", node="b")[0]
     assert ev["incarnation"] == 2 and ev["planned_incarnation"] == 1 and not ev["same_worker"]
+    assert ev["worker_pids"] == new
     assert [e["cause"] for e in c.events("node_failed")] == ["worker_lost_while_away"]
     assert c.events("node_failed")[0]["node"] == "b"
     # the crash queued by b's agent reaches the new controller: one exit of the node's
