@@ -10,6 +10,7 @@ back to a restarted controller with another worker count than the saved job's.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
@@ -155,28 +156,33 @@ def test_one_worker_crash_while_the_controller_is_away_loses_the_node_then_it_re
 
 
 @pytest.mark.timeout(60)
-def test_crash_loop_in_one_rank_restarts_the_node_as_a_whole_then_it_leaves(
-        cluster: Callable[..., Cluster]) -> None:
-    """c's local rank 1 raises at its 3rd step in every incarnation: the node's group is
-    restarted twice (--max-restarts 2: each crash is one restart, not one per worker), then
-    the node leaves naming the error, with no worker of it left behind."""
+@pytest.mark.parametrize("crash_rank", ["1", "every"])
+def test_crash_loop_in_a_node_restarts_its_workers_as_a_whole_then_it_leaves(
+        cluster: Callable[..., Cluster], crash_rank: str) -> None:
+    """c's local rank 1 (or every rank of c) raises at its 3rd step in every incarnation:
+    the node's group is restarted twice (--max-restarts 2: each crash is one restart, not
+    one per worker that died), then the node leaves naming the error, with no worker of it
+    left behind."""
     c = cluster(nodes=("a", "b"))
-    c.add_agent("c", "--nproc-per-node", str(G), "--env", "FAKE_CRASH_AT_STEP=3", "--env", "FAKE_CRASH_LOCAL_RANK=1",
+    only = ("--env", f"FAKE_CRASH_LOCAL_RANK={crash_rank}") if crash_rank != "every" else ()
+    c.add_agent("c", "--nproc-per-node", str(G), "--env", "FAKE_CRASH_AT_STEP=3", *only,
                 "--max-restarts", "2", "--restart-window", "1m", "--respawn-delay", "300ms")
+    rank = crash_rank if crash_rank != "every" else "[0-9]"
+    error = re.compile(rf"local rank {rank}: exit 1: RuntimeError: injected crash at step 3 on node c")
     _started(c, ["a", "b", "c"])
     others = {n: _pids(c, n) for n in ("a", "b")}
     assert c.agents["c"].wait(timeout=45) == 5
     log_c = _log(c, "c")
     assert "RuntimeError: injected crash at step 3 on node c" in log_c
     assert "crashed 3 times" in log_c
-    assert "last error: local rank 1: exit 1: RuntimeError: injected crash at step 3 on node c" in log_c
+    assert re.search("last error: " + error.pattern, log_c)
     assert "restart 2 of at most 2" in log_c and "restart 3 of" not in log_c
     leave = c.wait_event("leave", 5, node="c")
-    assert leave["reason"] == "crash_loop" and "local rank 1: exit 1: RuntimeError: injected crash" in leave["error"]
+    assert leave["reason"] == "crash_loop" and error.fullmatch(leave["error"])
     # one exit and one ready per incarnation of the node (not per worker)
     exits = [e for e in c.events("worker_exit", node="c") if not e.get("stale")]
     assert [e["incarnation"] for e in exits] == [1, 2, 3]
-    assert all(e["returncode"] == 1 and e["error"].startswith("local rank 1: exit 1:") for e in exits)
+    assert all(e["returncode"] == 1 and error.fullmatch(e["error"]) for e in exits)
     readies = c.events("worker_ready", node="c")
     assert [e["incarnation"] for e in readies] == [1, 2, 3]
     pids = [p for e in readies for p in e["pids"]]
