@@ -6,8 +6,8 @@ a small model (``FAKE_LAYERS`` layers x ``FAKE_EXPERTS`` experts), then every
 On a new plan it replies ``reconfigured``; if it is in the plan's ``leaving`` list it exits
 0 after that. After ``FAKE_STEPS`` steps (0 = never) it reports ``done`` and waits for
 ``stop``. With ``FAKE_CRASH_AT_STEP`` it raises at that step of every incarnation (a
-deterministic crash loop); with ``FAKE_CRASH_LOCAL_RANK`` only the worker of that local rank
-raises (several workers per node). Writing ``collective_error`` into the file ``$FAKE_CONTROL_DIR/<node>`` makes it
+deterministic crash loop); with ``FAKE_CRASH_LOCAL_RANK`` as well, only the worker of that
+``LOCAL_RANK`` does (one rank of a node with ``--nproc-per-node`` > 1). Writing ``collective_error`` into the file ``$FAKE_CONTROL_DIR/<node>`` makes it
 report a collective error once. After ``stop`` it lingers ``FAKE_LINGER_S`` seconds (user
 code after ``trainer.run()``: an export, an evaluation), writes ``$FAKE_CONTROL_DIR/<node>.finished``
 and exits ``FAKE_EXIT_CODE`` (default 0).

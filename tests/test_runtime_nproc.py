@@ -4,9 +4,8 @@ Part 1: the plan's rank mapping (contiguous per node), the placement over a node
 input validation. Part 2: a controller in a thread refusing nodes that do not fit the job.
 Part 3: ``lazarus controller`` + ``lazarus agent --nproc-per-node 2`` subprocesses running
 ``tests/runtime_fake_worker.py``: one node, one plan, G ranks; one worker's crash restarts
-the node's workers together; a SIGTERM takes all of them. Part 4: the same with three
-nodes and a controller that is SIGKILLed and restarted (the job's G and every node's GPU
-split survive it; a worker crash while it is away), and a crash loop of one worker.
+the node's workers together; a SIGTERM takes all of them. Part 4: a controller SIGKILLed and
+restarted keeps every node's GPU split (more restart cases: test_runtime_nproc_control.py).
 """
 
 from __future__ import annotations
@@ -254,8 +253,9 @@ def test_sigterm_takes_all_workers_of_the_node(cluster: Callable[..., Cluster]) 
 @pytest.mark.timeout(120)
 def test_controller_restart_keeps_the_gpu_splits_and_the_jobs_workers_per_node(tmp_path: Path) -> None:
     """3 nodes x 2 workers; the controller is SIGKILLed and restarted. The workers are not
-    touched; the restarted controller knows the job's G (refusing a node with another) and
-    the GPU split of every node, and plans the next failure from it."""
+    touched; the restarted controller knows the job's G and the GPU split of every node,
+    and plans the next failure from it (test_runtime_nproc_control.py has the rest of the
+    restart cases)."""
     from test_runtime_control import saved_state
 
     from lazarus.planning import split_node
@@ -287,11 +287,6 @@ def test_controller_restart_keeps_the_gpu_splits_and_the_jobs_workers_per_node(t
                 {lr: pid for lr, (pid, _) in workers[n].items()}
         assert saved_state(c)["gpu_holdings"] == split and saved_state(c)["epoch"] == 2
 
-        # a node started with another worker count is refused by the restarted controller
-        d = c.add_agent("d", "--nproc-per-node", "1")
-        assert d.wait(timeout=20) != 0
-        assert "--nproc-per-node 1 differs from this job's 2 workers per node" in (tmp_path / "agent-d.log").read_text()
-
         # a failure after the restart: planned from the restored splits
         c.kill_group(c.agents["b"])
         fail = c.wait_plan(15, reason="failure")
@@ -309,94 +304,3 @@ def test_controller_restart_keeps_the_gpu_splits_and_the_jobs_workers_per_node(t
     finally:
         c.close()
 
-
-def _node_workers_alive(node: str) -> list[int]:
-    """Pids of live processes started for ``node``'s workers (by their environment)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            raw = (d / "environ").read_bytes()
-        except OSError:
-            continue
-        if f"LAZARUS_NODE_ID={node}".encode() in raw.split(b"\0") and not _gone(int(d.name)):
-            out.append(int(d.name))
-    return out
-
-
-@pytest.mark.timeout(120)
-def test_crash_loop_of_one_worker_restarts_the_node_then_it_leaves(tmp_path: Path) -> None:
-    """c's local rank 1 raises at its 3rd step in every incarnation: each crash stops its
-    sibling and restarts both as one incarnation; the cap counts node restarts (2), then
-    the node leaves naming the error, none of its workers is left, and a, b go on."""
-    c = Cluster(tmp_path, ["--expected-nodes", "3", "--slots", "4"])
-    try:
-        for n in ("a", "b"):
-            c.add_agent(n, "--nproc-per-node", "2")
-        c.add_agent("c", "--nproc-per-node", "2", "--env", "FAKE_CRASH_AT_STEP=3", "--env", "FAKE_CRASH_LOCAL_RANK=1",
-                    "--max-restarts", "2", "--restart-window", "1m", "--respawn-delay", "300ms")
-        c.wait_plan(20, reason="start")
-        assert c.agents["c"].wait(timeout=60) == 5
-        log_c = (tmp_path / "agent-c.log").read_text()
-        assert "RuntimeError: injected crash at step 3 on node c (local rank 1)" in log_c
-        assert "crashed 3 times" in log_c
-        leave = c.wait_event("leave", 5, node="c")
-        assert leave["reason"] == "crash_loop" and "local rank 1" in leave["error"]
-        exits = [e for e in c.events("worker_exit", node="c") if not e.get("stale")]
-        assert [e["incarnation"] for e in exits] == [1, 2, 3]          # one exit per node incarnation
-        assert all("local rank 1" in e["error"] and "injected crash" in e["error"] for e in exits)
-        readies = {e["incarnation"]: e["t"] for e in c.events("worker_ready", node="c")}
-        assert sorted(readies) == [1, 2, 3]                              # both workers back each time
-        assert readies[2] - exits[0]["t"] >= 0.3 and readies[3] - exits[1]["t"] >= 0.6   # backoff doubles
-        assert _node_workers_alive("c") == []                            # the sibling did not outlive it
-        after = wait_for(lambda: [p for p in c.events("plan") if p["t"] >= leave["t"] and "c" not in p["members"]],
-                         20, f"a plan without c after its leave\n{c.debug()}")
-        assert sorted(after[-1]["members"]) == ["a", "b"] and after[-1]["world_size"] == 4
-        assert c.agents["a"].poll() is None and c.agents["b"].poll() is None
-        assert len(_node_workers_alive("a")) == 2 and len(_node_workers_alive("b")) == 2
-        assert not c.events("node_failed", node="a") and not c.events("node_failed", node="b")
-    finally:
-        c.close()
-
-
-@pytest.mark.timeout(120)
-def test_one_worker_crash_while_the_controller_is_away_restarts_the_node_which_rejoins(tmp_path: Path) -> None:
-    """b's local rank 0 is SIGKILLed while no controller runs: the agent restarts both of
-    b's workers as incarnation 2 and queues the reports; the returning controller counts b
-    as lost (a failure plan without it), then b's new workers join as one node."""
-    from test_runtime_control import saved_state
-
-    c = Cluster(tmp_path, ["--expected-nodes", "3", "--slots", "4", "--resume-grace", "5s"])
-    try:
-        for n in ("a", "b", "c"):
-            c.add_agent(n, "--nproc-per-node", "2")
-        c.wait_plan(20, reason="start")
-        old = wait_for(lambda: len(_workers(c.agents["b"].pid)) == 2 and _workers(c.agents["b"].pid), 10,
-                       "b's two workers")
-        c.kill_group(c.ctl)
-        c.ctl.wait(timeout=10)
-        os.kill(old[0][0], signal.SIGKILL)
-        wait_for(lambda: _gone(old[1][0]), 10, "b's other worker stopped with it")
-        new = wait_for(lambda: len(w := _workers(c.agents["b"].pid)) == 2
-                       and {p for p, _ in w.values()}.isdisjoint({p for p, _ in old.values()}) and w, 15,
-                       "b's two new workers")
-        assert {lr for lr in new} == {0, 1}
-        c.start_controller()
-        resumed = c.wait_event("resumed", 15)
-        assert sorted(resumed["back"]) == ["a", "b", "c"] and resumed["lost"] == ["b"]
-        ev = c.events("node_resumed", node="b")[0]
-        assert ev["incarnation"] == 2 and ev["planned_incarnation"] == 1 and not ev["same_worker"]
-        assert c.events("node_failed", node="b")[0]["cause"] == "worker_lost_while_away"
-        exit_ = c.wait_event("worker_exit", 5, node="b", incarnation=1)
-        assert exit_["returncode"] == -signal.SIGKILL and "local rank 0" in exit_["error"]
-        plan = c.wait_plan(5, reason="failure")
-        assert plan["members"] == ["a", "c"] and plan["lost"] == ["b"] and plan["world_size"] == 4
-        join = c.wait_plan(15, reason="join")
-        assert join["members"] == ["a", "c", "b"] and join["world_size"] == 6
-        assert saved_state(c)["plan"]["incarnations"]["b"] == 2
-        wait_for(lambda: len(c.events("reconfigured", node="b", generation=join["generation"])) == 2, 10,
-                 f"both of b's new workers applied the join\n{c.debug()}")
-        assert {p for p, _ in _workers(c.agents["b"].pid).values()} == {p for p, _ in new.values()}
-    finally:
-        c.close()

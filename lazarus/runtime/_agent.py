@@ -241,6 +241,7 @@ class Agent:
                 "worker_alive": bool(wk is not None and wk.healthy),
                 "worker_ready": bool(wk is not None and wk.healthy and wk.ready),
                 "worker_pid": wk.pid if wk is not None else None,
+                "worker_pids": wk.pids if wk is not None else [],   # every local rank's
                 "model": wk.model if wk is not None else {},
                 "plan_generation": wk.plan_generation if wk is not None else 0,
                 "generation": wk.generation if wk is not None else None,

@@ -147,8 +147,12 @@ class Membership(ABC):
         node.incarnation = inc
         node.ready = True
         node.worker_pid = _req(msg, "pid", int, optional=True)
+        pids = _req(msg, "pids", list, optional=True)   # every local rank's, with --nproc-per-node > 1
+        if pids is not None and not all(isinstance(p, int) and not isinstance(p, bool) for p in pids):
+            raise MalformedMessageError("worker_ready: field 'pids' must be a list of integers")
         self._forget_holdings(node.node_id)
-        self._event("worker_ready", node=node.node_id, incarnation=inc, pid=node.worker_pid)
+        self._event("worker_ready", node=node.node_id, incarnation=inc, pid=node.worker_pid,
+                    **({"pids": pids} if pids is not None else {}))
         if self._finished:
             return
         if not self._members and not self._stalled:

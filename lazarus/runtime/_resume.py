@@ -140,6 +140,9 @@ class Resumable(Membership):
         alive = _req(r, "worker_alive", bool)
         ready = _req(r, "worker_ready", bool)
         worker_pid = _req(r, "worker_pid", int, optional=True)
+        worker_pids = _req(r, "worker_pids", list, optional=True) or []
+        if not all(isinstance(p, int) and not isinstance(p, bool) for p in worker_pids):
+            raise MalformedMessageError("register: resume.worker_pids must be a list of integers")
         plan_gen = _req(r, "plan_generation", int)
         done = _req(r, "done", bool)
         leaving = bool(_req(r, "leaving", bool, optional=True))
@@ -162,7 +165,8 @@ class Resumable(Membership):
         same = member and alive and inc == planned
         self._event("node_resumed", node=node_id, peer=conn.peer, incarnation=inc, planned_incarnation=planned,
                     worker_alive=alive, worker_ready=ready, plan_generation=plan_gen, step=step, done=done,
-                    member=member, same_worker=same, generation=self.generation)
+                    member=member, same_worker=same, generation=self.generation, nproc=nproc,
+                    worker_pids=worker_pids if alive else [])
         self._send_conn(conn, {"type": "registered", "node": node_id, "slots": self.config.slots_per_node,
                                "heartbeat_timeout_s": self.config.heartbeat_timeout.total_seconds(),
                                "resumed": True})
