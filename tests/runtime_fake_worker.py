@@ -62,8 +62,7 @@ def main() -> int:
                 skew = [[(e + 1) ** 3 * 10 for e in range(experts)] for _ in names]
                 ch.send({"type": "routing", "step": step, "layers": dict(zip(names, skew))})
             if crash_at and step >= crash_at:
-                raise RuntimeError(f"injected crash at step {step} on node {ch.node_id}"
-                                   f" (local rank {os.environ.get('LOCAL_RANK', '0')})")
+                raise RuntimeError(f"injected crash at step {step} on node {ch.node_id}")
             if total and step >= total and not done_sent:
                 ch.send({"type": "done", "step": step})
                 done_sent = True
