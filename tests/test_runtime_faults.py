@@ -21,12 +21,13 @@ NODES = ["n0", "n1", "n2", "n3"]
 
 
 def _cluster(tmp_path: Path, *, copies: int = 2, extra_controller: tuple[str, ...] = (),
-             steps: int = STEPS) -> LocalCluster:
+             steps: int = STEPS, extra_worker: tuple[str, ...] = ()) -> LocalCluster:
     worker = ["--steps", str(steps), "--storage", str(tmp_path / "store"), "--layers", "2", "--experts", "4",
               "--d-model", "32", "--d-hidden", "64", "--batch-size", "8", "--seq-len", "32",
               "--corpus-bytes", str(1 << 20), "--interval", "5", "--k-snapshot", "2", "--k-persist", "1",
               "--persist-every", "2", "--snapshot-copies", str(copies), "--collective-timeout", "4s",
-              "--rendezvous-timeout", "20s", "--report-every", "5", "--digests", str(tmp_path / "digest-{node}.json")]
+              "--rendezvous-timeout", "20s", "--report-every", "5", "--digests", str(tmp_path / "digest-{node}.json"),
+              *extra_worker]
     controller = ["--slots", "2", "--min-replicas", "2", "--expected-nodes", "4", "--heartbeat-timeout", "2s",
                   "--join-window", "1s", *extra_controller]
     return LocalCluster(tmp_path / "job", worker_args=worker, controller_args=controller,
@@ -75,19 +76,22 @@ def test_sigkill_whole_node(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_sigkill_worker_then_respawned_worker_rejoins(tmp_path: Path) -> None:
     # The rejoin must come before the last step: a respawned worker starts in ~2 s on an
-    # idle machine but took 8 s on a loaded one while the 3 survivors ran 95 steps; 300
-    # steps leave room for that.
-    with _cluster(tmp_path, steps=300) as c:
+    # idle machine but took 8 s on a loaded one. From the kill until the rejoin every step
+    # takes 0.5 s longer (--slow-while): the survivors' last 135 steps would take over a minute.
+    slow = tmp_path / "slow"
+    with _cluster(tmp_path, steps=150, extra_worker=("--slow-while", str(slow))) as c:
         c.start(NODES)
         c.wait_step(15, timeout=180)
+        slow.touch()
         c.kill_worker("n1")
         c.wait_for(lambda: _failure_reconfigs(c), 60, "reconfiguration after the worker kill")
         assert _failure_reconfigs(c)[0]["world_size"] == 3
         # The agent restarts the worker; it joins between steps after the join window.
         c.wait_for(lambda: [r for r in c.reconfigurations() if r["reason"] == "join"], 90, "the rejoin")
+        slow.unlink()
         join = [r for r in c.reconfigurations() if r["reason"] == "join"][0]
         assert join["world_size"] == 4 and join["dense_moves"] > 0
-        _finish(c, tmp_path, NODES, steps=300)
+        _finish(c, tmp_path, NODES, steps=150)
         _survivors_not_restarted(c, ["n0", "n2", "n3"])
 
 
