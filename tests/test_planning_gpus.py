@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from lazarus.moe import rank_slots
 from lazarus.planning import Placement, deal_gpus, round_robin_gpus, same_node_moves
-from lazarus.runtime._planner import LayerSpec, compute_plan
+from lazarus.runtime._planner import LayerSpec, applied_holdings, compute_plan
 
 
 @st.composite
@@ -112,11 +112,11 @@ def test_placement_takes_an_explicit_split_and_validates_it() -> None:
 
 def _apply(res, members: list[str]) -> dict[str, dict[str, list[list[int]]]]:
     """The controller's per-GPU holdings once a plan is applied."""
-    return {m: {layer: split[i] for layer, split in res.gpus.items()} for i, m in enumerate(members)}
+    return applied_holdings(members, res.layers, res.gpus)[1]
 
 
 def _node_holdings(res, members: list[str]) -> dict[str, dict[str, list[int]]]:
-    return {m: {layer: rows[i] for layer, rows in res.layers.items()} for i, m in enumerate(members)}
+    return applied_holdings(members, res.layers, res.gpus)[0]
 
 
 def _fail_one(e: int, slots: int):

@@ -37,7 +37,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lazarus.planning import same_node_moves  # noqa: E402
-from lazarus.runtime._planner import LayerSpec, compute_plan  # noqa: E402
+from lazarus.runtime._planner import LayerSpec, applied_holdings, compute_plan  # noqa: E402
 from lazarus.sim import load_trace  # noqa: E402
 
 TRACE = next((p for p in (ROOT.parent / "shared" / "traces" / "aws-p3-32nodes.csv",
@@ -88,8 +88,7 @@ def replay(trace: Path, *, gpus: int, layers: int, experts: int, slots: int, f: 
         rows.append({"t_s": ev.time_s, "kind": ev.kind, "nodes": len(new_members),
                      "network": res.fetches_greedy, "stable": stable, "round_robin": rr})
         members = new_members
-        holdings = {m: {s: res.layers[s][i] for s in res.layers} for i, m in enumerate(members)}
-        gpu_holdings = {m: {s: res.gpus[s][i] for s in res.gpus} for i, m in enumerate(members)}
+        holdings, gpu_holdings = applied_holdings(members, res.layers, res.gpus)
     return {"rows": rows, "plan_ms": plan_ms}
 
 

@@ -180,16 +180,6 @@ def same_node_moves(new: Sequence[Sequence[int]], held: Sequence[Sequence[int]])
 
 
 def _moves(new: Sequence[Sequence[int]], held_counts: Sequence[Counter], node_had: Counter) -> int:
-    if any(len(gpu) != len(set(gpu)) for gpu in new):   # copies on one GPU: the exact count
-        return _moves_exact(new, held_counts, node_had)
-    moves = 0
-    for j, gpu in enumerate(new):
-        have = held_counts[j] if j < len(held_counts) else Counter()
-        moves += sum(1 for e in gpu if not have[e] and node_had[e])
-    return moves
-
-
-def _moves_exact(new: Sequence[Sequence[int]], held_counts: Sequence[Counter], node_had: Counter) -> int:
     moves = 0
     for j, gpu in enumerate(new):
         have = held_counts[j] if j < len(held_counts) else Counter()

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._planner import InsufficientSlots, LayerSpec, compute_plan, max_replica_load, rank_layout
+from ._planner import InsufficientSlots, LayerSpec, applied_holdings, compute_plan, max_replica_load, rank_layout
 from ._wire import MalformedMessageError
 
 if TYPE_CHECKING:
@@ -252,10 +252,7 @@ class Membership(ABC):
     def _mark_applied(self, plan: dict[str, Any]) -> None:
         gen = plan["generation"]
         self._applied_gen = gen
-        self._holdings = {m: {layer: list(rows[i]) for layer, rows in plan["layers"].items()}
-                          for i, m in enumerate(plan["members"])}
-        self._gpu_holdings = {m: {layer: [list(gpu) for gpu in split[i]] for layer, split in plan.get("gpus", {}).items()}
-                              for i, m in enumerate(plan["members"])}
+        self._holdings, self._gpu_holdings = applied_holdings(plan["members"], plan["layers"], plan.get("gpus"))
         if self._inflight is not None and self._inflight["generation"] == gen:
             self._inflight = None
         self._save_state(now=True)

@@ -34,7 +34,8 @@ from lazarus.planning import (
     split_node,
 )
 
-__all__ = ["InsufficientSlots", "LayerSpec", "PlanResult", "compute_plan", "max_replica_load", "rank_layout"]
+__all__ = ["InsufficientSlots", "LayerSpec", "PlanResult", "applied_holdings", "compute_plan", "max_replica_load",
+           "rank_layout"]
 
 
 class InsufficientSlots(ValueError):
@@ -93,6 +94,18 @@ def max_replica_load(assignment: Sequence[Sequence[int]], loads: Sequence[float]
             continue
         worst = max(worst, t / r)
     return worst
+
+
+def applied_holdings(members: Sequence[str], layers: Mapping[str, Sequence[Sequence[int]]],
+                     gpus: Mapping[str, Sequence[Sequence[Sequence[int]]]] | None = None
+                     ) -> tuple[dict[str, dict[str, list[int]]], dict[str, dict[str, list[list[int]]]]]:
+    """What each member holds once a plan is applied, as :func:`compute_plan` takes it:
+    ``(node -> layer -> experts, node -> layer -> per-GPU experts)`` from the plan's
+    ``layers`` rows and ``gpus`` split (member order)."""
+    held = {m: {layer: list(rows[i]) for layer, rows in layers.items()} for i, m in enumerate(members)}
+    split = {m: {layer: [list(gpu) for gpu in s[i]] for layer, s in (gpus or {}).items()}
+             for i, m in enumerate(members)}
+    return held, split
 
 
 def rank_layout(members: Sequence[str], gpus_per_node: int) -> dict[str, list[int]]:
