@@ -11,6 +11,21 @@ States cycle SNAPSHOT (being filled) -> PERSIST (being written to storage) -> RE
 roles is FREE. A buffer grows when a snapshot outgrows it and shrinks when it is more than
 twice the size its next snapshot needs (the first, full checkpoint's buffer, typically).
 
+Who may touch a buffer (the rules that keep a snapshot from ever raising into training
+for lack of one, and a stale thread from ever writing into a buffer someone else fills):
+
+* One lock per pool (:attr:`BufferPool.lock`), shared by every manager that uses the pool
+  (a handover passes the pool, and with it the lock), guards states, reservations and leases.
+* A thread that reads or writes a buffer's bytes holds a lease on it (:meth:`BufferPool.lease`)
+  until it is done, whatever way it ends; a leased buffer is never handed out to be filled,
+  even when the manager that started the thread was detached meanwhile.
+* The buffer for the next snapshot is reserved (:meth:`BufferPool.reserve`) before the ranks
+  decide on that snapshot, and grown there to the size the last snapshot needed, so a rank
+  that has no buffer (every one busy, or ``/dev/shm`` full) says so in the round and every
+  rank skips that snapshot together, rather than one raising.
+* Growth reserves the file's pages (``posix_fallocate``) so a full ``/dev/shm`` is an
+  ``OSError`` (ENOSPC) at that point, never a SIGBUS while copying.
+
 For snapshots of CUDA tensors a buffer is page-locked (``cudaHostRegister`` of its
 mapping, :func:`moc._device_copy.host_register`) so device-to-host copies into it are
 asynchronous. A resize unregisters the old range first and registers the new one after:
@@ -19,12 +34,14 @@ a registration pins the pages it saw, and a truncated-then-regrown file has new 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import xxhash
@@ -62,6 +79,9 @@ class SnapshotBuffer:
     _shrink_to: int | None = field(default=None, repr=False)   # a shrink waiting for release_shrink()
     pinned: bool = False          # page-locked for asynchronous device-to-host copies
     _pin_failed: bool = field(default=False, repr=False)
+    users: int = 0                # threads reading or writing its bytes (BufferPool.lease)
+    reserved: bool = False        # picked for the next snapshot (BufferPool.reserve)
+    _allocated: int = field(default=0, repr=False)   # bytes of the file whose pages are reserved
 
     @property
     def path(self) -> str:
@@ -86,26 +106,56 @@ class SnapshotBuffer:
         once the copies into the buffer are done.
         """
         if nbytes <= self.capacity <= max(2 * nbytes, SHRINK_MIN):
+            self._reserve_pages(self.capacity)   # a no-op unless an earlier growth failed
             return
         self._settle()
         if nbytes > self.capacity:
             capacity = _pages(nbytes)
             if capacity <= self._mapped:
                 os.truncate(self.path, capacity)
+                self._reserve_pages(capacity)
             else:
                 with open(self.path, "wb") as f:
                     f.truncate(capacity)
+                self._allocated = 0
+                self._reserve_pages(capacity)
                 self._map = torch.from_file(self.path, shared=True, size=capacity, dtype=torch.uint8)
                 self._mapped = capacity
         else:
             capacity = _pages(nbytes + nbytes // 4)
             self._shrink_to = capacity
+            self._allocated = min(self._allocated, capacity)
             if not defer_shrink:
                 self.release_shrink()
         self.capacity = capacity
         self.data = self._map[:capacity]
         if pin and not self._pin_failed:
             self._pin()
+
+    def _reserve_pages(self, capacity: int) -> None:
+        """Back the file's pages up to ``capacity`` now (tmpfs allocates them lazily, and a
+        write into a page it cannot allocate kills the process with SIGBUS). On failure the
+        file goes back to the size it had and ``OSError`` says why."""
+        if capacity <= self._allocated:
+            return
+        if hasattr(os, "posix_fallocate"):
+            fd = os.open(self.path, os.O_RDWR)
+            try:
+                os.posix_fallocate(fd, self._allocated, capacity - self._allocated)
+            except OSError as exc:
+                if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):   # a file system without it
+                    self._allocated = capacity
+                    return
+                os.ftruncate(fd, self.capacity if self._mapped else 0)
+                free = ""
+                with contextlib.suppress(OSError):
+                    st = os.statvfs(self.directory)
+                    free = f", {st.f_bavail * st.f_frsize / 2**20:.1f} MiB free there"
+                raise OSError(exc.errno, f"snapshot buffer {self.path} cannot grow from {self.capacity} to "
+                                         f"{capacity} bytes ({os.strerror(exc.errno or 0)}{free})") from exc
+            finally:
+                os.close(fd)
+        self._allocated = capacity
 
     def _pin(self) -> None:
         self.pinned = host_register(self.data, where=f"snapshot buffer {self.path}")
@@ -175,36 +225,81 @@ def read_headers(directory: str) -> list[dict[str, Any]]:
 
 
 class BufferPool:
-    """Three buffers and the rules for picking one to fill."""
+    """Three buffers and the rules for picking one to fill (see the module docstring)."""
 
     def __init__(self, directory: str, count: int = 3) -> None:
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.buffers = [SnapshotBuffer(i, directory) for i in range(count)]
+        self.lock = threading.RLock()   # shared by every manager using the pool (RunState.lock)
 
     def newest_complete(self) -> SnapshotBuffer | None:
         done = [b for b in self.buffers if b.step is not None and b.state in (READY, PERSIST)]
         return max(done, key=lambda b: b.step) if done else None
 
-    def victim(self) -> SnapshotBuffer | None:
-        """The buffer :meth:`acquire` would fill now: free, else the oldest complete one
-        that is neither being persisted nor the newest complete copy (that one is the
-        RECOVERY copy); None when there is none."""
-        newest = self.newest_complete()
+    def victim(self, nbytes: int = 0, *, exclude: SnapshotBuffer | None = None) -> SnapshotBuffer | None:
+        """The buffer the next snapshot (``nbytes`` long, if known) would fill: the reserved
+        one, else one that is free or complete but neither being persisted nor the newest
+        complete copy (that one is the RECOVERY copy), and never one a thread still reads
+        or writes (leased). Among those: one big enough first (no growth), then a free
+        one, then the oldest. None when there is none."""
         for b in self.buffers:
-            if b.state == FREE:
+            if b.reserved and b is not exclude:
                 return b
-        candidates = [x for x in self.buffers if x.state == READY and x is not newest]
-        return min(candidates, key=lambda x: x.step) if candidates else None
+        newest = self.newest_complete()
+        candidates = [b for b in self.buffers if b.users == 0 and b is not exclude
+                      and (b.state == FREE or (b.state == READY and b is not newest))]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda b: (b.capacity < nbytes, b.state != FREE,
+                                              -1 if b.step is None else b.step, b.index))
 
-    def acquire(self) -> SnapshotBuffer:
-        """The buffer to fill (:meth:`victim`), its published snapshot withdrawn."""
-        b = self.victim()
+    def reserve(self, nbytes: int = 0) -> SnapshotBuffer | None:
+        """Pick the buffer for the next snapshot (:meth:`victim`) and keep it from
+        everyone else (a persist looking for its step, the next pick) until
+        :meth:`acquire` or :meth:`unreserve`; its published snapshot stays valid until
+        then. None when every buffer is busy. Call with :attr:`lock` held."""
+        self.unreserve()
+        b = self.victim(nbytes)
+        if b is not None:
+            b.reserved = True
+        return b
+
+    def unreserve(self) -> None:
+        """Give the reservation back (the snapshot was skipped). Call with :attr:`lock` held."""
+        for b in self.buffers:
+            b.reserved = False
+
+    def acquire(self, buf: SnapshotBuffer | None = None) -> SnapshotBuffer:
+        """The buffer to fill: ``buf`` (reserved), else :meth:`victim`; its published
+        snapshot withdrawn, state SNAPSHOT, leased to the caller (who must
+        :meth:`release` it once the copies into it are done)."""
+        b = buf if buf is not None else self.victim()
         if b is None:
-            raise RuntimeError("no snapshot buffer available (more than one snapshot in flight)")
+            raise RuntimeError("no snapshot buffer available: every buffer is being filled, persisted or is the "
+                               "newest complete snapshot (reserve() first and skip the snapshot when it is None)")
+        if b.users:
+            raise RuntimeError(f"snapshot buffer {b.index} is still in use by {b.users} thread(s)")
+        self.unreserve()
         b.invalidate()
         b.state = SNAPSHOT
+        b.users += 1
         return b
+
+    def release(self, buf: SnapshotBuffer) -> None:
+        """End a lease taken by :meth:`acquire` or :meth:`lease`."""
+        with self.lock:
+            buf.users = max(0, buf.users - 1)
+
+    @contextlib.contextmanager
+    def lease(self, buf: SnapshotBuffer) -> Iterator[SnapshotBuffer]:
+        """Hold ``buf`` while reading it: it is not refilled until the block ends."""
+        with self.lock:
+            buf.users += 1
+        try:
+            yield buf
+        finally:
+            self.release(buf)
 
     def unpin(self) -> None:
         """Release the page-locking of every buffer (the files and their contents stay)."""

@@ -1,8 +1,8 @@
 """What the ranks agree on at a checkpoint, in one collective.
 
 At every checkpoint, and at the decision points between checkpoints, each rank brings a
-:class:`Ballot`: SIGTERM seen, its snapshots failing, a unit it could not plan, its persist
-thread busy, the snapshot it could persist, the newest persist job it has finished, its
+:class:`Ballot`: SIGTERM seen, its snapshots failing, a unit it could not plan, no buffer for the due
+snapshot, its persist thread busy, the snapshot it could persist, the newest persist job it has finished, its
 routing counts, rank 0's tuning proposals, and the sizes of its units that changed since it
 last published them. The numbers travel in ONE int64 all-reduce (SUM; per-rank values sit in
 per-rank slots, so the sum doubles as a gather). Unit sizes, only when some rank has new ones
@@ -31,8 +31,8 @@ from ._snapshot_plan import PublishedSizes
 __all__ = ["Ballot", "Agreement", "Coordinator"]
 
 # Slots of the all-reduced vector: counts over ranks, then rank 0's proposals.
-_SIGTERM, _FAILED, _BROKEN, _BUSY, _K, _INTERVAL = range(6)
-_FIXED = 6
+_SIGTERM, _FAILED, _BROKEN, _BUSY, _K, _INTERVAL, _NO_BUFFER = range(7)
+_FIXED = 7
 
 
 @dataclass
@@ -42,6 +42,7 @@ class Ballot:
     sigterm: bool = False
     failed: bool = False              # max_consecutive_failures snapshots in a row failed here
     broken: bool = False              # planning this rank's units raised
+    no_buffer: bool = False           # no snapshot buffer could be reserved for the due snapshot
     persist_busy: bool = False
     retry_step: int | None = None     # the complete snapshot this rank could persist now
     finished_seq: int = 0             # newest persist job finished on this rank
@@ -59,6 +60,7 @@ class Agreement:
     failed: bool
     broken: bool
     persist_busy: bool
+    no_buffer: bool                   # some rank has no buffer: every rank skips the snapshot
     retry_steps: list[int | None]
     finished_seq: int                 # newest persist job finished on any rank
     routing: torch.Tensor | None
@@ -108,6 +110,7 @@ class Coordinator:
         v = torch.zeros(route0 + self.routing_len, dtype=torch.int64)
         v[_SIGTERM], v[_FAILED], v[_BROKEN], v[_BUSY] = (int(ballot.sigterm), int(ballot.failed), int(ballot.broken),
                                                          int(ballot.persist_busy))
+        v[_NO_BUFFER] = int(ballot.no_buffer)
         if rank == 0:
             v[_K] = ballot.k_snapshot or 0
             v[_INTERVAL] = ballot.interval or 0
@@ -137,6 +140,6 @@ class Coordinator:
         retry = vals[retry0:seq0]
         return Agreement(
             sigterm=vals[_SIGTERM] > 0, failed=vals[_FAILED] > 0, broken=vals[_BROKEN] > 0,
-            persist_busy=vals[_BUSY] > 0, retry_steps=[None if s < 0 else s for s in retry],
+            persist_busy=vals[_BUSY] > 0, no_buffer=vals[_NO_BUFFER] > 0, retry_steps=[None if s < 0 else s for s in retry],
             finished_seq=max(vals[seq0:len0]), routing=v[route0:] if ballot.routing is not None else None,
             k_snapshot=vals[_K] or None, interval=vals[_INTERVAL] or None, collectives=collectives)

@@ -125,14 +125,9 @@ class CheckpointManager:
         self.comm = Comm.create(process_group, cfg.coordination_timeout)
         self.rank, self.world = self.comm.rank, self.comm.world
         self.node = node if node is not None else default_node(self.rank)
-        self.run = RunState(rank=self.rank, world=self.world)
         self.inventory = Inventory.gather(model, layout, self.comm, self.node)
         if self.rank == 0:
             log.info("rank %d step -: expert layout %s", self.rank, self.inventory.info["description"])
-        self.policy = CheckpointPolicy(cfg, num_experts=self.inventory.num_experts, run=self.run, comm=self.comm)
-        self.plans = UnitPlans(model, optimizer, layout)
-        self.coordinator = Coordinator(self.comm, self.policy.routing_len)
-
         store = CheckpointStore(open_store(cfg.storage, **cfg.storage_options),
                                 compression=cfg.compression, keep_last=cfg.keep_last)
         run_key = hashlib.sha1(store.store.url.encode()).hexdigest()[:12]
@@ -143,6 +138,12 @@ class CheckpointManager:
             pool = handover.pool
         else:
             pool = BufferPool(self.snapshot_dir)
+        # One lock for the buffers' states, shared with the background jobs of a manager this
+        # one replaces (they may still run; see moc._buffers).
+        self.run = RunState(rank=self.rank, world=self.world, lock=pool.lock)
+        self.policy = CheckpointPolicy(cfg, num_experts=self.inventory.num_experts, run=self.run, comm=self.comm)
+        self.plans = UnitPlans(model, optimizer, layout)
+        self.coordinator = Coordinator(self.comm, self.policy.routing_len)
         self.run.run_id = self.comm.broadcast_json(uuid.uuid4().hex[:16])  # one id for the whole job
         self.engine = SnapshotEngine(cfg, pool=pool, comm=self.comm, run=self.run)
         self.persister = Persister(cfg, store=store, pool=pool, comm=self.comm, run=self.run, policy=self.policy)
@@ -265,15 +266,22 @@ class CheckpointManager:
         # Checkpoints and decision points are the same steps on every rank, so the rounds
         # (one collective each in steady state) line up.
         t0 = time.perf_counter()
+        has_buffer = True
         if due:
             self.engine.wait()
+            has_buffer = self.engine.reserve()   # the buffer to fill, kept from everyone else
         plans, extra, error = self._plan_units(step) if due else (None, None, None)
-        agreed = self._agree(step, due, plans, extra, error)
+        agreed = self._agree(step, due, plans, extra, error, no_buffer=not has_buffer)
+        if due and (agreed.sigterm or agreed.broken or agreed.failed or agreed.no_buffer):
+            self.engine.unreserve()
         if agreed.sigterm:
             self._flush_and_exit()
         self.persister.settle(agreed.finished_seq, self.cfg.persist_timeout.total_seconds())
         self.policy.adopt(agreed.k_snapshot, agreed.interval)
-        if not due:
+        if not due or agreed.no_buffer:
+            if due:   # every rank skips it: no buffer on some rank (logged with its reason there)
+                self.engine.skip(step, self.engine.reserve_error if not has_buffer else "no snapshot buffer on "
+                                 "another rank (see its log)")
             retry = agreed.persist_step(False, step)
             if retry is not None:
                 self.persister.start(retry)
@@ -301,10 +309,11 @@ class CheckpointManager:
             return None, None, exc
         return plans, extra, None
 
-    def _agree(self, step: int, due: bool, plans: Any, extra: Any, error: BaseException | None) -> Agreement:
+    def _agree(self, step: int, due: bool, plans: Any, extra: Any, error: BaseException | None, *,
+               no_buffer: bool = False) -> Agreement:
         """This step's round: what every rank must decide alike (see :mod:`moc._coordination`)."""
         proposal = self.policy.take_proposal()
-        ballot = Ballot(sigterm=self._sigterm, persist_busy=self.persister.busy,
+        ballot = Ballot(sigterm=self._sigterm, persist_busy=self.persister.busy, no_buffer=no_buffer,
                         retry_step=self.persister.retry_candidate(before_snapshot=due),
                         finished_seq=self.persister.finished_seq,
                         k_snapshot=proposal.get("k_snapshot"), interval=proposal.get("interval"))
@@ -523,6 +532,8 @@ class CheckpointManager:
                 "last_snapshot_step": e.last_snapshot_step, "last_persisted_step": p.last_persisted_step,
                 "persist_in_flight": busy, "persist_failures": p.failures, "last_error": self.run.last_error,
                 "snapshot_failures": e.failures, "consecutive_snapshot_failures": e.consecutive_failures,
+                "snapshots_skipped": e.skipped, "snapshots_skipped_here": e.skipped_local,
+                "last_skip": dict(e.last_skip) if e.last_skip else None,
                 "layout": self.inventory.info["description"],
                 "k_snapshot": pol.k_snapshot, "k_persist": pol.k_persist, "interval": pol.interval,
                 "stall_seconds_last": e.stall_last, "stall_seconds_total": e.stall_total, "stalls": e.stalls,

@@ -164,20 +164,36 @@ class Persister:
                 self.finished_seq = max(self.finished_seq, seq)
 
     def _persist(self, snap: Future | None, step: int, seq: int) -> bool:
+        """Write this rank's share of the snapshot of ``step``, holding a lease on its buffer
+        for as long as the job runs, and set the buffer back from PERSIST however the job
+        ends (a detached manager's job touches no state: the buffers are its successor's)."""
         buf = None
         if snap is not None:
             try:
                 buf = snap.result()
             except Exception:  # noqa: BLE001 - reported by the snapshot engine
                 buf = None
-        if buf is None:
-            with self.run.lock:
-                found = [b for b in self.pool.buffers if b.step == step and b.state == READY]
-            buf = found[0] if found else None
+        with self.run.lock:
+            if buf is None or buf.step != step or buf.state != READY:
+                found = [b for b in self.pool.buffers if b.step == step and b.state == READY and not b.reserved]
+                buf = found[0] if found else None
+            if buf is not None and self.run.abandoned:
+                buf = None
+            if buf is not None:
+                buf.state = PERSIST
+                buf.users += 1
+        try:
+            return self._persist_leased(buf, step, seq)
+        finally:
+            if buf is not None:
+                with self.run.lock:
+                    if not self.run.abandoned and buf.state == PERSIST:
+                        buf.state = READY
+                    buf.users = max(0, buf.users - 1)
+
+    def _persist_leased(self, buf: SnapshotBuffer | None, step: int, seq: int) -> bool:
         ok, error, units = False, None, {}
         if buf is not None:
-            with self.run.lock:
-                buf.state = PERSIST
             try:
                 units = self._write_share(buf)
                 ok = True

@@ -25,6 +25,9 @@ class RunState:
         abandoned: the manager was detached; background jobs must not touch its buffers.
         last_step: the step passed to the newest ``step()`` call.
         last_error: the newest error any part reported (status only).
+        lock: guards these facts and the snapshot buffers' states; the manager passes its
+            buffer pool's lock, so a successor after a handover and any background job of
+            the manager it replaced serialise on the same lock.
     """
 
     rank: int
@@ -35,7 +38,7 @@ class RunState:
     abandoned: bool = False
     last_step: int | None = None
     last_error: str | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     def where(self) -> str:
         """``rank R step S`` for log lines."""

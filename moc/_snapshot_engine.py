@@ -9,6 +9,14 @@ next update after their completion event on the device, and the background threa
 waits for that event, then checksums and publishes. Failures are counted;
 ``max_consecutive_failures`` in a row end training with :class:`moc.CheckpointError`
 (decided by all ranks together).
+
+Running out of something is not a failure: when no buffer can be had for a due snapshot
+(every one is being persisted, read or is the newest complete copy; ``/dev/shm`` full; a
+buffer that cannot grow), the snapshot is skipped, counted (``status()["snapshots_skipped"]``)
+and logged, and training goes on with the newest complete snapshot still recoverable. The
+buffer is reserved before the ranks' round (:meth:`SnapshotEngine.reserve`), so ranks skip
+together; a growth that fails only after the round skips this rank's copy alone, and the
+rank still takes part in the remote-copy exchange so that no peer waits for it.
 """
 
 from __future__ import annotations
@@ -69,15 +77,62 @@ class SnapshotEngine:
         self._batch: CudaCopyBatch | None = None        # CUDA copies the next update must wait for
         self._stall_batch: CudaCopyBatch | None = None  # whose device-side wait is not measured yet
         self._fallback_logged = False
+        self._reserved: SnapshotBuffer | None = None    # the buffer the due snapshot will fill
+        self.reserve_error: str | None = None           # why none could be reserved
+        self._last_nbytes = 0                           # this rank's share of the newest snapshot
+        self.skipped = 0                                # due snapshots skipped for lack of a buffer
+        self.skipped_local = 0                          # ... of which on this rank only (growth failed)
+        self.last_skip: dict[str, Any] | None = None    # {"step", "reason"} of the newest skip
 
     # -- taking a snapshot -----------------------------------------------------------------
+    def reserve(self) -> bool:
+        """Before the round of a due snapshot: reserve the buffer it will fill (False, with
+        :attr:`reserve_error`, when every buffer is busy: the ranks then skip the snapshot
+        together) and try to grow it to the size this rank's newest snapshot needed, so
+        that steady-state snapshots never resize inside :meth:`start`. A growth that fails
+        here is tried again there with the snapshot's real size."""
+        with self.run.lock:
+            buf = self.pool.reserve(self._last_nbytes)
+            self._reserved = buf
+        if buf is None:
+            self.reserve_error = "every snapshot buffer is being filled, persisted or read, or is the newest " \
+                                 "complete snapshot"
+            return False
+        self.reserve_error = None
+        try:
+            buf.ensure(max(self._last_nbytes, buf.capacity), pin=self.copier.pins_buffers, defer_shrink=True)
+        except (OSError, RuntimeError):
+            pass
+        return True
+
+    def unreserve(self) -> None:
+        with self.run.lock:
+            self.pool.unreserve()
+            self._reserved = None
+
+    def skip(self, step: int, reason: str, *, local: bool = False) -> None:
+        """Count a due snapshot that was not taken (never an error: the newest complete
+        snapshot stays the recovery copy) and say so in the log."""
+        self.unreserve()
+        self.skipped += 1
+        self.skipped_local += int(local)
+        self.last_skip = {"step": step, "reason": reason}
+        self.run.last_error = f"snapshot of step {step} skipped: {reason}"
+        log.warning("rank %d step %d: snapshot skipped (%d so far)%s: %s", self.run.rank, step, self.skipped,
+                    " on this rank" if local else "", reason)
+
     def start(self, plan: SnapshotPlan, header: dict[str, Any]) -> Future:
-        """Reserve a buffer, copy the state the next forward may change now, and leave the
-        rest (parameters, optimizer state, remote copies, checksums) to the background."""
+        """Fill the reserved buffer: copy the state the next forward may change now, and
+        leave the rest (parameters, optimizer state, remote copies, checksums) to the
+        background. A buffer that cannot grow to the plan's size skips this rank's copy
+        (the returned future then gives None)."""
         self.collect_device_stall()
         self.copier = copier_for((src for e in plan.entries for src in e[1].sources), self.copier)
-        buf = self.pool.acquire()
-        buf.ensure(plan.nbytes(self.run.rank), pin=self.copier.pins_buffers, defer_shrink=True)
+        nbytes = plan.nbytes(self.run.rank)
+        buf, exc = self._take_buffer(nbytes)
+        if buf is None:
+            return self._skip_here(plan, header, nbytes, exc)
+        self._last_nbytes = nbytes
         offset = 0
         placed = []
         for entry in plan.entries:
@@ -112,6 +167,48 @@ class SnapshotEngine:
         self.in_flight = self._exec.submit(self._fill, buf, placed, plan, header, landing, batch, issued)
         return self.in_flight
 
+    def _take_buffer(self, nbytes: int) -> tuple[SnapshotBuffer | None, BaseException | None]:
+        """The reserved buffer, grown to ``nbytes`` and leased; when it cannot grow, another
+        idle one that is big enough already (an older complete snapshot). (None, why)
+        when there is none."""
+        with self.run.lock:
+            buf, self._reserved = self._reserved, None
+            if buf is None:
+                buf = self.pool.victim(nbytes)
+            if buf is None:
+                return None, RuntimeError("every snapshot buffer is busy")
+            self.pool.acquire(buf)
+        tried: set[int] = set()
+        while True:
+            try:
+                buf.ensure(nbytes, pin=self.copier.pins_buffers, defer_shrink=True)
+                return buf, None
+            except (OSError, RuntimeError) as exc:
+                tried.add(buf.index)
+                with self.run.lock:
+                    buf.state = FREE
+                    buf.users = max(0, buf.users - 1)
+                    other = self.pool.victim(nbytes, exclude=buf)
+                    if other is None or other.index in tried or other.capacity < nbytes:
+                        other = None
+                    else:
+                        self.pool.acquire(other)
+                if other is None:
+                    return None, exc
+                buf = other
+
+    def _skip_here(self, plan: SnapshotPlan, header: dict[str, Any], nbytes: int, exc: BaseException) -> Future:
+        """No buffer could grow to this rank's share after the round: skip this rank's copy
+        (counted), and still take part in the remote-copy exchange the peers run."""
+        self.skip(header["step"], f"{type(exc).__name__}: {exc}", local=True)
+        self._last_nbytes = nbytes
+        if plan.remote:
+            self.in_flight = self._exec.submit(self._exchange_without_buffer, plan.remote)
+        else:
+            self.in_flight = Future()
+            self.in_flight.set_result(None)
+        return self.in_flight
+
     def _copy_now(self, batch: CudaCopyBatch | None, tplan, start: int, end: int, out) -> None:
         """A copy complete on return: on the host, or (unpinned buffer) on the side stream
         behind the step's update event."""
@@ -128,8 +225,34 @@ class SnapshotEngine:
         :meth:`SnapshotBuffer.ensure`: it would slow these copies and step()'s)."""
         try:
             return self._fill_now(buf, placed, plan, header, landing, batch, issued)
+        except BaseException:
+            with self.run.lock:
+                if not self.run.abandoned and buf.state == SNAPSHOT:   # a detached manager's buffers
+                    buf.invalidate()                                  # are its successor's
+                    buf.state = FREE
+            raise
         finally:
             buf.release_shrink()
+            self.pool.release(buf)
+
+    def _exchange_without_buffer(self, remote) -> None:
+        """This rank's part of the remote-copy exchange when it has no buffer: zeros
+        instead of its shares and no descriptions (the receivers drop what arrives without
+        one, keeping their local snapshots), and nothing kept of what it receives."""
+        rank, world = self.run.rank, self.comm.world
+        send_splits, recv_splits = [0] * world, [0] * world
+        for _, start, end, src, dst in remote:
+            if src == rank:
+                send_splits[dst] += end - start
+            if dst == rank:
+                recv_splits[src] += end - start
+        lengths = torch.zeros(world, dtype=torch.int64)
+        meta = self.comm.exchange(lengths.view(torch.uint8), [8] * world, [8] * world, snapshot=True)
+        for src, n in enumerate(meta.view(torch.int64).tolist()):
+            recv_splits[src] += n
+        self.comm.exchange(torch.zeros(sum(send_splits), dtype=torch.uint8), send_splits, recv_splits,
+                           snapshot=True)
+        return None
 
     def _fill_now(self, buf: SnapshotBuffer, placed, plan: SnapshotPlan, header: dict[str, Any],
                   landing, batch: CudaCopyBatch | None, issued: bool) -> SnapshotBuffer:
@@ -310,16 +433,21 @@ class SnapshotEngine:
         self.wait()
         with self.run.lock:
             buf = self.pool.newest_complete()
-        if buf is None:
-            return None
-        trees = {}
-        for piece in buf.header["pieces"]:
-            u = buf.header["units"][piece["unit"]]
-            if piece["start"] != 0 or piece["end"] != u["unit_nbytes"]:
-                continue
-            data = bytearray(buf.view(piece["offset"], piece["end"] - piece["start"]))
-            trees[piece["unit"]] = decode_tree(u["skeleton"], [TensorMeta.from_json(t) for t in u["tensors"]], data)
-        return buf.step, trees
+            if buf is None:
+                return None
+            buf.users += 1     # a lease: not refilled while it is read
+        try:
+            trees = {}
+            for piece in buf.header["pieces"]:
+                u = buf.header["units"][piece["unit"]]
+                if piece["start"] != 0 or piece["end"] != u["unit_nbytes"]:
+                    continue
+                data = bytearray(buf.view(piece["offset"], piece["end"] - piece["start"]))
+                trees[piece["unit"]] = decode_tree(u["skeleton"], [TensorMeta.from_json(t) for t in u["tensors"]],
+                                                   data)
+            return buf.step, trees
+        finally:
+            self.pool.release(buf)
 
     # -- ending ----------------------------------------------------------------------------
     def abandon(self, grace: timedelta) -> None:
@@ -341,6 +469,8 @@ class SnapshotEngine:
         planned for this group: a successor on another group must not persist them, the
         pieces of lost ranks would be missing) and drop the incomplete one."""
         with self.run.lock:
+            self.pool.unreserve()
+            self._reserved = None
             for b in self.pool.buffers:
                 b.persisted = True
                 if b.state == PERSIST:

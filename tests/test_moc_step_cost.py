@@ -82,8 +82,8 @@ def test_persist_decision_needs_idle_ranks_and_one_candidate():
     from moc._coordination import Agreement
 
     def agreed(busy: bool, steps: list) -> Agreement:
-        return Agreement(sigterm=False, failed=False, broken=False, persist_busy=busy, retry_steps=steps,
-                         finished_seq=0, routing=None, k_snapshot=None, interval=None, collectives=1)
+        return Agreement(sigterm=False, failed=False, broken=False, persist_busy=busy, no_buffer=False,
+                         retry_steps=steps, finished_seq=0, routing=None, k_snapshot=None, interval=None, collectives=1)
 
     assert agreed(False, [None, None]).persist_step(True, 12) == 12      # the new snapshot
     assert agreed(True, [8, 8]).persist_step(True, 12) is None           # a persist thread still busy

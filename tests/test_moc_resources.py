@@ -1,0 +1,227 @@
+"""The snapshot level running out of something never raises into training.
+
+Each test drives one resource to exhaustion against real parts (a moto S3 server behind a
+proxy that hangs, a real tmpfs that fills up, real gloo ranks) and checks the rule of
+``moc._buffers``: the due snapshot is skipped and counted (or another buffer serves it),
+the newest complete snapshot stays recoverable, nothing committed is lost, and snapshots
+and persists resume once the resource is back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import subprocess
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from moc import CheckpointManager, CheckpointStore, MoCConfig
+from moc_helpers import clone_state, make, train_step
+from rank_harness import run_ranks
+from storage_backends import RetryPolicy, open_store
+from storage_backends.testing import StorageProxy
+
+PAGE = 4096
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: int):
+    """A real tmpfs of ``size`` bytes mounted at ``path`` (the test machine runs as root, as CI does)."""
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.fail(f"mounting a {size}-byte tmpfs at {path} failed (needs root): {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def _buffer_digest(buf) -> str:
+    return hashlib.sha1(buf.data.numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.timeout(240)
+def test_handover_while_storage_hangs_never_refills_a_buffer_still_being_read(tmp_path, s3):
+    """A persist hung on storage outlives its manager (a reconfiguration detaches it): its
+    buffer stays untouched until it lets go, the successor's own persist hangs too, and
+    the due snapshots that find no buffer are skipped and counted, never raised."""
+    proxy = StorageProxy(s3.port).start()
+    try:
+        opts = dict(s3.options, endpoint_url=proxy.url, read_timeout=timedelta(seconds=60),
+                    retry=RetryPolicy(attempts=2, initial=timedelta(milliseconds=50)))
+        cfg = MoCConfig(storage="s3://ckpt/run", storage_options=opts, snapshot_dir=str(tmp_path / "shm"),
+                        interval=1, k_snapshot=2, k_persist=1, keep_last=50)
+        model, opt, task = make(0)
+        a = CheckpointManager(cfg, model=model, optimizer=opt)
+        for step in range(4):
+            train_step(model, opt, task, step, a)
+        a.wait()
+        committed = CheckpointStore(open_store("s3://ckpt/run", **opts)).steps()
+        assert committed and committed[-1] == 3
+
+        proxy.hang()
+        before = proxy.requests
+        train_step(model, opt, task, 4, a)        # its persist starts and hangs in a write
+        deadline = time.monotonic() + 30
+        while not (any(x.state == "persist" for x in a.pool.buffers) and proxy.requests > before):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        handover = a.detach(grace=timedelta(milliseconds=50))
+        read = [b for b in handover.pool.buffers if b.users > 0]
+        assert len(read) == 1, "the detached manager's hung persist holds a lease on the buffer it reads"
+        stale = read[0]
+        stale_step, stale_digest = stale.step, _buffer_digest(stale)
+
+        b = CheckpointManager(cfg, model=model, optimizer=opt, handover=handover)
+        assert b.pool is handover.pool and b.run.lock is handover.pool.lock
+        snaps = {}
+        for step in range(5, 12):
+            train_step(model, opt, task, step, b)   # never raises
+            snaps[step] = b.status()
+        st = b.status()
+        assert st["snapshots_skipped"] >= 2, st
+        assert "every snapshot buffer" in st["last_skip"]["reason"]
+        # the buffer the stale persist reads was never refilled
+        assert stale.step == stale_step and _buffer_digest(stale) == stale_digest
+        newest = st["last_snapshot_step"]
+        assert newest is not None and newest >= 6
+        assert b.snapshot_state()[0] == newest    # the newest complete snapshot stays recoverable
+
+        proxy.heal()
+        live = {}
+        for step in range(12, 20):
+            train_step(model, opt, task, step, b)
+            live[step] = clone_state(model, opt)
+            time.sleep(0.05)
+        deadline = time.monotonic() + 60
+        while stale.users:                          # the stale thread ends and lets go
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        b.wait()
+        last = b.status()["last_snapshot_step"]
+        assert last == 19 and b.status()["last_persisted_step"] == 19
+        b.close()
+
+        cs = CheckpointStore(open_store("s3://ckpt/run", **opts))
+        assert set(committed) <= set(cs.steps()) and cs.steps()[-1] == 19
+        assert cs.verify(19) == []
+        m2, o2, _ = make(5)
+        with CheckpointManager(cfg, model=m2, optimizer=o2) as c:
+            assert c.restore() == 20
+        restored = clone_state(m2, o2)
+        for k, v in live[19]["model"].items():
+            assert torch.equal(v, restored["model"][k]), k
+    finally:
+        proxy.close()
+
+
+def _sizes(tmp_path: Path) -> tuple[int, int]:
+    """Buffer bytes of the full first snapshot and of a partial one (a dry run)."""
+    cfg = MoCConfig(storage=str(tmp_path / "dry-store"), snapshot_dir=str(tmp_path / "dry-shm"), interval=1,
+                    k_snapshot=2, k_persist=1)
+    model, opt, task = make(0)
+    with CheckpointManager(cfg, model=model, optimizer=opt) as ckpt:
+        train_step(model, opt, task, 0, ckpt)
+        ckpt.wait()
+        full = ckpt.status()["buffer_bytes"]
+        train_step(model, opt, task, 1, ckpt)
+        ckpt.wait()
+        partial = ckpt.status()["buffer_bytes"] - full
+    return full, partial
+
+
+@pytest.mark.timeout(180)
+def test_full_shared_memory_skips_snapshots_then_resumes(tmp_path, s3):
+    """/dev/shm full (a real tmpfs with no room for a second buffer): the due snapshots are
+    skipped with ENOSPC named, never a SIGBUS or an exception; the first snapshot stays the
+    recoverable one and is persisted; once room is made, snapshots and commits resume."""
+    full, partial = _sizes(tmp_path)
+    filler_bytes = 4 * partial
+    with tmpfs(tmp_path / "shm", full + filler_bytes + PAGE) as shm:
+        filler = shm / "filler"
+        with open(filler, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, filler_bytes)
+        cfg = MoCConfig(storage="s3://ckpt/run", storage_options=s3.options, snapshot_dir=str(shm), interval=1,
+                        k_snapshot=2, k_persist=1)
+        model, opt, task = make(0)
+        with CheckpointManager(cfg, model=model, optimizer=opt) as ckpt:
+            train_step(model, opt, task, 0, ckpt)
+            ckpt.wait()
+            for step in range(1, 6):
+                train_step(model, opt, task, step, ckpt)
+            st = ckpt.status()
+            assert st["snapshots_skipped"] == 5 and st["snapshots_skipped_here"] == 5, st
+            assert "No space left" in st["last_skip"]["reason"] and str(shm) in st["last_skip"]["reason"]
+            assert st["last_snapshot_step"] == 0 and ckpt.snapshot_state()[0] == 0
+            assert st["last_persisted_step"] == 0
+
+            filler.unlink()                          # room again
+            for step in range(6, 9):
+                train_step(model, opt, task, step, ckpt)
+            live = clone_state(model, opt)
+            ckpt.wait()
+            st = ckpt.status()
+            assert st["snapshots_skipped"] == 5
+            assert st["last_snapshot_step"] == 8 and st["last_persisted_step"] == 8
+        cs = CheckpointStore(open_store("s3://ckpt/run", **s3.options))
+        assert cs.steps()[0] == 0 and cs.steps()[-1] == 8 and cs.verify(8) == []
+        m2, o2, _ = make(3)
+        with CheckpointManager(cfg, model=m2, optimizer=o2) as c:
+            assert c.restore() == 9
+        got = clone_state(m2, o2)
+        for k, v in live["model"].items():
+            assert torch.equal(v, got["model"][k]), k
+
+
+def _two_ranks_one_full(rank: int, world: int, storage: str, shm: str, grow: str, out: str) -> None:
+    import json
+
+    cfg = MoCConfig(storage=storage, snapshot_dir=shm, interval=1, k_snapshot=2, k_persist=1,
+                    coordination_timeout=timedelta(seconds=30))
+    model, opt, task = make(0)
+    with CheckpointManager(cfg, model=model, optimizer=opt) as ckpt:
+        for step in range(4):
+            train_step(model, opt, task, step, ckpt)
+        ckpt.wait(flush=False)
+        before = ckpt.status()
+        torch.distributed.barrier()
+        if rank == 1:   # make room on this rank's tmpfs (a real remount to a larger size)
+            subprocess.run(["mount", "-o", "remount,size=64m", grow], check=True)
+        torch.distributed.barrier()
+        for step in range(4, 8):
+            train_step(model, opt, task, step, ckpt)
+        ckpt.wait()
+        after = ckpt.status()
+    Path(out, f"status{rank}.json").write_text(json.dumps({"before": before, "after": after}, default=str))
+
+
+@pytest.mark.timeout(240)
+def test_one_rank_without_room_skips_alone_and_its_peers_do_not_wait(tmp_path):
+    """Rank 1's shared memory cannot hold its share: it skips its copies after the round
+    (counted there only), still takes part in the remote-copy exchange, so rank 0 neither
+    hangs nor fails; nothing is committed without rank 1's share; after rank 1's tmpfs grows,
+    both snapshot and the checkpoint commits."""
+    import json
+
+    base = tmp_path / "shm"
+    with tmpfs(base / "rank1", 4 * PAGE):
+        run_ranks(_two_ranks_one_full, 2, tmp_path, str(tmp_path / "store"), str(base), str(base / "rank1"),
+                  str(tmp_path))
+        st = [json.loads((tmp_path / f"status{r}.json").read_text()) for r in range(2)]
+    r0, r1 = st[0], st[1]
+    assert r1["before"]["snapshots_skipped_here"] == 4 and r0["before"]["snapshots_skipped_here"] == 0
+    assert "No space left" in r1["before"]["last_skip"]["reason"]
+    assert r0["before"]["last_snapshot_step"] == 3 and r1["before"]["last_snapshot_step"] is None
+    assert r0["before"]["last_persisted_step"] is None       # never committed without rank 1's share
+    assert r0["before"]["snapshot_failures"] == 0 and r1["before"]["snapshot_failures"] == 0
+    for s in st:
+        assert s["after"]["last_snapshot_step"] == 7 and s["after"]["last_persisted_step"] == 7
+    cs = CheckpointStore(open_store(str(tmp_path / "store")))
+    assert cs.steps() == [7] and cs.verify(7) == []
