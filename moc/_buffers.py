@@ -196,9 +196,14 @@ class SnapshotBuffer:
         body = dict(header, version=HEADER_VERSION, buffer=self.index)
         body["checksum"] = _checksum_header(body)
         tmp = f"{self.header_path}.tmp-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "w") as f:
-            json.dump(body, f)
-        os.replace(tmp, self.header_path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(body, f)
+            os.replace(tmp, self.header_path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         return memoryview(self.data[offset: offset + nbytes].numpy()).cast("B")

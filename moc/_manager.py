@@ -32,6 +32,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Mapping
+from urllib.parse import urlsplit
 
 import torch
 
@@ -68,6 +69,21 @@ class Handover:
 
     pool: BufferPool
     state: dict[str, Any]
+    store: CheckpointStore | None = None   # reused: a reconfiguration opens no connection to storage
+    storage: str | None = None             # the MoCConfig.storage it was opened from
+
+
+def _open(cfg: MoCConfig):
+    """The configured store; an S3 endpoint that is unreachable right now (a transient
+    error) is not a configuration error: training starts, persists retry, status() says so."""
+    try:
+        return open_store(cfg.storage, **cfg.storage_options)
+    except (ConnectionError, TimeoutError) as exc:
+        if urlsplit(str(cfg.storage)).scheme.lower() not in ("s3", "s3a"):
+            raise
+        log.warning("rank - step -: storage %s unreachable now (%s); starting anyway, persists will retry",
+                    cfg.storage, exc)
+        return open_store(cfg.storage, **{**cfg.storage_options, "check": False})
 
 
 class CheckpointManager:
@@ -128,8 +144,10 @@ class CheckpointManager:
         self.inventory = Inventory.gather(model, layout, self.comm, self.node)
         if self.rank == 0:
             log.info("rank %d step -: expert layout %s", self.rank, self.inventory.info["description"])
-        store = CheckpointStore(open_store(cfg.storage, **cfg.storage_options),
-                                compression=cfg.compression, keep_last=cfg.keep_last)
+        if handover is not None and handover.store is not None and handover.storage == str(cfg.storage):
+            store = handover.store
+        else:
+            store = CheckpointStore(_open(cfg), compression=cfg.compression, keep_last=cfg.keep_last)
         run_key = hashlib.sha1(store.store.url.encode()).hexdigest()[:12]
         base_dir = cfg.snapshot_dir or (f"/dev/shm/moc-{run_key}" if os.path.isdir("/dev/shm")
                                         else os.path.join(tempfile.gettempdir(), f"moc-{run_key}"))
@@ -443,7 +461,7 @@ class CheckpointManager:
         self._release_hooks()
         self.engine.shutdown(wait=False)
         self.persister.shutdown(wait=False)
-        return Handover(pool=self.engine.pool, state=state)
+        return Handover(pool=self.engine.pool, state=state, store=self.persister.store, storage=str(self.cfg.storage))
 
     # -- waiting, flushing, closing ------------------------------------------------------
     def wait(self, *, flush: bool = True) -> None:

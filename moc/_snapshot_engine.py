@@ -21,6 +21,7 @@ rank still takes part in the remote-copy exchange so that no peer waits for it.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import time
@@ -44,6 +45,9 @@ from ._snapshot_plan import SnapshotPlan, unit_meta
 __all__ = ["SnapshotEngine"]
 
 log = logging.getLogger("moc")
+
+# Errors that mean "out of room", not "broken": the snapshot is skipped and counted.
+_EXHAUSTED = frozenset({errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFBIG})
 
 
 class SnapshotEngine:
@@ -83,6 +87,7 @@ class SnapshotEngine:
         self.skipped = 0                                # due snapshots skipped for lack of a buffer
         self.skipped_local = 0                          # ... of which on this rank only (growth failed)
         self.last_skip: dict[str, Any] | None = None    # {"step", "reason"} of the newest skip
+        self._in_flight_step = -1
 
     # -- taking a snapshot -----------------------------------------------------------------
     def reserve(self) -> bool:
@@ -110,10 +115,11 @@ class SnapshotEngine:
             self.pool.unreserve()
             self._reserved = None
 
-    def skip(self, step: int, reason: str, *, local: bool = False) -> None:
+    def skip(self, step: int, reason: str, *, local: bool = False, unreserve: bool = True) -> None:
         """Count a due snapshot that was not taken (never an error: the newest complete
         snapshot stays the recovery copy) and say so in the log."""
-        self.unreserve()
+        if unreserve:
+            self.unreserve()
         self.skipped += 1
         self.skipped_local += int(local)
         self.last_skip = {"step": step, "reason": reason}
@@ -129,6 +135,7 @@ class SnapshotEngine:
         self.collect_device_stall()
         self.copier = copier_for((src for e in plan.entries for src in e[1].sources), self.copier)
         nbytes = plan.nbytes(self.run.rank)
+        self._in_flight_step = header["step"]
         buf, exc = self._take_buffer(nbytes)
         if buf is None:
             return self._skip_here(plan, header, nbytes, exc)
@@ -362,16 +369,24 @@ class SnapshotEngine:
         pending = not fut.done()
         try:
             fut.result()
+        except OSError as exc:
+            if exc.errno not in _EXHAUSTED:
+                self._count_failure(exc)
+            else:   # out of room (a full /dev/shm while publishing): skipped, not failed
+                self.skip(self._in_flight_step, f"{type(exc).__name__}: {exc}", local=True, unreserve=False)
         except Exception as exc:  # noqa: BLE001 - counted; step() raises after too many in a row
-            self.run.last_error = f"snapshot failed: {type(exc).__name__}: {exc}"
-            self.failures += 1
-            self.consecutive_failures += 1
-            self.last_exception = exc
-            log.error("%s: snapshot failed (%d in a row): %s", self.run.where(), self.consecutive_failures, exc)
+            self._count_failure(exc)
         else:
             self.consecutive_failures = 0
         self.in_flight = None
         return pending
+
+    def _count_failure(self, exc: BaseException) -> None:
+        self.run.last_error = f"snapshot failed: {type(exc).__name__}: {exc}"
+        self.failures += 1
+        self.consecutive_failures += 1
+        self.last_exception = exc
+        log.error("%s: snapshot failed (%d in a row): %s", self.run.where(), self.consecutive_failures, exc)
 
     def before_optimizer_step(self, optimizer, args, kwargs) -> None:
         """The optimizer step pre-hook: the one place training waits for a snapshot.

@@ -116,14 +116,16 @@ def test_handover_while_storage_hangs_never_refills_a_buffer_still_being_read(tm
         with CheckpointManager(cfg, model=m2, optimizer=o2) as c:
             assert c.restore() == 20
         restored = clone_state(m2, o2)
-        for k, v in live[19]["model"].items():
-            assert torch.equal(v, restored["model"][k]), k
+        dense = [k for k in live[19]["model"] if ".experts." not in k]   # experts: their saved versions (PEC)
+        assert dense
+        for k in dense:
+            assert torch.equal(live[19]["model"][k], restored["model"][k]), k
     finally:
         proxy.close()
 
 
 def _sizes(tmp_path: Path) -> tuple[int, int]:
-    """Buffer bytes of the full first snapshot and of a partial one (a dry run)."""
+    """Bytes of the buffer and the header (whole pages) of a first, full snapshot (a dry run)."""
     cfg = MoCConfig(storage=str(tmp_path / "dry-store"), snapshot_dir=str(tmp_path / "dry-shm"), interval=1,
                     k_snapshot=2, k_persist=1)
     model, opt, task = make(0)
@@ -131,10 +133,8 @@ def _sizes(tmp_path: Path) -> tuple[int, int]:
         train_step(model, opt, task, 0, ckpt)
         ckpt.wait()
         full = ckpt.status()["buffer_bytes"]
-        train_step(model, opt, task, 1, ckpt)
-        ckpt.wait()
-        partial = ckpt.status()["buffer_bytes"] - full
-    return full, partial
+        header = max(os.path.getsize(p) for p in Path(ckpt.snapshot_dir).glob("*.json"))
+    return full, -(-header // PAGE) * PAGE
 
 
 @pytest.mark.timeout(180)
@@ -142,9 +142,9 @@ def test_full_shared_memory_skips_snapshots_then_resumes(tmp_path, s3):
     """/dev/shm full (a real tmpfs with no room for a second buffer): the due snapshots are
     skipped with ENOSPC named, never a SIGBUS or an exception; the first snapshot stays the
     recoverable one and is persisted; once room is made, snapshots and commits resume."""
-    full, partial = _sizes(tmp_path)
-    filler_bytes = 4 * partial
-    with tmpfs(tmp_path / "shm", full + filler_bytes + PAGE) as shm:
+    full, header = _sizes(tmp_path)
+    filler_bytes = full          # room for any snapshot once it is gone
+    with tmpfs(tmp_path / "shm", full + header + filler_bytes + 2 * PAGE) as shm:
         filler = shm / "filler"
         with open(filler, "wb") as f:
             os.posix_fallocate(f.fileno(), 0, filler_bytes)
@@ -176,8 +176,10 @@ def test_full_shared_memory_skips_snapshots_then_resumes(tmp_path, s3):
         with CheckpointManager(cfg, model=m2, optimizer=o2) as c:
             assert c.restore() == 9
         got = clone_state(m2, o2)
-        for k, v in live["model"].items():
-            assert torch.equal(v, got["model"][k]), k
+        dense = [k for k in live["model"] if ".experts." not in k]
+        assert dense
+        for k in dense:
+            assert torch.equal(live["model"][k], got["model"][k]), k
 
 
 def _two_ranks_one_full(rank: int, world: int, storage: str, shm: str, grow: str, out: str) -> None:
@@ -212,7 +214,7 @@ def test_one_rank_without_room_skips_alone_and_its_peers_do_not_wait(tmp_path):
 
     base = tmp_path / "shm"
     with tmpfs(base / "rank1", 4 * PAGE):
-        run_ranks(_two_ranks_one_full, 2, tmp_path, str(tmp_path / "store"), str(base), str(base / "rank1"),
+        run_ranks(_two_ranks_one_full, 2, tmp_path, str(tmp_path / "ckpt"), str(base), str(base / "rank1"),
                   str(tmp_path))
         st = [json.loads((tmp_path / f"status{r}.json").read_text()) for r in range(2)]
     r0, r1 = st[0], st[1]
@@ -223,5 +225,6 @@ def test_one_rank_without_room_skips_alone_and_its_peers_do_not_wait(tmp_path):
     assert r0["before"]["snapshot_failures"] == 0 and r1["before"]["snapshot_failures"] == 0
     for s in st:
         assert s["after"]["last_snapshot_step"] == 7 and s["after"]["last_persisted_step"] == 7
-    cs = CheckpointStore(open_store(str(tmp_path / "store")))
-    assert cs.steps() == [7] and cs.verify(7) == []
+    cs = CheckpointStore(open_store(str(tmp_path / "ckpt")))
+    assert min(cs.steps()) >= 4 and cs.steps()[-1] == 7     # nothing before rank 1 had room
+    assert all(cs.verify(s) == [] for s in cs.steps())
