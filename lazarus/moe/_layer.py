@@ -53,6 +53,7 @@ from lazarus.planning import Placement
 from ._comm import all_gather_rows, all_to_all_uneven, world
 from ._config import GRAD_REDUCTIONS, MoEConfig
 from ._experts import LocalExperts, MLPExperts
+from ._host import to_device, to_host
 from ._placement import holder_ranks, rank_slots, replica_matrix
 from ._router import SoftmaxRouter
 from ._sync import fetch_experts, fetch_plan, reduce_replicas
@@ -61,22 +62,6 @@ log = get_logger("lazarus.moe")
 
 RoutingHook = Callable[[torch.Tensor], None]
 
-
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """The one device-to-host read of a dispatch (a host sync when ``t`` is on a GPU; the
-    tensor itself on the CPU)."""
-    return t.cpu()
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` (on the host) on ``device`` without a host sync: through page-locked memory
-    with a non-blocking copy on a GPU (torch keeps the pinned block alive until the copy
-    ran); ``t`` itself when it is there already."""
-    if t.device == device:
-        return t
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 class ElasticMoE(nn.Module):
