@@ -1,8 +1,14 @@
 // Lazarus token dispatcher (Algorithm 1) as torch.library ops, CPU implementation.
 //
-//   lazarus::dispatch_table(Tensor replicas, Tensor tokens) -> Tensor        [N_src, N_dst, E]
-//   lazarus::dispatch_rank(Tensor replicas, Tensor tokens, int rank) -> (Tensor send, Tensor recv)
-//   lazarus::dispatch_permutation(Tensor experts, Tensor send) -> Tensor      gather order
+//   lazarus::dispatch_table(Tensor replicas, Tensor tokens, bool check=True) -> Tensor   [N_src, N_dst, E]
+//   lazarus::dispatch_rank(Tensor replicas, Tensor tokens, int rank, bool check=True) -> (Tensor send, Tensor recv)
+//   lazarus::dispatch_permutation(Tensor experts, Tensor send, bool check=True) -> Tensor   gather order
+//
+// `check`: validate the values (non-negative counts, no tokens for an expert without
+// replicas, ids in range, send consistent with experts). The CPU op always does (it costs
+// nothing and its loops index by those values); on CUDA the checks need one host sync, so
+// callers that validated already, or that produced the inputs themselves (the MoE layer,
+// which checks on the device and reads the verdict with its one sync), pass false.
 //
 // replicas = R[E, N] and tokens = T[E, N] are int64. The rounding rule is documented in
 // dispatch_core.h; the pure-torch fallback in lazarus/dispatch/_torch_impl.py reproduces
@@ -86,7 +92,7 @@ void check_counts(const at::Tensor& R, const at::Tensor& T) {
 
 int64_t grain(int64_t n) { return std::max<int64_t>(1, 4096 / std::max<int64_t>(n, 1)); }
 
-at::Tensor dispatch_table_cpu(const at::Tensor& replicas, const at::Tensor& tokens) {
+at::Tensor dispatch_table_cpu(const at::Tensor& replicas, const at::Tensor& tokens, bool /*check*/) {
   check_counts(replicas, tokens);
   const auto R = replicas.contiguous();
   const auto T = tokens.contiguous();
@@ -113,7 +119,7 @@ at::Tensor dispatch_table_cpu(const at::Tensor& replicas, const at::Tensor& toke
 }
 
 std::tuple<at::Tensor, at::Tensor> dispatch_rank_cpu(const at::Tensor& replicas, const at::Tensor& tokens,
-                                                     int64_t rank) {
+                                                     int64_t rank, bool /*check*/) {
   check_counts(replicas, tokens);
   const auto R = replicas.contiguous();
   const auto T = tokens.contiguous();
@@ -141,7 +147,7 @@ std::tuple<at::Tensor, at::Tensor> dispatch_rank_cpu(const at::Tensor& replicas,
   return {send, recv};
 }
 
-at::Tensor dispatch_permutation_cpu(const at::Tensor& experts, const at::Tensor& send) {
+at::Tensor dispatch_permutation_cpu(const at::Tensor& experts, const at::Tensor& send, bool /*check*/) {
   TORCH_CHECK_VALUE(experts.dim() == 1 && experts.scalar_type() == at::kLong,
                     "experts must be a 1-D int64 tensor of expert ids");
   TORCH_CHECK_VALUE(send.dim() == 2 && send.scalar_type() == at::kLong, "send must be a 2-D int64 [N, E] tensor");
@@ -187,9 +193,9 @@ at::Tensor dispatch_permutation_cpu(const at::Tensor& experts, const at::Tensor&
 }  // namespace
 
 TORCH_LIBRARY(lazarus, m) {
-  m.def("dispatch_table(Tensor replicas, Tensor tokens) -> Tensor");
-  m.def("dispatch_rank(Tensor replicas, Tensor tokens, int rank) -> (Tensor, Tensor)");
-  m.def("dispatch_permutation(Tensor experts, Tensor send) -> Tensor");
+  m.def("dispatch_table(Tensor replicas, Tensor tokens, bool check=True) -> Tensor");
+  m.def("dispatch_rank(Tensor replicas, Tensor tokens, int rank, bool check=True) -> (Tensor, Tensor)");
+  m.def("dispatch_permutation(Tensor experts, Tensor send, bool check=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lazarus, CPU, m) {

@@ -21,7 +21,8 @@ import torch
 
 from lazarus.runtime import ElasticConfig
 from lazarus.runtime._abort import GroupAborter
-from lazarus.runtime._backend import TrainerBackend, nccl_environment, resolve_backend
+from lazarus.runtime._backend import (NCCL_SETTINGS, TrainerBackend, local_cuda_index, nccl_init_kwargs,
+                                      resolve_backend)
 
 from conftest import free_port
 
@@ -72,13 +73,101 @@ def test_nccl_or_cuda_without_cuda_is_refused_with_the_reason() -> None:
         assert f"ElasticConfig.{field}" in msg and "needs CUDA" in msg and "is_available() = False" in msg
 
 
-def test_nccl_error_handling_is_abort_only_unless_the_user_chose(monkeypatch) -> None:
-    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
-    nccl_environment("node t")
-    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
-    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    nccl_environment("node t")
-    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+_WORKER_ENV = """
+import json, os, sys
+from datetime import timedelta
+from lazarus.runtime._backend import nccl_environment
+applied = nccl_environment("node t", init_timeout=timedelta(seconds=float(sys.argv[1])))
+print(json.dumps({"applied": applied, "env": {k: v for k, v in os.environ.items() if k.startswith("TORCH_NCCL_")}}))
+"""
+
+
+def _worker_env(extra: dict[str, str], rendezvous_s: float = 30.0) -> tuple[dict, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_NCCL_", "NCCL_"))}
+    env.update(extra, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", _WORKER_ENV, str(rendezvous_s)], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+def test_an_nccl_worker_gets_the_in_process_recovery_settings() -> None:
+    """A worker process with none of the variables set gets every setting: no dump on a
+    timeout and a short dump wait, no heartbeat monitor, CUDA errors not rethrown, torch's
+    async error handling off (Lazarus aborts), non-blocking communicator init bounded by
+    the rendezvous timeout."""
+    got, _ = _worker_env({}, rendezvous_s=45.5)
+    expected = dict(NCCL_SETTINGS, TORCH_NCCL_NONBLOCKING_TIMEOUT="45")
+    assert got["applied"] == expected
+    assert got["env"] == expected
+    assert expected["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and expected["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
+    assert expected["TORCH_NCCL_ENABLE_MONITORING"] == "0" and expected["TORCH_NCCL_RETHROW_CUDA_ERRORS"] == "0"
+    assert int(expected["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"]) * 4 <= 1000     # at most a second of dump wait
+
+
+def test_nccl_settings_the_user_chose_are_kept_and_named() -> None:
+    got, stderr = _worker_env({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_ENABLE_MONITORING": "0"})
+    assert got["env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"              # kept
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in got["applied"]
+    assert "TORCH_NCCL_ENABLE_MONITORING" not in got["applied"]             # already the wanted value
+    assert got["env"]["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"                  # the others still applied
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=3 (Lazarus would set 0)" in stderr
+    assert "TORCH_NCCL_ENABLE_MONITORING" not in stderr                     # no warning for an agreeing value
+
+
+def test_the_nccl_settings_are_variables_this_torch_reads() -> None:
+    """The names are torch's, not typos: the ones declared in ProcessGroupNCCL.hpp (shipped
+    with every torch wheel) are found there. TORCH_NCCL_USE_COMM_NONBLOCKING and
+    TORCH_NCCL_NONBLOCKING_TIMEOUT are read in ProcessGroupNCCL.cpp / NCCLUtils.cpp, which
+    only a CUDA build has: those two cannot be checked here."""
+    header = Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp"
+    if not header.exists():
+        pytest.fail(f"{header} missing: this torch wheel ships no c10d headers to check the names against")
+    text = header.read_text()
+    in_cpp_only = {"TORCH_NCCL_USE_COMM_NONBLOCKING"}
+    for name in set(NCCL_SETTINGS) - in_cpp_only:
+        assert f'"{name}"' in text, name
+
+
+@pytest.mark.parametrize("local_rank, count", [(2, 2), (3, 1), (1, 0)])
+def test_a_local_rank_without_its_own_gpu_is_refused(local_rank: int, count: int) -> None:
+    with pytest.raises(ValueError) as info:
+        local_cuda_index(local_rank, count)
+    msg = str(info.value)
+    assert f"LOCAL_RANK={local_rank}" in msg and f"{count} CUDA device(s)" in msg
+    assert "--nproc-per-node" in msg and "ElasticConfig.device" in msg
+    if count:
+        assert local_cuda_index(count - 1, count) == count - 1
+    with pytest.raises(ValueError, match="LOCAL_RANK must be an integer >= 0"):
+        local_cuda_index(-1, 4)
+
+
+def test_device_mapping_is_one_gpu_per_local_rank(monkeypatch) -> None:
+    """resolve_backend's mapping as on a 2-GPU node (torch.cuda's count and availability
+    stand in for a CUDA runtime; backend gloo, since this torch has no NCCL to check)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for spec in ("auto", "cuda"):
+        assert resolve_backend(spec, "gloo", local_rank=1).device == torch.device("cuda", 1)
+        with pytest.raises(ValueError, match=r"LOCAL_RANK=2 has no GPU of its own.*--nproc-per-node 2"):
+            resolve_backend(spec, "gloo", local_rank=2)        # was cuda:0 (2 % 2): a shared GPU
+    assert resolve_backend("cuda:1", "gloo", local_rank=5).device == torch.device("cuda", 1)   # explicit
+    with pytest.raises(ValueError, match="only 2 CUDA device"):
+        resolve_backend("cuda:2", "gloo", local_rank=0)
+    monkeypatch.setenv("LOCAL_RANK", "3")                       # read from the environment by default
+    with pytest.raises(ValueError, match="LOCAL_RANK=3"):
+        resolve_backend("auto", "gloo")
+
+
+def test_an_nccl_group_is_formed_eagerly_on_its_device() -> None:
+    assert nccl_init_kwargs(TrainerBackend(device=torch.device("cpu"), backend="gloo")) == {}
+    assert nccl_init_kwargs(TrainerBackend(device=torch.device("cuda", 0), backend="gloo")) == {}
+    kw = nccl_init_kwargs(TrainerBackend(device=torch.device("cuda", 3), backend="nccl"))
+    assert kw == {"device_id": torch.device("cuda", 3)}
+    import inspect
+    assert "device_id" in inspect.signature(torch.distributed.init_process_group).parameters
+    with pytest.raises(ValueError, match="CUDA device with an index"):
+        nccl_init_kwargs(TrainerBackend(device=torch.device("cuda"), backend="nccl"))
 
 
 def test_group_aborter_rejects_an_unknown_backend() -> None:

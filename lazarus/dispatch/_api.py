@@ -1,10 +1,18 @@
-"""Public dispatcher functions: counts per rank (Algorithm 1) and the send-order permutation."""
+"""Public dispatcher functions: counts per rank (Algorithm 1) and the send-order permutation.
+
+On CUDA tensors each public call syncs the host at most once (its argument checks, all
+read back together); the ``*_trusted`` variants, for inputs the caller produced itself
+(the MoE layer), do not sync at all. A compiled op that raises at use (a build that
+cannot run here) is disabled with one warning and the torch implementation answers.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from . import _torch_impl
+from . import _build, _torch_impl
 from ._build import load_ops
 from ._validate import check_counts, check_permutation_args, check_rank
 
@@ -19,6 +27,44 @@ def _use_compiled(device: torch.device, backend: str | None) -> bool:
     if backend == "cpp" and not ok:
         raise RuntimeError(f"the compiled dispatcher is not available on {device}: {state.reason or 'not built'}")
     return ok
+
+
+def _compiled(name: str, device: torch.device, backend: str | None, *args: Any) -> Any:
+    """``torch.ops.lazarus.<name>(*args, check=False)``, or None after disabling the
+    compiled ops of ``device``'s kind when it raised anything but a ValueError (bad input
+    is the caller's error; "no kernel image is available", a missing symbol, ... are the
+    build's). A forced ``backend="cpp"`` re-raises instead."""
+    try:
+        return getattr(torch.ops.lazarus, name)(*args, check=False)
+    except ValueError:
+        raise
+    except RuntimeError as exc:
+        if backend == "cpp":
+            raise
+        _build.disable("cuda" if device.type == "cuda" else "cpu", f"{name}: {type(exc).__name__}: {exc}")
+        return None
+
+
+def dispatch_rank_trusted(R: torch.Tensor, T: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dispatch_counts` for one rank without the argument checks (no host sync on a
+    GPU): int64 ``R``, ``T`` on one device, that the caller built and checks itself (it
+    must refuse tokens routed to experts without replicas before using the result)."""
+    if _use_compiled(R.device, None):
+        out = _compiled("dispatch_rank", R.device, None, R, T, rank)
+        if out is not None:
+            return out[0], out[1]
+    return _torch_impl.dispatch_rank(R, T, rank)
+
+
+def dispatch_permutation_trusted(experts: torch.Tensor, send: torch.Tensor) -> torch.Tensor:
+    """:func:`dispatch_permutation` without the argument checks (no host sync on a GPU):
+    int64 ``experts`` in range and a ``send`` on the same device whose column sums are the
+    experts' counts (as :func:`dispatch_rank_trusted` returns them for valid counts)."""
+    if _use_compiled(experts.device, None):
+        out = _compiled("dispatch_permutation", experts.device, None, experts, send)
+        if out is not None:
+            return out
+    return _torch_impl.dispatch_permutation(experts, send)
 
 
 def dispatch_counts(
@@ -45,10 +91,10 @@ def dispatch_counts(
     if rank is not None:
         rank = check_rank(rank, r.shape[1])
     if _use_compiled(r.device, backend):
-        if rank is None:
-            return torch.ops.lazarus.dispatch_table(r, t)
-        send, recv = torch.ops.lazarus.dispatch_rank(r, t, rank)
-        return send, recv
+        out = (_compiled("dispatch_table", r.device, backend, r, t) if rank is None
+               else _compiled("dispatch_rank", r.device, backend, r, t, rank))
+        if out is not None:
+            return out if rank is None else (out[0], out[1])
     if rank is None:
         return _torch_impl.dispatch_table(r, t)
     return _torch_impl.dispatch_rank(r, t, rank)
@@ -68,7 +114,9 @@ def dispatch_permutation(experts: torch.Tensor, send: torch.Tensor, *, backend: 
     """
     ex, sd = check_permutation_args(experts, send)
     if _use_compiled(ex.device, backend):
-        return torch.ops.lazarus.dispatch_permutation(ex, sd)
+        out = _compiled("dispatch_permutation", ex.device, backend, ex, sd)
+        if out is not None:
+            return out
     return _torch_impl.dispatch_permutation(ex, sd)
 
 

@@ -76,8 +76,9 @@ def dispatch_permutation(experts: torch.Tensor, send: torch.Tensor) -> torch.Ten
     """Gather order of token slots into send order: destination-major, then expert; within
     an expert, tokens keep their original order and the first ``send[0, e]`` go to rank 0."""
     m = experts.numel()
-    e_count = send.shape[1]
-    counts = torch.bincount(experts, minlength=e_count)
+    # Tokens per expert: send's column sums (equal to the experts' counts for a valid
+    # send); unlike bincount, no host sync on a GPU.
+    counts = send.sum(0)
     grouped = torch.sort(experts, stable=True).indices
     group_start = counts.cumsum(0) - counts
     within = send.cumsum(0) - send

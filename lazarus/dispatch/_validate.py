@@ -28,12 +28,14 @@ def check_counts(R: object, T: object) -> tuple[torch.Tensor, torch.Tensor]:
     if r.device != t.device:
         raise ValueError(f"R is on {r.device} but T is on {t.device}; both must be on one device")
     if r.numel():
-        if bool((r < 0).any()):
-            raise ValueError("R must be non-negative (replica counts)")
-        if bool((t < 0).any()):
-            raise ValueError("T must be non-negative (routed token counts)")
         orphan = (r.sum(1) == 0) & (t.sum(1) > 0)
-        if bool(orphan.any()):
+        # Every condition on the tensors' device, read back with one host sync.
+        negative_r, negative_t, any_orphan = torch.stack([(r < 0).any(), (t < 0).any(), orphan.any()]).tolist()
+        if negative_r:
+            raise ValueError("R must be non-negative (replica counts)")
+        if negative_t:
+            raise ValueError("T must be non-negative (routed token counts)")
+        if any_orphan:
             ids = orphan.nonzero().flatten()[:10].tolist()
             raise ValueError(f"T routes tokens to experts with zero replicas in R: {ids}")
     return r.contiguous(), t.contiguous()
@@ -54,11 +56,18 @@ def check_permutation_args(experts: object, send: object) -> tuple[torch.Tensor,
     ex = experts.to(torch.int64).contiguous()
     sd = send.to(device=ex.device, dtype=torch.int64).contiguous()
     e_count = sd.shape[1]
-    if ex.numel() and (int(ex.min()) < 0 or int(ex.max()) >= e_count):
+    # Every condition on the device, read back with one host sync: counts by a scatter into
+    # E + 1 bins (the last for ids out of range) instead of bincount, which syncs for its size.
+    in_range = (ex >= 0) & (ex < e_count)
+    bins = torch.where(in_range, ex, torch.full_like(ex, e_count))
+    routed = torch.zeros(e_count + 1, dtype=torch.int64, device=ex.device).scatter_add_(0, bins,
+                                                                                      torch.ones_like(ex))
+    bad_id, negative, mismatch = torch.stack([
+        ~in_range.all(), (sd < 0).any(), (routed[:e_count] != sd.sum(0)).any()]).tolist()
+    if bad_id:
         raise ValueError(f"experts must hold ids in [0, {e_count - 1}] (send has E = {e_count} columns)")
-    if sd.numel() and bool((sd < 0).any()):
+    if negative:
         raise ValueError("send must be non-negative")
-    counts = torch.bincount(ex, minlength=e_count)
-    if not torch.equal(counts, sd.sum(0)):
+    if mismatch:
         raise ValueError("send must send exactly the tokens experts routes to each expert (column sums)")
     return ex, sd

@@ -14,6 +14,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from ._host import to_device
+
 __all__ = ["grouped_mm", "grouped_mm_available"]
 
 _KERNEL = getattr(F, "grouped_mm", None)
@@ -65,7 +67,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Sequence[int], *, force
         raise ValueError(f"grouped_mm: counts {counts} must have one entry per group ({w.shape[0]}) "
                          f"and sum to the rows of x ({x.shape[0]})")
     if not force_loop and grouped_mm_available(x, w):
-        offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(dtype=torch.int32, device=x.device)
+        # offsets known on the host: copied to the device without a host sync
+        offs = to_device(torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32), x.device)
         return _ContiguousGrad.apply(_KERNEL(x, w, offs=offs))
     outs = []
     start = 0

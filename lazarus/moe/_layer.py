@@ -21,6 +21,12 @@ of ``group``:
 4. run the local experts on the rows received, grouped by expert;
 5. send the results back with the reverse all-to-all and combine them with the gates.
 
+Host syncs: the split sizes of the all-to-alls must reach the host, so a call reads the
+device back exactly once (:func:`to_host`: the splits, the received counts, the routing
+counts and the validity flags in one tensor); everything else known on the device stays
+there (the dispatch plan, the permutation, the grouped-matmul offsets, copied host to
+device from page-locked memory without waiting).
+
 Both all-to-alls are differentiable. After ``backward`` call :meth:`ElasticMoE.sync_gradients`
 (or :func:`lazarus.moe.sync_moe_gradients` on the model) so that every replica of an
 expert gets the same gradient and the replicated parameters (router, shared experts) get
@@ -39,13 +45,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lazarus.dispatch import dispatch_counts, dispatch_device, dispatch_permutation
+from lazarus.dispatch import dispatch_device
+from lazarus.dispatch._api import dispatch_permutation_trusted, dispatch_rank_trusted
 from lazarus.dispatch._log import get_logger
 from lazarus.planning import Placement
 
 from ._comm import all_gather_rows, all_to_all_uneven, world
 from ._config import GRAD_REDUCTIONS, MoEConfig
 from ._experts import LocalExperts, MLPExperts
+from ._host import to_device, to_host
 from ._placement import holder_ranks, rank_slots, replica_matrix
 from ._router import SoftmaxRouter
 from ._sync import fetch_experts, fetch_plan, reduce_replicas
@@ -53,6 +61,7 @@ from ._sync import fetch_experts, fetch_plan, reduce_replicas
 log = get_logger("lazarus.moe")
 
 RoutingHook = Callable[[torch.Tensor], None]
+
 
 
 class ElasticMoE(nn.Module):
@@ -144,7 +153,10 @@ class ElasticMoE(nn.Module):
     def _set_slots(self, slots: list[list[int]]) -> None:
         self._slots = slots
         self._holders = holder_ranks(slots, self.num_experts)
-        self.register_buffer("replicas", replica_matrix(slots, self.num_experts), persistent=False)
+        old = getattr(self, "replicas", None)   # stays on the layer's device across placements
+        device = old.device if isinstance(old, torch.Tensor) else torch.device("cpu")
+        self.register_buffer("replicas", replica_matrix(slots, self.num_experts).to(device), persistent=False)
+        self._replicas_cache = None
 
     def _reference(self) -> torch.Tensor:
         """A tensor of the layer's dtype and device (for empty buffers)."""
@@ -237,23 +249,43 @@ class ElasticMoE(nn.Module):
         n_tok, d = h.shape
         k = expert_ids.shape[1]
         num = self.num_experts
+        dev = h.device
         slot_expert = expert_ids.reshape(-1).long()
-        slot_token = torch.arange(n_tok, device=h.device).repeat_interleave(k)
+        slot_token = torch.arange(n_tok, device=dev).repeat_interleave(k)
 
-        local_counts = torch.bincount(slot_expert, minlength=num).to(torch.int64)
-        if local_counts.numel() > num:
-            raise ValueError(f"expert ids must be in [0, {num}), got {int(slot_expert.max())}")
-        gathered = all_gather_rows(local_counts, self.group, size)  # [W, E]
-        where = dispatch_device(h.device)  # the CUDA kernel on device, else the host
-        tokens = gathered.t().to(where)  # T[E, W]
-        send, recv = dispatch_counts(self.replicas.to(where), tokens, rank)
-        perm = dispatch_permutation(slot_expert.to(where), send).to(h.device)
-        in_splits = send.sum(1).tolist()
-        out_splits = recv.sum(1).tolist()
-        tokens, recv = tokens.cpu(), recv.cpu()
+        # Counts per expert by a scatter of ones (bincount would sync for its size); ids out
+        # of range land in an extra bin E, gathered with the counts, so that every rank sees
+        # any rank's bad ids after the one sync below and all raise (none hangs).
+        in_range = (slot_expert >= 0) & (slot_expert < num)
+        bins = torch.where(in_range, slot_expert, torch.full_like(slot_expert, num))
+        local_counts = torch.zeros(num + 1, dtype=torch.int64, device=dev).scatter_add_(
+            0, bins, torch.ones_like(bins))
+        gathered = all_gather_rows(local_counts, self.group, size)  # [W, E + 1]
+        where = dispatch_device(dev)  # the CUDA kernel on the device, else the host
+        if where != dev:
+            gathered = to_host(gathered)  # the one host read of this path (no kernel on the GPU)
+        tokens = gathered[:, :num].t()  # T[E, W]
+        replicas = self._replicas_on(where)
+        send, recv = dispatch_rank_trusted(replicas, tokens.contiguous(), rank)
+        orphan = ((replicas.sum(1) == 0) & (tokens.sum(1) > 0)).sum()
+        packed = torch.cat([gathered[:, num].sum().reshape(1), orphan.reshape(1), send.sum(1), recv.flatten(),
+                            tokens.sum(1)])
+        if where == dev:
+            packed = to_host(packed)  # the one host read of this path
+        bad_ids, orphans = int(packed[0]), int(packed[1])
+        in_splits = packed[2: 2 + size].tolist()
+        recv_host = packed[2 + size: 2 + size + size * num].view(size, num)
+        routed = packed[2 + size + size * num:]
+        if bad_ids:
+            raise ValueError(f"expert ids must be in [0, {num}): {bad_ids} routed token slot(s) outside "
+                             f"(on this rank: {int(to_host(~in_range).sum())})")
+        if orphans:
+            raise ValueError(f"tokens routed to {orphans} expert(s) with no replica in the placement")
+        out_splits = recv_host.sum(1).tolist()
+        perm = dispatch_permutation_trusted(slot_expert, to_device(send, dev))
 
         x_recv = all_to_all_uneven(h[slot_token[perm]], out_splits, in_splits, self.group)
-        y_recv = self._run_local(x_recv, recv)
+        y_recv = self._run_local(x_recv, recv_host, recv)
         y_back = all_to_all_uneven(y_recv, in_splits, out_splits, self.group)
 
         inverse = torch.empty_like(perm)
@@ -262,16 +294,27 @@ class ElasticMoE(nn.Module):
         out = y_slots.view(n_tok, k, d).sum(1).to(h.dtype)
 
         self.last_received = int(sum(out_splits))
-        self.last_received_per_expert = recv.sum(0)
+        self.last_received_per_expert = recv_host.sum(0)
         if self.training:
-            self.routing_counts = tokens.sum(1)
+            self.routing_counts = routed.clone()
             if self.routing_hook is not None:
                 self.routing_hook(self.routing_counts)
         return out
 
-    def _run_local(self, x: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
+    def _replicas_on(self, device: torch.device) -> torch.Tensor:
+        """R[E, W] of the current placement on ``device`` (cached: no copy per call)."""
+        if self.replicas.device == device:
+            return self.replicas
+        cached = getattr(self, "_replicas_cache", None)
+        if cached is None or cached.device != device:
+            cached = self.replicas.to(device)   # once per placement (set_placement drops it)
+            self._replicas_cache = cached
+        return cached
+
+    def _run_local(self, x: torch.Tensor, recv: torch.Tensor, recv_dev: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the local expert of every received row (rows arrive grouped by source rank,
-        then expert; ``recv[src, e]`` rows of expert e from rank src): sort them by expert
+        then expert; ``recv[src, e]`` rows of expert e from rank src, on the host;
+        ``recv_dev`` the same counts wherever the dispatcher ran): sort them by expert
         (unless they already are), run the experts, put them back."""
         held = self.local_experts
         per_expert = recv.sum(0).tolist()
@@ -289,8 +332,10 @@ class ElasticMoE(nn.Module):
         seq = [e for row in recv.tolist() for e, n in enumerate(row) if n]
         if all(a <= b for a, b in zip(seq, seq[1:])):
             return self.experts.run(x, counts)
-        expert_ids = torch.repeat_interleave(torch.arange(recv.shape[1]).repeat(recv.shape[0]), recv.flatten(),
-                                             output_size=x.shape[0]).to(x.device)
+        sizes = to_device(recv, x.device) if recv_dev is None else to_device(recv_dev, x.device)
+        expert_ids = torch.repeat_interleave(
+            torch.arange(sizes.shape[1], device=x.device).repeat(sizes.shape[0]), sizes.flatten(),
+            output_size=x.shape[0])
         order = torch.sort(expert_ids, stable=True).indices
         y_sorted = self.experts.run(x[order], counts)
         inverse = torch.empty_like(order)

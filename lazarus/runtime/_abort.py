@@ -4,7 +4,11 @@ NCCL: a survivor of a crashed peer aborts the communicators (``ncclCommAbort`` t
 the backend's ``abort()``; torch's ``_abort_process_group`` for the teardown). Destroying a
 broken NCCL communicator can hang, so it is never destroyed first. A blocked NCCL kernel
 (a collective with a dead or frozen peer) returns once its communicator is aborted, so a
-watcher thread can interrupt the training thread this way.
+watcher thread can interrupt the training thread this way. Torch's async error handling
+is off (``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``, see ``_backend``): its watchdog only records
+an error or a timeout, and :meth:`GroupAborter.watchdog_error` reads it so that the
+trainer's watcher aborts the communicators itself. A communicator still being formed
+(non-blocking init) is aborted the same way.
 
 gloo gives no way to interrupt peers: ``destroy_process_group``, ``shutdown()`` and
 ``abort()`` leave its TCP connections open, so a survivor blocked in a collective with a
@@ -26,7 +30,7 @@ from typing import Any, Iterator
 
 import torch.distributed as dist
 
-__all__ = ["SocketTracker", "GroupAborter", "AbortReport", "nccl_backends"]
+__all__ = ["SocketTracker", "GroupAborter", "AbortReport", "nccl_backends", "nccl_errors"]
 
 log = logging.getLogger("lazarus.trainer")
 
@@ -124,6 +128,22 @@ def nccl_backends() -> list[Any]:
     return out
 
 
+def nccl_errors(backends: list[Any] | None = None) -> list[str]:
+    """The errors the NCCL watchdog recorded on ``backends`` (default: every live NCCL
+    backend): ``ErrorType`` names other than ``SUCCESS`` (``TIMEOUT``, ``COMM_ERROR``,
+    ``REMOTE_ERROR``), one per backend that has one."""
+    out = []
+    for backend in nccl_backends() if backends is None else backends:
+        try:
+            error = backend.get_error()
+        except (AttributeError, RuntimeError):   # not reported by this build
+            continue
+        name = getattr(error, "name", str(error))
+        if name != "SUCCESS":
+            out.append(name)
+    return out
+
+
 @dataclass
 class AbortReport:
     """What one abort did (for the log line and the tests)."""
@@ -166,27 +186,42 @@ class GroupAborter:
             return
         if self.interrupted:
             raise RuntimeError("NCCL communicator aborted during the step (process group interrupted)")
+        errors = nccl_errors()
+        if errors:
+            raise RuntimeError(f"NCCL process group reported {errors[0]}; its collectives are not valid")
+
+    def watchdog_error(self) -> str | None:
+        """The first error or timeout NCCL's watchdog recorded on the current groups (with
+        async error handling off it aborts nothing itself), or None. The trainer's watcher
+        polls this and calls :meth:`interrupt`: a collective blocked on a frozen peer ends
+        ``collective_timeout`` after it started, in the training thread's next sync."""
+        if self.backend != "nccl" or self.interrupted:
+            return None
+        errors = nccl_errors()
+        return errors[0] if errors else None
+
+    def interrupt_nccl(self) -> int:
+        """Abort every live NCCL communicator (formed or still forming) and mark the
+        groups interrupted; gloo sockets are left to the caller. Returns how many NCCL
+        backends were aborted (0 for a gloo trainer)."""
+        if self.backend != "nccl":
+            return 0
+        self.interrupted = True
+        n = 0
         for backend in nccl_backends():
             try:
-                error = backend.get_error()
-            except (AttributeError, RuntimeError):   # not reported by this build
-                continue
-            name = getattr(error, "name", str(error))
-            if name != "SUCCESS":
-                raise RuntimeError(f"NCCL process group reported {name}; its collectives are not valid")
+                backend.abort()
+                n += 1
+            except Exception as exc:  # noqa: BLE001 - already aborted
+                log.debug("NCCL abort: %s", exc)
+        return n
 
     def interrupt(self) -> AbortReport:
         """Make every collective blocked on the current groups fail now (safe from another
         thread: the groups stay registered; :meth:`retire` tears them down)."""
         report = AbortReport(self.backend)
         self.interrupted = True
-        if self.backend == "nccl":
-            for backend in nccl_backends():
-                try:
-                    backend.abort()
-                    report.nccl_aborted += 1
-                except Exception as exc:  # noqa: BLE001 - already aborted by the watchdog
-                    log.debug("NCCL abort: %s", exc)
+        report.nccl_aborted = self.interrupt_nccl()
         report.sockets_shut = self.sockets.shutdown_all()
         return report
 

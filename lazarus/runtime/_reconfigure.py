@@ -46,7 +46,8 @@ from lazarus.planning import Placement
 from moc import CheckpointManager
 from moc._units import apply_partial, capture_unit, discover_units
 
-from ._abort import GroupAborter, SocketTracker
+from ._abort import GroupAborter, SocketTracker, nccl_errors
+from ._backend import nccl_init_kwargs
 from ._transfer import choose_moves, exchange_units, world_comm
 
 if TYPE_CHECKING:
@@ -161,15 +162,38 @@ class Reconfigurer:
             time.sleep(0.005)
         with self.sockets.track():
             # NCCL: cuda:nccl for device tensors, cpu:gloo for the small host agreements;
-            # the watchdog's timeout is the group's (collective_timeout).
+            # the watchdog's timeout is the group's (collective_timeout). With the device
+            # (nccl_init_kwargs) the NCCL communicator is formed here, eagerly, inside this
+            # interruptible rendezvous: init errors surface here, and a newer plan aborts a
+            # half-formed (non-blocking) one instead of a first training collective doing it.
             dist.init_process_group(t.backend.init_backend, store=dist.PrefixStore(prefix + "/pg", store),
-                                    rank=rank, world_size=world, timeout=t.config.collective_timeout)
+                                    rank=rank, world_size=world, timeout=t.config.collective_timeout,
+                                    **nccl_init_kwargs(t.backend))
         self.aborter.formed()
+        if t.backend.backend == "nccl":
+            self._nccl_ready(plan)
         t.rank, t.world, t.members, t.generation = rank, world, list(members), int(plan["generation"])
         self.group_epoch = epoch
         # what torchrun would say, for user code that reads it (the rank changes with the plan)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), GROUP_RANK=str(members.index(t.node)),
                           LOCAL_RANK=str(t.local_rank), LOCAL_WORLD_SIZE=str(t.local_world))
+
+    def _nccl_ready(self, plan: dict[str, Any]) -> None:
+        """Wait until this generation's NCCL communicator works: one all-reduce of one
+        element on the device, synchronised. A non-blocking init finishes here (not in the
+        first training collective); a peer that died meanwhile makes the watchdog record a
+        timeout after ``collective_timeout``, and a newer plan aborts it at once."""
+        t = self.t
+        probe = torch.ones(1, device=t.device)
+        dist.all_reduce(probe)
+        torch.cuda.current_stream(t.device).synchronize()
+        errors = nccl_errors()
+        if self.aborter.interrupted or errors:
+            raise RuntimeError(f"NCCL communicator of generation {plan['generation']} failed to form: "
+                               f"{errors[0] if errors else 'aborted'}")
+        if int(probe.item()) != plan_world(plan):
+            raise RuntimeError(f"NCCL communicator of generation {plan['generation']} summed {probe.item()} "
+                               f"over {plan_world(plan)} ranks")
 
     def _store_barrier(self, plan: dict[str, Any], name: str) -> None:
         """Every member of ``plan`` past point ``name``, met on the controller's store (the
@@ -186,10 +210,12 @@ class Reconfigurer:
     @contextmanager
     def _interruptible(self, plan: dict[str, Any]) -> Iterator[list[int]]:
         """While applying ``plan``: when a newer immediate plan arrives (a member died or
-        froze meanwhile), shut down the connections opened for this plan (the new group,
-        moc's groups, connects being retried) and the store client, so that whatever
-        blocks (``init_process_group``, ``new_group``, a store wait) fails now instead of
-        after its timeout. Yields a list that holds the newer generation once that happened."""
+        froze meanwhile), abort the NCCL communicators (formed or forming) and shut down the
+        connections opened for this plan (the new group, moc's groups, connects being
+        retried) and the store client, so that whatever blocks (``init_process_group``,
+        ``new_group``, a store wait, an NCCL kernel) fails now instead of after its
+        timeout. An error or timeout NCCL's watchdog records meanwhile aborts the
+        communicators too (torch's own async error handling is off). Yields a list that holds the newer generation once that happened."""
         interrupted: list[int] = []
         before = SocketTracker.open_sockets()
         stop = threading.Event()
@@ -197,11 +223,19 @@ class Reconfigurer:
 
         def watch() -> None:
             while not stop.wait(0.05):
+                error = self.aborter.watchdog_error()   # NCCL only: a peer died mid-apply
+                if error is not None:
+                    n = self.aborter.interrupt_nccl()
+                    log.warning("node %s: NCCL watchdog reported %s while applying generation %d; aborted %d "
+                                "NCCL communicators", self.t.where, error, gen, n)
                 if not interrupted:
                     latest = self.t.channel.latest_plan()
                     if latest is None or latest.get("mode") != "immediate" or int(latest["generation"]) <= gen:
                         continue
                     interrupted.append(int(latest["generation"]))
+                    # NCCL: abort the communicator being formed or just formed (a blocked
+                    # all-reduce of _nccl_ready, a non-blocking init waiting on a dead peer).
+                    self.aborter.interrupt_nccl()
                     n = SocketTracker.shutdown_opened_since(before) + self._store_sockets.shutdown_all()
                     log.warning("node %s: plan %d arrived while applying generation %d; interrupted %d connections",
                                 self.t.where, latest["generation"], gen, n)

@@ -108,7 +108,9 @@ class ElasticTrainer:
         if self.backend.device.type == "cuda":
             torch.cuda.set_device(self.backend.device)
         if self.backend.backend == "nccl":
-            nccl_environment(f"node {self.where}")
+            applied = nccl_environment(f"node {self.where}", init_timeout=config.rendezvous_timeout)
+            log.info("node %s step -: NCCL settings %s", self.where,
+                     " ".join(f"{k}={v}" for k, v in applied.items()) or "all from the environment")
         log.info("node %s step -: device %s, backend %s", self.where, self.backend.device, self.backend.backend)
         self.reconf = Reconfigurer(self, build_model=build_model, make_optimizer=make_optimizer)
         self.model: nn.Module | None = None
@@ -158,6 +160,7 @@ class ElasticTrainer:
         NCCL communicators and shut its gloo sockets, so the blocked collective fails now
         and recovery starts."""
         while not self._stop_watch.wait(0.05):
+            self._abort_on_watchdog_error()
             plan = self.channel.latest_plan()
             if plan is None or plan.get("mode") != "immediate" or int(plan["generation"]) <= self.generation:
                 continue
@@ -169,6 +172,23 @@ class ElasticTrainer:
                                 plan["generation"], plan.get("reason"), self.generation, r.nccl_aborted,
                                 r.sockets_shut)
                     self._training.clear()
+
+    def _abort_on_watchdog_error(self) -> None:
+        """NCCL's watchdog recorded an error or a timeout (a dead or frozen peer) on the
+        group this rank trains on: with torch's async error handling off nothing aborts the
+        communicators but us. Abort them, so the kernel blocking the training thread's sync
+        returns and the step fails (its health check) now."""
+        if not self._training.is_set():
+            return
+        error = self.reconf.aborter.watchdog_error()
+        if error is None:
+            return
+        with self._watch_lock:
+            if self._training.is_set():
+                r = self.reconf.aborter.interrupt()
+                log.warning("node %s step %d: NCCL watchdog reported %s on generation %d; aborted %d NCCL "
+                            "communicators", self.where, self.step, error, self.generation, r.nccl_aborted)
+                self._training.clear()
 
     def _loop(self, loss_fn: LossFn, total_steps: int) -> None:
         while self.step < total_steps and not self._left:
