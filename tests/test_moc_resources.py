@@ -228,3 +228,41 @@ def test_one_rank_without_room_skips_alone_and_its_peers_do_not_wait(tmp_path):
     cs = CheckpointStore(open_store(str(tmp_path / "ckpt")))
     assert min(cs.steps()) >= 4 and cs.steps()[-1] == 7     # nothing before rank 1 had room
     assert all(cs.verify(s) == [] for s in cs.steps())
+
+
+@pytest.mark.timeout(120)
+def test_a_manager_starts_while_storage_is_down_and_persists_once_it_is_back(tmp_path):
+    """Opening the manager during an outage (a worker restarted mid-outage) is not a
+    configuration error: it starts, training snapshots, persists fail and are retried,
+    and the newest snapshot is committed once the endpoint is back."""
+    from conftest import MotoS3
+
+    server = MotoS3()
+    server.start()
+    server.make_bucket("ckpt")
+    proxy = StorageProxy(server.port).start()
+    try:
+        opts = dict(server.options, endpoint_url=proxy.url, connect_timeout=timedelta(seconds=1),
+                    retry=RetryPolicy(attempts=2, initial=timedelta(milliseconds=20)))
+        cfg = MoCConfig(storage="s3://ckpt/run", storage_options=opts, snapshot_dir=str(tmp_path / "shm"),
+                        interval=1, k_snapshot=2, k_persist=1)
+        proxy.refuse()
+        model, opt, task = make(0)
+        with CheckpointManager(cfg, model=model, optimizer=opt) as ckpt:
+            for step in range(3):
+                train_step(model, opt, task, step, ckpt)
+            ckpt.wait(flush=False)
+            st = ckpt.status()
+            assert st["last_snapshot_step"] == 2 and st["last_persisted_step"] is None
+            assert st["persist_failures"] >= 1 and "ConnectionError" in st["last_error"]
+            proxy.heal()
+            for step in range(3, 6):
+                train_step(model, opt, task, step, ckpt)
+            ckpt.wait()
+            assert ckpt.status()["last_persisted_step"] == 5
+        with pytest.raises(FileNotFoundError, match="bucket 'nope' does not exist"):
+            CheckpointManager(MoCConfig(storage="s3://nope/run", storage_options=opts,
+                                        snapshot_dir=str(tmp_path / "shm2")), model=model, optimizer=opt)
+    finally:
+        proxy.close()
+        server.stop()
