@@ -246,8 +246,9 @@ class BufferPool:
         """The buffer the next snapshot (``nbytes`` long, if known) would fill: the reserved
         one, else one that is free or complete but neither being persisted nor the newest
         complete copy (that one is the RECOVERY copy), and never one a thread still reads
-        or writes (leased). Among those: one big enough first (no growth), then a free
-        one, then the oldest. None when there is none."""
+        or writes (leased). Among those: a free one first (an older complete snapshot is
+        kept as long as possible), one big enough (no growth) before one that must grow, then
+        the oldest. None when there is none."""
         for b in self.buffers:
             if b.reserved and b is not exclude:
                 return b
@@ -256,7 +257,7 @@ class BufferPool:
                       and (b.state == FREE or (b.state == READY and b is not newest))]
         if not candidates:
             return None
-        return min(candidates, key=lambda b: (b.capacity < nbytes, b.state != FREE,
+        return min(candidates, key=lambda b: (b.state != FREE, b.capacity < nbytes,
                                               -1 if b.step is None else b.step, b.index))
 
     def reserve(self, nbytes: int = 0) -> SnapshotBuffer | None:
