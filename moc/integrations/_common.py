@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from .._optional import import_optional
 from .._units import capture_rng, restore_rng
 
 __all__ = ["inner_optimizer", "RngHandoff", "require"]
@@ -51,9 +52,4 @@ class RngHandoff:
 
 def require(module: str, extra: str, what: str) -> Any:
     """Import ``module`` or raise an ``ImportError`` saying which extra installs it."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise ImportError(f"{what} needs {module!r}: pip install \"moc-lazarus[{extra}]\" ({exc})") from exc
+    return import_optional(module, what, extra)
