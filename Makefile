@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: test test-gpu demo demo-moc docs-heatmap bench bench-store bench-placement bench-node-gpus bench-dispatch bench-hf bench-moc bench-simulate bench-runtime bench-gpu soak install clean
+.PHONY: test test-gpu demo demo-moc docs-heatmap bench bench-store bench-placement bench-node-gpus bench-dispatch bench-hf bench-moc bench-simulate bench-runtime bench-gpu soak install check-install clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -76,6 +76,11 @@ soak: $(STAMP)
 # MoE layer with the CUDA dispatch kernel).
 bench-gpu: $(GPU_DEPS)
 	$(GPU_PY) benchmarks/gpu/main.py
+
+# The README's install lines in a fresh venv with the stock pip of each Python given (not in `make test`).
+INSTALL_PYTHONS ?= $(PY)
+check-install:
+	bash .ci/check_install.sh $(INSTALL_PYTHONS)
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

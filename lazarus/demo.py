@@ -137,8 +137,9 @@ def _table(head: list[str], rows: list[list[Any]]) -> str:
 
 
 def _plot(path: Path, steps: list[dict], timeline: list[dict]) -> None:
-    import matplotlib
+    from moc._optional import import_optional
 
+    matplotlib = import_optional("matplotlib", "the demo's plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -11,6 +11,7 @@ import math
 import os
 
 from ._format import Manifest
+from ._optional import import_optional
 from ._inspect import layer_labels, layer_summary, natural_key
 
 __all__ = ["heatmap_geometry", "write_heatmap", "age_matrix"]
@@ -58,8 +59,7 @@ def write_heatmap(m: Manifest, path: str, *, url: str = "") -> dict[str, int]:
     names, ages = age_matrix(m)
     if not names:
         raise ValueError(f"--png {path}: step {m.step} has no MoE layers to plot")
-    import matplotlib
-
+    matplotlib = import_optional("matplotlib", "--png")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np

@@ -10,7 +10,8 @@ people train is where its tensors live:
 * ``hf_fused``: Hugging Face transformers 5.x, a layer's experts stacked in
   ``...experts.gate_up_proj`` [E, 2F, D] / ``down_proj`` [E, D, F] (GPT-OSS adds ``_bias``);
 * ``torchtitan``: ``GroupedExperts``, ``...experts.w1`` / ``w2`` / ``w3`` with or without
-  a shape suffix (``w1_EFD``), or ``w13``;
+  a shape suffix (``w1_EFD``), or ``w13``; torchtitan 0.3's
+  ``<layer>.routed_experts.inner_experts.w1_EFD`` too;
 * ``fused``: an explicit :class:`ExpertLayout` (a parameter regex plus the expert dim).
 
 For Megatron and TE the index in the name is local to the expert-parallel rank; the
@@ -59,7 +60,7 @@ LAYOUT_NAMES = ("auto", "per_expert", "megatron", "te_grouped", "hf_fused", "tor
 _MEGATRON = r"(?P<layer>.+)\.experts\.local_experts\.(?P<expert>\d+)\."
 _TE_GROUPED = r"(?P<layer>.+)\.experts\.linear_fc[12]\.(?:weight|bias)(?P<expert>\d+)$"
 _HF_FUSED = r"(?P<layer>.+)\.experts\.(?:gate_up_proj|down_proj|gate_proj|up_proj)(?:_bias)?$"
-_TORCHTITAN = r"(?P<layer>.+)\.(?:routed_)?experts\.w(?:1|2|3|13)(?:_[A-Z]+)?$"
+_TORCHTITAN = r"(?P<layer>.+)\.(?:routed_)?experts(?:\.inner_experts)?\.w(?:1|2|3|13)(?:_[A-Z]+)?$"
 
 _DESCRIPTIONS = {
     "per_expert": "per-expert modules",

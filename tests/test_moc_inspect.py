@@ -305,3 +305,16 @@ def test_bad_memory_path_from_the_command_line(run_copy, tmp_path):
     res = run_cli("inspect", str(store), "--memory", str(tmp_path / "gone"))
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert res.stderr.strip() == f"moc inspect: error: --memory {tmp_path / 'gone'}: no such directory"
+
+
+def test_png_without_matplotlib_says_which_extra_installs_it(run_copy, tmp_path):
+    store, _ = run_copy
+    code = ("import sys; sys.modules['matplotlib'] = None\n"     # as if it were not installed
+            "from moc.cli import main; sys.exit(main(sys.argv[1:]))")
+    res = subprocess.run([sys.executable, "-c", code, "inspect", str(store), "--png", str(tmp_path / "a.png")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert lines == ['moc inspect: error: --png needs matplotlib, which is not installed: '
+                     'pip install "moc-lazarus[plot]"'], res.stderr
+    assert not (tmp_path / "a.png").exists()

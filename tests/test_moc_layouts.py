@@ -330,3 +330,40 @@ def test_sharded_jobs_save_local_shards_and_reshard_on_restore(tmp_path, kind, s
     m = cs.read_manifest(cs.steps()[-1])
     writers = {c.key.rsplit("/", 1)[-1].split(".")[0] for r in m.units.values() for c in r.chunks}
     assert writers == {f"r{r}" for r in range(world)}, "every rank writes what it holds"
+
+
+def test_torchtitan_0_3_routed_experts_names_are_found():
+    """torchtitan 0.3.0 names its GroupedExperts ``<layer>.moe.routed_experts.inner_experts.w1_EFD``
+    (DeepSeek-V3 / Qwen3 debug models); the router is ``<layer>.moe.router``."""
+    class Grouped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1_EFD = torch.nn.Parameter(torch.randn(4, 6, 8))
+            self.w2_EDF = torch.nn.Parameter(torch.randn(4, 8, 6))
+            self.w3_EFD = torch.nn.Parameter(torch.randn(4, 6, 8))
+
+    class Routed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner_experts = Grouped()
+
+    class MoE(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = torch.nn.Linear(8, 4, bias=False)
+            self.routed_experts = Routed()
+            self.shared_experts = torch.nn.Linear(8, 8)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.moe = MoE()
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict({"1": Block(), "2": Block()})
+    layout = discover_units(model)
+    assert layout.layers == {"layers.1.moe": [0, 1, 2, 3], "layers.2.moe": [0, 1, 2, 3]}
+    unit = layout.expert_unit("layers.2.moe", 3)
+    assert sorted(r.key for r in unit.refs) == [f"layers.2.moe.routed_experts.inner_experts.{w}"
+                                                 for w in ("w1_EFD", "w2_EDF", "w3_EFD")]
+    assert all(r.row == 3 for r in unit.refs)
