@@ -6,7 +6,14 @@ it (the only stall), so no snapshot ever sees the next update. CUDA tensors are 
 a side stream into page-locked buffers (:mod:`moc._device_copy`): the copies are issued in
 ``step()`` after an event recorded behind ``optimizer.step()``, the pre-hook orders the
 next update after their completion event on the device, and the background thread only
-waits for that event, then checksums and publishes. Failures are counted;
+waits for that event, then checksums and publishes; it binds the device of the tensors
+it waits on first (a thread's current device is 0 until set: waiting from there would
+create a context on GPU 0 for every rank of a node). A buffer not page-locked yet (created
+or grown by this snapshot; page-locked in the background once its copies are done, see
+:mod:`moc._buffers`) or that cannot be page-locked is filled by the snapshot thread
+instead, and the pre-hook waits for it (counted as stall). Before a buffer changes hands
+(detach, close) the copies into it are waited for (:meth:`SnapshotEngine.quiesce`).
+Failures are counted;
 ``max_consecutive_failures`` in a row end training with :class:`moc.CheckpointError`
 (decided by all ranks together).
 """
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
@@ -27,6 +35,7 @@ import xxhash
 from ._buffers import FREE, PERSIST, READY, SNAPSHOT, BufferPool, SnapshotBuffer
 from ._codec import TensorMeta, decode_tree
 from ._config import MoCConfig
+from ._cuda import runtime
 from ._device_copy import CudaCopier, CudaCopyBatch, HostCopier, copier_for
 from ._dist import Comm
 from ._errors import CheckpointError
@@ -68,7 +77,12 @@ class SnapshotEngine:
         self.device_copy_seconds: float | None = None  # device time of the newest CUDA snapshot's copies
         self._batch: CudaCopyBatch | None = None        # CUDA copies the next update must wait for
         self._stall_batch: CudaCopyBatch | None = None  # whose device-side wait is not measured yet
-        self._fallback_logged = False
+        self._pin_error_logged = False
+        self.device_snapshots_async = 0     # CUDA snapshots copied asynchronously into page-locked memory
+        self.device_snapshots_fallback = 0  # ... copied by the snapshot thread (buffer not page-locked)
+        self._last_batch: CudaCopyBatch | None = None    # the newest issued copies (quiesce waits for them)
+        self._local_done = threading.Event()              # the newest snapshot's local copies are done
+        self._local_done.set()
 
     # -- taking a snapshot -----------------------------------------------------------------
     def start(self, plan: SnapshotPlan, header: dict[str, Any]) -> Future:
@@ -77,7 +91,10 @@ class SnapshotEngine:
         self.collect_device_stall()
         self.copier = copier_for((src for e in plan.entries for src in e[1].sources), self.copier)
         buf = self.pool.acquire()
-        buf.ensure(plan.nbytes(self.run.rank), pin=self.copier.pins_buffers, defer_shrink=True)
+        nbytes = plan.nbytes(self.run.rank)
+        pin = self.copier.device if isinstance(self.copier, CudaCopier) else None
+        # Page-locking happens later, off this thread (see moc._buffers): never here.
+        buf.ensure(nbytes, pin=pin, defer_upkeep=True)
         offset = 0
         placed = []
         for entry in plan.entries:
@@ -89,7 +106,8 @@ class SnapshotEngine:
             offset += r[2] - r[1]
         # CUDA: the side stream(s) wait on an event recorded behind this step's update.
         batch = self.copier.begin() if self.copier.device_async else None
-        issued = batch is not None and buf.pinned
+        issued = batch is not None and buf.pinned_for(nbytes)
+        self._local_done.clear()
         if issued:
             # Issue every device-to-host copy now, asynchronously into the page-locked
             # buffer; state the next forward changes in place is fenced off at once.
@@ -100,15 +118,24 @@ class SnapshotEngine:
                 if first:
                     batch.fence()
             batch.finish()
-            self._batch = batch
+            self._batch = self._last_batch = batch
+            self.device_snapshots_async += 1
         else:
-            if batch is not None and not self._fallback_logged:
-                self._fallback_logged = True
-                log.warning("%s: snapshot buffer is not page-locked; CUDA tensors are copied by the snapshot "
-                            "thread and the optimizer step waits for it", self.run.where())
-            for (name, tplan, start, end, _, _), off in placed:
-                if name in plan.sync_entries:
-                    self._copy_now(batch, tplan, start, end, buf.data[off: off + end - start])
+            if batch is not None:
+                self.device_snapshots_fallback += 1
+                error = self.pool.pin_error()
+                if error is not None and not self._pin_error_logged:
+                    self._pin_error_logged = True
+                    log.warning("%s: a snapshot buffer in %s cannot be page-locked (%s); CUDA tensors are copied "
+                                "by the snapshot thread and the optimizer step waits for it", self.run.where(),
+                                self.pool.directory, error)
+            try:
+                for (name, tplan, start, end, _, _), off in placed:
+                    if name in plan.sync_entries:
+                        self._copy_now(batch, tplan, start, end, buf.data[off: off + end - start])
+            except BaseException:
+                self._local_done.set()
+                raise
         self.in_flight = self._exec.submit(self._fill, buf, placed, plan, header, landing, batch, issued)
         return self.in_flight
 
@@ -124,12 +151,18 @@ class SnapshotEngine:
               landing, batch: CudaCopyBatch | None = None, issued: bool = False) -> SnapshotBuffer:
         """Background: copy this rank's share into the buffer (or wait for the device to
         have copied it), send/receive the remote copies, checksum everything, publish;
-        then let a shrink of the buffer free its pages (deferred so far, see
-        :meth:`SnapshotBuffer.ensure`: it would slow these copies and step()'s)."""
+        then start the buffer's upkeep (a shrink's truncate, page-locking a created or
+        grown buffer; deferred so far, see :meth:`SnapshotBuffer.ensure`: it would slow
+        these copies and step()'s)."""
+        if batch is not None:
+            runtime().set_device(batch.device)    # before any CUDA call of this thread
         try:
             return self._fill_now(buf, placed, plan, header, landing, batch, issued)
         finally:
-            buf.release_shrink()
+            self._local_done.set()
+            with self.run.lock:
+                if not self.run.abandoned:   # after a detach the buffers are no longer ours to pin
+                    buf.start_upkeep()
 
     def _fill_now(self, buf: SnapshotBuffer, placed, plan: SnapshotPlan, header: dict[str, Any],
                   landing, batch: CudaCopyBatch | None, issued: bool) -> SnapshotBuffer:
@@ -149,6 +182,7 @@ class SnapshotEngine:
             pieces.append({"unit": name, "start": start, "end": end, "offset": off,
                            "checksum": "xxh3:" + xxhash.xxh3_64_hexdigest(buf.view(off, n)),
                            "persist": owner and (name in plan.persist_units or units[name]["kind"] == "extra")})
+        self._local_done.set()   # nothing but remote copies (checked against a detach) writes from here on
         if plan.remote:
             try:
                 received, meta = self._exchange_copies(buf, plan.remote, landing, where, units)
@@ -324,7 +358,8 @@ class SnapshotEngine:
     # -- ending ----------------------------------------------------------------------------
     def abandon(self, grace: timedelta) -> None:
         """Detach: give the copy in flight ``grace`` to finish; one still blocked in a
-        collective is left behind (``run.abandoned`` stops it from publishing)."""
+        collective is left behind (``run.abandoned`` stops it from publishing), once the
+        copies into its buffer are done (:meth:`quiesce`)."""
         fut = self.in_flight
         if fut is not None:
             try:
@@ -335,6 +370,20 @@ class SnapshotEngine:
             except Exception as exc:  # noqa: BLE001 - the group is gone; the snapshot stays in memory
                 log.warning("rank %d: in-flight snapshot abandoned at reconfiguration: %s", self.run.rank, exc)
             self.in_flight = None
+        self.quiesce()
+
+    def quiesce(self) -> None:
+        """Wait until nothing writes into a buffer any more: the newest device copies'
+        completion events, and the snapshot thread's own copies (never blocked by peers:
+        only remote copies wait on them, and those check ``run.abandoned``). Called
+        before the buffers change hands or are released."""
+        batch, self._last_batch = self._last_batch, None
+        if batch is not None:
+            with runtime().device_guard(batch.device):   # the calling thread keeps its device
+                batch.synchronize()
+        if not self._local_done.wait(self.cfg.coordination_timeout.total_seconds()):
+            log.error("%s: the snapshot thread's copies did not finish within %s", self.run.where(),
+                      self.cfg.coordination_timeout)
 
     def retire_buffers(self) -> None:
         """Keep every complete buffer as a memory-only recovery source (its shares were
