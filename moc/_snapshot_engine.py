@@ -107,7 +107,7 @@ class SnapshotEngine:
         # CUDA: the side stream(s) wait on an event recorded behind this step's update.
         batch = self.copier.begin() if self.copier.device_async else None
         issued = batch is not None and buf.pinned_for(nbytes)
-        self._local_done.clear()
+        done = self._local_done = threading.Event()   # one per snapshot: set once nothing local writes
         if issued:
             # Issue every device-to-host copy now, asynchronously into the page-locked
             # buffer; state the next forward changes in place is fenced off at once.
@@ -134,9 +134,10 @@ class SnapshotEngine:
                     if name in plan.sync_entries:
                         self._copy_now(batch, tplan, start, end, buf.data[off: off + end - start])
             except BaseException:
-                self._local_done.set()
+                done.set()
                 raise
-        self.in_flight = self._exec.submit(self._fill, buf, placed, plan, header, landing, batch, issued)
+        self.in_flight = self._exec.submit(self._fill, buf, placed, plan, header, landing, batch, issued, done)
+        self.in_flight.add_done_callback(lambda _: done.set())
         return self.in_flight
 
     def _copy_now(self, batch: CudaCopyBatch | None, tplan, start: int, end: int, out) -> None:
@@ -148,7 +149,8 @@ class SnapshotEngine:
             batch.copy(tplan, start, end, out, non_blocking=False)
 
     def _fill(self, buf: SnapshotBuffer, placed, plan: SnapshotPlan, header: dict[str, Any],
-              landing, batch: CudaCopyBatch | None = None, issued: bool = False) -> SnapshotBuffer:
+              landing, batch: CudaCopyBatch | None = None, issued: bool = False,
+              done: threading.Event | None = None) -> SnapshotBuffer:
         """Background: copy this rank's share into the buffer (or wait for the device to
         have copied it), send/receive the remote copies, checksum everything, publish;
         then start the buffer's upkeep (a shrink's truncate, page-locking a created or
@@ -157,15 +159,17 @@ class SnapshotEngine:
         if batch is not None:
             runtime().set_device(batch.device)    # before any CUDA call of this thread
         try:
-            return self._fill_now(buf, placed, plan, header, landing, batch, issued)
+            return self._fill_now(buf, placed, plan, header, landing, batch, issued, done)
         finally:
-            self._local_done.set()
+            if done is not None:
+                done.set()
             with self.run.lock:
                 if not self.run.abandoned:   # after a detach the buffers are no longer ours to pin
                     buf.start_upkeep()
 
     def _fill_now(self, buf: SnapshotBuffer, placed, plan: SnapshotPlan, header: dict[str, Any],
-                  landing, batch: CudaCopyBatch | None, issued: bool) -> SnapshotBuffer:
+                  landing, batch: CudaCopyBatch | None, issued: bool,
+                  done: threading.Event | None) -> SnapshotBuffer:
         t0 = time.perf_counter()
         if issued:
             batch.synchronize()
@@ -182,7 +186,8 @@ class SnapshotEngine:
             pieces.append({"unit": name, "start": start, "end": end, "offset": off,
                            "checksum": "xxh3:" + xxhash.xxh3_64_hexdigest(buf.view(off, n)),
                            "persist": owner and (name in plan.persist_units or units[name]["kind"] == "extra")})
-        self._local_done.set()   # nothing but remote copies (checked against a detach) writes from here on
+        if done is not None:
+            done.set()   # nothing but remote copies (checked against a detach) writes from here on
         if plan.remote:
             try:
                 received, meta = self._exchange_copies(buf, plan.remote, landing, where, units)
