@@ -384,8 +384,11 @@ class SnapshotEngine:
         before the buffers change hands or are released."""
         batch, self._last_batch = self._last_batch, None
         if batch is not None:
-            with runtime().device_guard(batch.device):   # the calling thread keeps its device
-                batch.synchronize()
+            try:
+                with runtime().device_guard(batch.device):   # the calling thread keeps its device
+                    batch.synchronize()
+            except Exception as exc:  # noqa: BLE001 - a failed device writes no more; close/detach go on
+                log.error("%s: waiting for the snapshot copies failed: %s", self.run.where(), exc)
         if not self._local_done.wait(self.cfg.coordination_timeout.total_seconds()):
             log.error("%s: the snapshot thread's copies did not finish within %s", self.run.where(),
                       self.cfg.coordination_timeout)
