@@ -22,7 +22,9 @@ asynchronous. The page-locking lifecycle, by CUDA's rules (see :mod:`moc._cuda`)
   device) once that snapshot's copies are done, together with the truncate of a shrink;
   the snapshot that grew it is copied by the snapshot thread instead (the slow path, its
   wait counted as stall). A shrink keeps the old registration for its copies (they fall
-  inside it) and swaps it for the smaller one afterwards;
+  inside it) and swaps it for the smaller one afterwards. Resizing a buffer whose upkeep
+  still runs waits for it (warm-up only: a buffer is reused two snapshots later at the
+  earliest);
 * every registration is released by :meth:`BufferPool.unpin` / :meth:`BufferPool.remove_files`
   (close, detach), else at process exit (:mod:`moc._device_copy`'s registry).
 
