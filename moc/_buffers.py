@@ -28,8 +28,23 @@ for lack of one, and a stale thread from ever writing into a buffer someone else
 
 For snapshots of CUDA tensors a buffer is page-locked (``cudaHostRegister`` of its
 mapping, :func:`moc._device_copy.host_register`) so device-to-host copies into it are
-asynchronous. A resize unregisters the old range first and registers the new one after:
-a registration pins the pages it saw, and a truncated-then-regrown file has new pages.
+asynchronous. The page-locking lifecycle, by CUDA's rules (see :mod:`moc._cuda`):
+
+* a registration is released before any truncate that cuts into it and before its
+  mapping is dropped, and a range is never registered twice;
+* registering costs ~0.2-0.5 s per GB, so it never runs in ``step()``: a buffer created or
+  grown by a snapshot is page-locked by an *upkeep* thread (bound to the snapshot's
+  device) once that snapshot's copies are done, together with the truncate of a shrink;
+  the snapshot that grew it is copied by the snapshot thread instead (the slow path, its
+  wait counted as stall). A shrink keeps the old registration for its copies (they fall
+  inside it) and swaps it for the smaller one afterwards. Resizing a buffer whose upkeep
+  still runs waits for it (warm-up only: a buffer is reused two snapshots later at the
+  earliest);
+* every registration is released by :meth:`BufferPool.unpin` / :meth:`BufferPool.remove_files`
+  (close, detach), else at process exit (:mod:`moc._device_copy`'s registry).
+
+A buffer that cannot be page-locked keeps the reason (``pin_error``) and is not retried
+until it is mapped anew.
 """
 
 from __future__ import annotations
@@ -46,7 +61,8 @@ from typing import Any, Iterator
 import torch
 import xxhash
 
-from ._device_copy import host_register, host_unregister
+from ._cuda import runtime
+from ._device_copy import HostRegistration, host_register
 
 __all__ = ["SnapshotBuffer", "BufferPool", "FREE", "SNAPSHOT", "READY", "PERSIST"]
 
@@ -73,12 +89,14 @@ class SnapshotBuffer:
     step: int | None = None
     persisted: bool = False
     header: dict[str, Any] = field(default_factory=dict)
+    pin_error: str | None = None   # why page-locking this mapping failed (not retried until remapped)
     _map: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8), repr=False)
     _mapped: int = 0
-    _shrinking: threading.Thread | None = field(default=None, repr=False)
-    _shrink_to: int | None = field(default=None, repr=False)   # a shrink waiting for release_shrink()
-    pinned: bool = False          # page-locked for asynchronous device-to-host copies
-    _pin_failed: bool = field(default=False, repr=False)
+    _upkeep: threading.Thread | None = field(default=None, repr=False)
+    _shrink_to: int | None = field(default=None, repr=False)   # a truncate waiting for start_upkeep()
+    _reg: HostRegistration | None = field(default=None, repr=False)
+    _pin_device: torch.device | None = field(default=None, repr=False)   # page-lock for this device's copies
+    _reg_device: torch.device | None = field(default=None, repr=False)   # whose context registered it
     users: int = 0                # threads reading or writing its bytes (BufferPool.lease)
     reserved: bool = False        # picked for the next snapshot (BufferPool.reserve)
     _allocated: int = field(default=0, repr=False)   # bytes of the file whose pages are reserved
@@ -91,46 +109,80 @@ class SnapshotBuffer:
     def header_path(self) -> str:
         return os.path.join(self.directory, f"buf{self.index}.json")
 
-    def ensure(self, nbytes: int, *, pin: bool = False, defer_shrink: bool = False) -> None:
-        """Make the buffer at least ``nbytes`` long (and page-locked with ``pin``).
+    @property
+    def pinned(self) -> bool:
+        """Page-locked over its whole capacity."""
+        return self.capacity > 0 and self.pinned_for(self.capacity)
+
+    def pinned_for(self, nbytes: int) -> bool:
+        """Are the first ``nbytes`` page-locked (copies into them asynchronous)? False
+        while the upkeep thread may be changing the registration."""
+        upkeep = self._upkeep
+        return (upkeep is None or not upkeep.is_alive()) and self._locked(nbytes)
+
+    def _locked(self, nbytes: int) -> bool:
+        reg = self._reg
+        return reg is not None and reg.covers(self.data, nbytes)
+
+    def ensure(self, nbytes: int, *, pin: torch.device | None = None, defer_upkeep: bool = False) -> None:
+        """Make the buffer at least ``nbytes`` long; ``pin``: page-locked for copies from
+        that CUDA device (by the upkeep thread, see the module docstring).
 
         It grows when it must, and shrinks when it is more than twice what is needed: the
         first checkpoint holds every unit, later partial ones a fraction of that, and
         without shrinking all three buffers would stay the size of the full state. A
         shrunk buffer keeps 25% headroom so that snapshots of slightly different sizes do
-        not resize it again. Shrinking truncates the file in a background thread (freeing
+        not resize it again. Shrinking truncates the file in the upkeep thread (freeing
         a GB of tmpfs pages takes ~0.1-0.2 s) and keeps the mapping, so growing back up to
         the mapped size is another truncate, not a new map. While that truncate runs,
         writes into the buffer's remaining pages are slow too (0.2 s for a few KB, measured
-        on a 1.3 GB buffer): ``defer_shrink`` leaves it to :meth:`release_shrink`, called
-        once the copies into the buffer are done.
+        on a 1.3 GB buffer): ``defer_upkeep`` leaves it, and the page-locking, to
+        :meth:`start_upkeep`, called once the copies into the buffer are done.
+
+        Never registers memory itself: on the calling thread it at most releases a
+        registration that a truncate or a new mapping would cut into.
         """
+        if pin is not None:
+            self._pin_device = pin
+        self.settle()
         if nbytes <= self.capacity <= max(2 * nbytes, SHRINK_MIN):
             self._reserve_pages(self.capacity)   # a no-op unless an earlier growth failed
+            if not defer_upkeep:
+                self.start_upkeep()
             return
-        self._settle()
         if nbytes > self.capacity:
             capacity = _pages(nbytes)
             if capacity <= self._mapped:
-                os.truncate(self.path, capacity)
+                self._truncate(capacity)     # a grow (a pending shrink's truncate never ran)
                 self._reserve_pages(capacity)
             else:
-                with open(self.path, "wb") as f:
-                    f.truncate(capacity)
-                self._allocated = 0
-                self._reserve_pages(capacity)
+                self._release_pin()          # before its mapping goes
+                self.data = self._map = torch.empty(0, dtype=torch.uint8)
+                self.pin_error = None        # a new mapping may page-lock where the old did not
+                if not os.path.exists(self.path):
+                    open(self.path, "wb").close()
+                    self._allocated = 0
+                self._truncate(capacity)
+                try:
+                    self._reserve_pages(capacity)
+                except OSError:              # the old mapping is gone: the buffer is empty now
+                    self.capacity = self._mapped = self._allocated = 0
+                    os.truncate(self.path, 0)
+                    raise
                 self._map = torch.from_file(self.path, shared=True, size=capacity, dtype=torch.uint8)
                 self._mapped = capacity
+            self._shrink_to = None
         else:
+            # The registration (if any) covers the old, larger size: copies into the first
+            # ``capacity`` bytes stay asynchronous; the upkeep thread swaps it for a
+            # smaller one around the truncate.
             capacity = _pages(nbytes + nbytes // 4)
             self._shrink_to = capacity
             self._allocated = min(self._allocated, capacity)
-            if not defer_shrink:
-                self.release_shrink()
         self.capacity = capacity
         self.data = self._map[:capacity]
-        if pin and not self._pin_failed:
-            self._pin()
+        if not defer_upkeep:
+            self.start_upkeep()
 
     def _reserve_pages(self, capacity: int) -> None:
         """Back the file's pages up to ``capacity`` now (tmpfs allocates them lazily, and a
@@ -146,7 +198,8 @@ class SnapshotBuffer:
                 if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):   # a file system without it
                     self._allocated = capacity
                     return
-                os.ftruncate(fd, self.capacity if self._mapped else 0)
+                reg = self._reg        # never cut into a registration (a shrunk buffer keeps its larger one)
+                os.ftruncate(fd, max(self.capacity, reg.nbytes if reg is not None else 0))
                 free = ""
                 with contextlib.suppress(OSError):
                     st = os.statvfs(self.directory)
@@ -157,31 +210,58 @@ class SnapshotBuffer:
                 os.close(fd)
         self._allocated = capacity
 
-    def _pin(self) -> None:
-        self.pinned = host_register(self.data, where=f"snapshot buffer {self.path}")
-        self._pin_failed = not self.pinned
-
-    def _unpin(self) -> None:
-        if self.pinned:
-            host_unregister(self.data, where=f"snapshot buffer {self.path}")
-            self.pinned = False
-
-    def release_shrink(self) -> None:
-        """Start the truncate of a shrink :meth:`ensure` deferred (a no-op otherwise)."""
-        if self._shrink_to is None or self._shrinking is not None:
+    def start_upkeep(self) -> None:
+        """Bring the file to the buffer's size (a shrink's truncate) and the page-locking to
+        its capacity, in a background thread; a no-op when nothing is to do. Called once
+        the copies into the buffer are done (a registration changes under none)."""
+        if self._upkeep is not None:
             return
-        # Nothing touches the map past the new capacity from here on (the kernel drops
-        # those pages from it), so the truncate can run while the buffer is read.
-        self._shrinking = threading.Thread(target=os.truncate, args=(self.path, self._shrink_to),
-                                           name="moc-buffer-shrink", daemon=True)
-        self._shrink_to = None
-        self._shrinking.start()
+        shrink_to, self._shrink_to = self._shrink_to, None
+        pin = self._pin_device is not None and self.pin_error is None and self.capacity > 0
+        if shrink_to is None and not (pin and not self._locked(self.capacity)):
+            return
+        device = self._pin_device if self._pin_device is not None else self._reg_device
+        self._upkeep = threading.Thread(target=self._upkeep_run, args=(shrink_to, device, pin),
+                                        name=f"moc-buffer{self.index}-upkeep", daemon=True)
+        self._upkeep.start()
 
-    def _settle(self) -> None:
-        if self._shrinking is not None:
-            self._shrinking.join()
-            self._shrinking = None
-        self._shrink_to = None   # never started: the resize that follows sets the file's size
+    def _upkeep_run(self, shrink_to: int | None, device: torch.device | None, pin: bool) -> None:
+        if device is not None and runtime().is_available():
+            runtime().set_device(device)     # our thread: its CUDA calls run in this device's context
+        if shrink_to is not None:
+            self._truncate(shrink_to)        # releases a registration it would cut into first
+        if pin and not self._locked(self.capacity):
+            self._release_pin()              # the smaller registration of a grown buffer
+            self._reg, self.pin_error = host_register(self.data, where=f"snapshot buffer {self.path}")
+            self._reg_device = device
+
+    def _truncate(self, size: int) -> None:
+        """Set the file's size, releasing first a registration the truncate would cut into."""
+        if self._reg is not None and self._reg.nbytes > size:
+            self._release_pin()
+        os.truncate(self.path, size)
+
+    def _release_pin(self) -> None:
+        reg, self._reg = self._reg, None
+        if reg is None:
+            return
+        device = self._reg_device
+        if device is None or threading.current_thread() is self._upkeep:
+            reg.release()
+            return
+        with runtime().device_guard(device):  # the caller's thread keeps its own device
+            reg.release()
+
+    def settle(self) -> None:
+        """Wait for the upkeep thread (truncate, page-locking) to finish."""
+        if self._upkeep is not None:
+            self._upkeep.join()
+            self._upkeep = None
+
+    def unpin(self) -> None:
+        """Release the page-locking (after any upkeep); the mapping and contents stay."""
+        self.settle()
+        self._release_pin()
 
     def invalidate(self) -> None:
         """Withdraw the published snapshot before the bytes get overwritten."""
@@ -308,9 +388,19 @@ class BufferPool:
             self.release(buf)
 
     def unpin(self) -> None:
-        """Release the page-locking of every buffer (the files and their contents stay)."""
+        """Release the page-locking of every buffer (the files and their contents stay),
+        once any upkeep is done. Called when the buffers change hands (detach) or stop
+        being used (close): the caller has waited for every copy into them."""
         for b in self.buffers:
-            b._unpin()
+            b.unpin()
+
+    def pin_error(self) -> str | None:
+        """Why a buffer could not be page-locked (the first such buffer's reason), else None."""
+        return next((f"buffer {b.index}: {b.pin_error}" for b in self.buffers if b.pin_error is not None), None)
+
+    def pinned_count(self) -> int:
+        """Buffers in use that are page-locked over their whole capacity."""
+        return sum(1 for b in self.buffers if b.pinned)
 
     def allocated_bytes(self) -> int:
         return sum(b.capacity for b in self.buffers)
@@ -318,8 +408,7 @@ class BufferPool:
     def remove_files(self) -> None:
         for b in self.buffers:
             b.invalidate()
-            b._unpin()
-            b._settle()
+            b.unpin()
             b.data = b._map = torch.empty(0, dtype=torch.uint8)
             b.capacity = b._mapped = 0
             try:

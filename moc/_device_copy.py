@@ -1,6 +1,7 @@
 """Where snapshot bytes come from: host tensors, or CUDA tensors copied on a side stream.
 
-This is the only moc module that touches ``torch.cuda``. Two copiers share one interface:
+CUDA calls go through :mod:`moc._cuda` (a test installs a stand-in there). Two copiers
+share one interface:
 
 * :class:`HostCopier` (CPU tensors): a copy completes inside the call, so the snapshot
   thread makes them while training goes on, and the optimizer pre-hook waits for that
@@ -14,9 +15,14 @@ This is the only moc module that touches ``torch.cuda``. Two copiers share one i
   event before checksumming and publishing. Persisting and hashing read host memory only.
 
 A copy into pageable memory would be synchronous and, issued from the training stream,
-serialise with training: never done here. When page-locking a buffer fails (locked-memory
-limits), :class:`SnapshotEngine` falls back to copying from the snapshot thread, waited
-for by the pre-hook like on CPU.
+serialise with training: never done here. A buffer not page-locked (yet: buffers are
+page-locked in the background after a snapshot that created or grew them, see
+:mod:`moc._buffers`; or ever: locked-memory limits) makes :class:`SnapshotEngine` copy
+from the snapshot thread instead, waited for by the pre-hook like on CPU.
+
+Page-locking (:func:`host_register`) hands out :class:`HostRegistration` objects, kept in a
+process-wide registry: each is released once by its owner, and what is left at exit is
+released then.
 
 Restores copy host bytes into CUDA parameters and optimizer state with non-blocking
 host-to-device copies (:func:`copy_into`) and one :func:`finish_copies` at the end.
@@ -24,53 +30,110 @@ host-to-device copies (:func:`copy_into`) and one :func:`finish_copies` at the e
 
 from __future__ import annotations
 
+import atexit
 import logging
+import threading
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
 
-__all__ = ["HostCopier", "CudaCopier", "CudaCopyBatch", "copier_for", "cuda_devices", "host_register",
-           "host_unregister", "copy_into", "finish_copies"]
+from ._cuda import HOST_REGISTER_PORTABLE, SUCCESS, runtime
+
+__all__ = ["HostCopier", "CudaCopier", "CudaCopyBatch", "HostRegistration", "copier_for", "cuda_devices",
+           "host_register", "live_registrations", "copy_into", "finish_copies"]
 
 log = logging.getLogger("moc")
-
-_CUDA_HOST_REGISTER_PORTABLE = 1   # cudaHostRegisterPortable: pinned for every CUDA context
 
 
 def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[torch.device]:
     """The distinct CUDA devices among ``tensors``, in first-seen order."""
+    rt = runtime()
     seen: dict[torch.device, None] = {}
     for t in tensors:
-        if t.device.type == "cuda":
-            seen.setdefault(t.device, None)
+        dev = rt.device_of(t)
+        if dev is not None:
+            seen.setdefault(dev, None)
     return list(seen)
 
 
-def host_register(t: torch.Tensor, *, where: str = "rank - step -") -> bool:
-    """Page-lock the host memory of the CPU tensor ``t`` for the CUDA driver, so that
-    device-to-host copies into it are asynchronous. False (nothing done) when CUDA is not
-    available in this process or the driver refuses (locked-memory limits)."""
+@dataclass(eq=False)
+class HostRegistration:
+    """One live ``cudaHostRegister`` of ``[ptr, ptr + nbytes)``; :meth:`release` undoes it
+    (once). Every live one is in a process-wide registry, released at exit if its owner
+    did not."""
+
+    ptr: int
+    nbytes: int
+    where: str
+    released: bool = False
+
+    def covers(self, t: torch.Tensor, nbytes: int) -> bool:
+        """Do the first ``nbytes`` of the CPU tensor ``t`` lie in this registration?"""
+        start = t.data_ptr()
+        return not self.released and self.ptr <= start and start + nbytes <= self.ptr + self.nbytes
+
+    def release(self) -> bool:
+        """``cudaHostUnregister``; True when the driver accepted it. The registration is
+        gone from the registry either way (a refusal is logged: there is nothing left to
+        retry with)."""
+        with _LIVE_LOCK:
+            if self.released:
+                return True
+            self.released = True
+            _LIVE.pop(self.ptr, None)
+        err = runtime().host_unregister(self.ptr)
+        if err != SUCCESS:
+            log.warning("%s: cudaHostUnregister of %d bytes failed (cudaError %d)", self.where, self.nbytes, err)
+            return False
+        return True
+
+
+_LIVE: dict[int, HostRegistration] = {}
+_LIVE_LOCK = threading.Lock()
+
+
+def live_registrations() -> list[HostRegistration]:
+    """The page-lockings moc holds in this process."""
+    with _LIVE_LOCK:
+        return list(_LIVE.values())
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    for reg in live_registrations():
+        try:
+            reg.release()
+        except Exception:  # noqa: BLE001 - the runtime may already be torn down at exit
+            pass
+
+
+def host_register(t: torch.Tensor, nbytes: int | None = None, *,
+                  where: str = "rank - step -") -> tuple[HostRegistration | None, str | None]:
+    """Page-lock the first ``nbytes`` (default: all) of the CPU tensor ``t`` for the CUDA
+    driver, so that device-to-host copies into them are asynchronous.
+
+    Returns (the registration, None), or (None, why not): CUDA is not available in this
+    process, or the driver refused (locked-memory limits, a mapping it cannot pin). The
+    caller reports a refusal; nothing is logged here. The calling thread's current device
+    must be set (the call runs in its context)."""
     if t.device.type != "cpu":
         raise ValueError(f"host_register needs a CPU tensor, got one on {t.device}")
-    nbytes = t.numel() * t.element_size()
-    if nbytes == 0 or not torch.cuda.is_available():
-        return False
-    err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, _CUDA_HOST_REGISTER_PORTABLE))
-    if err != 0:
-        log.warning("%s: cudaHostRegister of %d bytes failed (cudaError %d); snapshots of CUDA tensors fall "
-                    "back to copies from the snapshot thread", where, nbytes, err)
-        return False
-    return True
-
-
-def host_unregister(t: torch.Tensor, *, where: str = "rank - step -") -> None:
-    """Undo :func:`host_register` (the memory stays mapped)."""
-    if t.numel() == 0 or not torch.cuda.is_available():
-        return
-    err = int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr()))
-    if err != 0:
-        log.warning("%s: cudaHostUnregister failed (cudaError %d)", where, err)
+    nbytes = t.numel() * t.element_size() if nbytes is None else nbytes
+    if nbytes <= 0:
+        return None, "nothing to page-lock (0 bytes)"
+    rt = runtime()
+    if not rt.is_available():
+        return None, "CUDA is not available in this process"
+    ptr = t.data_ptr()
+    err = rt.host_register(ptr, nbytes, HOST_REGISTER_PORTABLE)
+    if err != SUCCESS:
+        return None, f"cudaHostRegister of {nbytes} bytes failed (cudaError {err})"
+    reg = HostRegistration(ptr, nbytes, where)
+    with _LIVE_LOCK:
+        _LIVE[ptr] = reg
+    return reg, None
 
 
 class HostCopier:
@@ -91,18 +154,21 @@ class CudaCopyBatch:
     training stream(s), and ordering the next optimizer step after them.
 
     Created by :meth:`CudaCopier.begin` on the training thread right after
-    ``optimizer.step()``."""
+    ``optimizer.step()``. ``device`` is the device a thread waiting on the copies binds
+    (the first one's; events of other devices are waited on from its context)."""
 
-    def __init__(self, streams: dict[torch.device, torch.cuda.Stream]) -> None:
+    def __init__(self, streams: dict[torch.device, object]) -> None:
+        rt = runtime()
         self._streams = streams
-        self._started: dict[torch.device, torch.cuda.Event] = {}
-        self._done: dict[torch.device, torch.cuda.Event] = {}
-        self._stall: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.device = next(iter(streams))
+        self._started: dict[torch.device, object] = {}
+        self._done: dict[torch.device, object] = {}
+        self._stall: list[tuple[object, object]] = []
         for dev, side in streams.items():
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(dev))   # after optimizer.step()'s kernels
+            ready = rt.new_event()
+            ready.record(rt.current_stream(dev))   # after optimizer.step()'s kernels
             side.wait_event(ready)
-            start = torch.cuda.Event(enable_timing=True)
+            start = rt.new_event(timing=True)
             start.record(side)
             self._started[dev] = start
 
@@ -110,9 +176,10 @@ class CudaCopyBatch:
     def issuing(self) -> Iterator[None]:
         """Copies made inside run on the side streams (``.contiguous()`` temporaries too,
         so the caching allocator frees them on the stream that used them)."""
+        rt = runtime()
         with ExitStack() as stack:
             for side in self._streams.values():
-                stack.enter_context(torch.cuda.stream(side))
+                stack.enter_context(rt.use_stream(side))
             yield
 
     def copy(self, plan, start: int, end: int, out: torch.Tensor, *, non_blocking: bool = True) -> None:
@@ -125,15 +192,17 @@ class CudaCopyBatch:
     def fence(self) -> None:
         """Make the training stream(s) wait for the copies issued so far (state the next
         forward changes in place, such as running statistics)."""
+        rt = runtime()
         for dev, side in self._streams.items():
-            ev = torch.cuda.Event()
+            ev = rt.new_event()
             ev.record(side)
-            torch.cuda.current_stream(dev).wait_event(ev)
+            rt.current_stream(dev).wait_event(ev)
 
     def finish(self) -> None:
         """Record the completion event of every copy issued."""
+        rt = runtime()
         for dev, side in self._streams.items():
-            ev = torch.cuda.Event(enable_timing=True)
+            ev = rt.new_event(timing=True)
             ev.record(side)
             self._done[dev] = ev
 
@@ -141,9 +210,10 @@ class CudaCopyBatch:
         """The optimizer pre-hook: the update about to be queued waits, on the device, for
         the copies (the host does not block). Timing events around the wait measure how
         long the training stream actually waited (:meth:`stall_seconds`)."""
+        rt = runtime()
         for dev, done in self._done.items():
-            stream = torch.cuda.current_stream(dev)
-            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            stream = rt.current_stream(dev)
+            before, after = rt.new_event(timing=True), rt.new_event(timing=True)
             before.record(stream)
             stream.wait_event(done)
             after.record(stream)
@@ -154,7 +224,8 @@ class CudaCopyBatch:
         return all(ev.query() for ev in self._done.values())
 
     def synchronize(self) -> None:
-        """Block the calling (snapshot) thread until every copy has landed in host memory."""
+        """Block the calling thread until every copy has landed in host memory (the
+        thread's current device must be set: see :mod:`moc._cuda`)."""
         for ev in self._done.values():
             ev.synchronize()
 
@@ -181,7 +252,13 @@ class CudaCopier:
         self.devices = list(devices)
         if not self.devices:
             raise ValueError("CudaCopier needs at least one CUDA device")
-        self._streams = {d: torch.cuda.Stream(device=d) for d in self.devices}
+        rt = runtime()
+        self._streams = {d: rt.new_stream(d) for d in self.devices}
+
+    @property
+    def device(self) -> torch.device:
+        """The device threads working for these copies bind (page-locking, waiting)."""
+        return self.devices[0]
 
     def begin(self) -> CudaCopyBatch:
         return CudaCopyBatch(self._streams)
@@ -211,4 +288,4 @@ def finish_copies(devices: Iterable[torch.device]) -> None:
     """Wait for the non-blocking host-to-device copies issued on ``devices``."""
     for dev in dict.fromkeys(devices):
         if dev.type == "cuda":
-            torch.cuda.current_stream(dev).synchronize()
+            runtime().synchronize_stream(dev)

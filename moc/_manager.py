@@ -448,14 +448,18 @@ class CheckpointManager:
         Local only, commits nothing new. Background snapshot/persist jobs get ``grace`` to
         finish; one still blocked in a collective (gloo peers that are alive but have left
         the group only time out) is abandoned: it can no longer publish a snapshot or
-        write into a buffer, and its persist is never committed by anyone.
+        write into a buffer, and its persist is never committed by anyone. The device
+        copies into the buffers are waited for, and the buffers' page-locking released,
+        before they are handed over (the successor page-locks them again, off its
+        training thread).
         """
         with self.run.lock:
             self.run.abandoned = True
-        self.engine.abandon(grace)
+        self.engine.abandon(grace)        # waits for the copies into the buffers too
         self.persister.abandon(grace)
         self.persister.apply_outcomes()   # the successor continues from every commit seen here
         self.engine.retire_buffers()
+        self.engine.pool.unpin()
         state = self._export_state()
         self._closed = True
         self._release_hooks()
@@ -525,6 +529,7 @@ class CheckpointManager:
             self._taps.remove()
             self.engine.shutdown(wait=True)
             self.persister.shutdown(wait=True)
+            self.engine.quiesce()
             if not keep_snapshots:
                 self.engine.pool.remove_files()
             else:
@@ -558,6 +563,9 @@ class CheckpointManager:
                 "step_call_seconds_last": self._step_call_last, "step_call_seconds_total": self._step_call_total,
                 "blocked_seconds_total": e.stall_total + self._step_call_total,
                 "snapshot_seconds": e.seconds, "buffer_bytes": e.pool.allocated_bytes(),
+                "device_snapshots_async": e.device_snapshots_async,
+                "device_snapshots_fallback": e.device_snapshots_fallback,
+                "buffers_page_locked": e.pool.pinned_count(), "page_lock_error": e.pool.pin_error(),
                 "plt": pol.tracker.value(), "plt_snapshot": pol.tracker.value("snapshot"),
                 "plt_persist": pol.tracker.value("persist"), "recoveries": pol.recoveries,
             }

@@ -6,7 +6,14 @@ it (the only stall), so no snapshot ever sees the next update. CUDA tensors are 
 a side stream into page-locked buffers (:mod:`moc._device_copy`): the copies are issued in
 ``step()`` after an event recorded behind ``optimizer.step()``, the pre-hook orders the
 next update after their completion event on the device, and the background thread only
-waits for that event, then checksums and publishes. Failures are counted;
+waits for that event, then checksums and publishes; it binds the device of the tensors
+it waits on first (a thread's current device is 0 until set: waiting from there would
+create a context on GPU 0 for every rank of a node). A buffer not page-locked yet (created
+or grown by this snapshot; page-locked in the background once its copies are done, see
+:mod:`moc._buffers`) or that cannot be page-locked is filled by the snapshot thread
+instead, and the pre-hook waits for it (counted as stall). Before a buffer changes hands
+(detach, close) the copies into it are waited for (:meth:`SnapshotEngine.quiesce`).
+Failures are counted;
 ``max_consecutive_failures`` in a row end training with :class:`moc.CheckpointError`
 (decided by all ranks together).
 
@@ -24,6 +31,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
@@ -36,6 +44,7 @@ import xxhash
 from ._buffers import FREE, PERSIST, READY, SNAPSHOT, BufferPool, SnapshotBuffer
 from ._codec import TensorMeta, decode_tree
 from ._config import MoCConfig
+from ._cuda import runtime
 from ._device_copy import CudaCopier, CudaCopyBatch, HostCopier, copier_for
 from ._dist import Comm
 from ._errors import CheckpointError
@@ -80,7 +89,6 @@ class SnapshotEngine:
         self.device_copy_seconds: float | None = None  # device time of the newest CUDA snapshot's copies
         self._batch: CudaCopyBatch | None = None        # CUDA copies the next update must wait for
         self._stall_batch: CudaCopyBatch | None = None  # whose device-side wait is not measured yet
-        self._fallback_logged = False
         self._reserved: SnapshotBuffer | None = None    # the buffer the due snapshot will fill
         self.reserve_error: str | None = None           # why none could be reserved
         self._last_nbytes = 0                           # this rank's share of the newest snapshot
@@ -88,6 +96,12 @@ class SnapshotEngine:
         self.skipped_local = 0                          # ... of which on this rank only (growth failed)
         self.last_skip: dict[str, Any] | None = None    # {"step", "reason"} of the newest skip
         self._in_flight_step = -1
+        self._pin_error_logged = False
+        self.device_snapshots_async = 0     # CUDA snapshots copied asynchronously into page-locked memory
+        self.device_snapshots_fallback = 0  # ... copied by the snapshot thread (buffer not page-locked)
+        self._last_batch: CudaCopyBatch | None = None    # the newest issued copies (quiesce waits for them)
+        self._local_done = threading.Event()              # the newest snapshot's local copies are done
+        self._local_done.set()
 
     # -- taking a snapshot -----------------------------------------------------------------
     def reserve(self) -> bool:
@@ -105,7 +119,7 @@ class SnapshotEngine:
             return False
         self.reserve_error = None
         try:
-            buf.ensure(max(self._last_nbytes, buf.capacity), pin=self.copier.pins_buffers, defer_shrink=True)
+            buf.ensure(max(self._last_nbytes, buf.capacity), pin=self._pin_device(), defer_upkeep=True)
         except (OSError, RuntimeError):
             pass
         return True
@@ -136,6 +150,7 @@ class SnapshotEngine:
         self.copier = copier_for((src for e in plan.entries for src in e[1].sources), self.copier)
         nbytes = plan.nbytes(self.run.rank)
         self._in_flight_step = header["step"]
+        # Page-locking happens later, off this thread (see moc._buffers): never here.
         buf, exc = self._take_buffer(nbytes)
         if buf is None:
             return self._skip_here(plan, header, nbytes, exc)
@@ -151,7 +166,8 @@ class SnapshotEngine:
             offset += r[2] - r[1]
         # CUDA: the side stream(s) wait on an event recorded behind this step's update.
         batch = self.copier.begin() if self.copier.device_async else None
-        issued = batch is not None and buf.pinned
+        issued = batch is not None and buf.pinned_for(nbytes)
+        done = self._local_done = threading.Event()   # one per snapshot: set once nothing local writes
         if issued:
             # Issue every device-to-host copy now, asynchronously into the page-locked
             # buffer; state the next forward changes in place is fenced off at once.
@@ -162,17 +178,34 @@ class SnapshotEngine:
                 if first:
                     batch.fence()
             batch.finish()
-            self._batch = batch
+            self._batch = self._last_batch = batch
+            self.device_snapshots_async += 1
         else:
-            if batch is not None and not self._fallback_logged:
-                self._fallback_logged = True
-                log.warning("%s: snapshot buffer is not page-locked; CUDA tensors are copied by the snapshot "
-                            "thread and the optimizer step waits for it", self.run.where())
-            for (name, tplan, start, end, _, _), off in placed:
-                if name in plan.sync_entries:
-                    self._copy_now(batch, tplan, start, end, buf.data[off: off + end - start])
-        self.in_flight = self._exec.submit(self._fill, buf, placed, plan, header, landing, batch, issued)
+            if batch is not None:
+                self.device_snapshots_fallback += 1
+                error = self.pool.pin_error()
+                if error is not None and not self._pin_error_logged:
+                    self._pin_error_logged = True
+                    log.warning("%s: a snapshot buffer in %s cannot be page-locked (%s); CUDA tensors are copied "
+                                "by the snapshot thread and the optimizer step waits for it", self.run.where(),
+                                self.pool.directory, error)
+            try:
+                for (name, tplan, start, end, _, _), off in placed:
+                    if name in plan.sync_entries:
+                        self._copy_now(batch, tplan, start, end, buf.data[off: off + end - start])
+            except BaseException:
+                done.set()
+                with self.run.lock:
+                    buf.invalidate()
+                    buf.state = FREE
+                self.pool.release(buf)
+                raise
+        self.in_flight = self._exec.submit(self._fill, buf, placed, plan, header, landing, batch, issued, done)
+        self.in_flight.add_done_callback(lambda _: done.set())
         return self.in_flight
+
+    def _pin_device(self) -> torch.device | None:
+        return self.copier.device if isinstance(self.copier, CudaCopier) else None
 
     def _take_buffer(self, nbytes: int) -> tuple[SnapshotBuffer | None, BaseException | None]:
         """The reserved buffer, grown to ``nbytes`` and leased; when it cannot grow, another
@@ -188,7 +221,7 @@ class SnapshotEngine:
         tried: set[int] = set()
         while True:
             try:
-                buf.ensure(nbytes, pin=self.copier.pins_buffers, defer_shrink=True)
+                buf.ensure(nbytes, pin=self._pin_device(), defer_upkeep=True)
                 return buf, None
             except (OSError, RuntimeError) as exc:
                 tried.add(buf.index)
@@ -225,13 +258,17 @@ class SnapshotEngine:
             batch.copy(tplan, start, end, out, non_blocking=False)
 
     def _fill(self, buf: SnapshotBuffer, placed, plan: SnapshotPlan, header: dict[str, Any],
-              landing, batch: CudaCopyBatch | None = None, issued: bool = False) -> SnapshotBuffer:
+              landing, batch: CudaCopyBatch | None = None, issued: bool = False,
+              done: threading.Event | None = None) -> SnapshotBuffer:
         """Background: copy this rank's share into the buffer (or wait for the device to
         have copied it), send/receive the remote copies, checksum everything, publish;
-        then let a shrink of the buffer free its pages (deferred so far, see
-        :meth:`SnapshotBuffer.ensure`: it would slow these copies and step()'s)."""
+        then start the buffer's upkeep (a shrink's truncate, page-locking a created or
+        grown buffer; deferred so far, see :meth:`SnapshotBuffer.ensure`: it would slow
+        these copies and step()'s)."""
+        if batch is not None:
+            runtime().set_device(batch.device)    # before any CUDA call of this thread
         try:
-            return self._fill_now(buf, placed, plan, header, landing, batch, issued)
+            return self._fill_now(buf, placed, plan, header, landing, batch, issued, done)
         except BaseException:
             with self.run.lock:
                 if not self.run.abandoned and buf.state == SNAPSHOT:   # a detached manager's buffers
@@ -239,7 +276,11 @@ class SnapshotEngine:
                     buf.state = FREE
             raise
         finally:
-            buf.release_shrink()
+            if done is not None:
+                done.set()
+            with self.run.lock:
+                if not self.run.abandoned:   # after a detach the buffers are no longer ours to pin
+                    buf.start_upkeep()
             self.pool.release(buf)
 
     def _exchange_without_buffer(self, remote) -> None:
@@ -262,7 +303,8 @@ class SnapshotEngine:
         return None
 
     def _fill_now(self, buf: SnapshotBuffer, placed, plan: SnapshotPlan, header: dict[str, Any],
-                  landing, batch: CudaCopyBatch | None, issued: bool) -> SnapshotBuffer:
+                  landing, batch: CudaCopyBatch | None, issued: bool,
+                  done: threading.Event | None) -> SnapshotBuffer:
         t0 = time.perf_counter()
         if issued:
             batch.synchronize()
@@ -279,6 +321,8 @@ class SnapshotEngine:
             pieces.append({"unit": name, "start": start, "end": end, "offset": off,
                            "checksum": "xxh3:" + xxhash.xxh3_64_hexdigest(buf.view(off, n)),
                            "persist": owner and (name in plan.persist_units or units[name]["kind"] == "extra")})
+        if done is not None:
+            done.set()   # nothing but remote copies (checked against a detach) writes from here on
         if plan.remote:
             try:
                 received, meta = self._exchange_copies(buf, plan.remote, landing, where, units)
@@ -467,7 +511,8 @@ class SnapshotEngine:
     # -- ending ----------------------------------------------------------------------------
     def abandon(self, grace: timedelta) -> None:
         """Detach: give the copy in flight ``grace`` to finish; one still blocked in a
-        collective is left behind (``run.abandoned`` stops it from publishing)."""
+        collective is left behind (``run.abandoned`` stops it from publishing), once the
+        copies into its buffer are done (:meth:`quiesce`)."""
         fut = self.in_flight
         if fut is not None:
             try:
@@ -478,6 +523,23 @@ class SnapshotEngine:
             except Exception as exc:  # noqa: BLE001 - the group is gone; the snapshot stays in memory
                 log.warning("rank %d: in-flight snapshot abandoned at reconfiguration: %s", self.run.rank, exc)
             self.in_flight = None
+        self.quiesce()
+
+    def quiesce(self) -> None:
+        """Wait until nothing writes into a buffer any more: the newest device copies'
+        completion events, and the snapshot thread's own copies (never blocked by peers:
+        only remote copies wait on them, and those check ``run.abandoned``). Called
+        before the buffers change hands or are released."""
+        batch, self._last_batch = self._last_batch, None
+        if batch is not None:
+            try:
+                with runtime().device_guard(batch.device):   # the calling thread keeps its device
+                    batch.synchronize()
+            except Exception as exc:  # noqa: BLE001 - a failed device writes no more; close/detach go on
+                log.error("%s: waiting for the snapshot copies failed: %s", self.run.where(), exc)
+        if not self._local_done.wait(self.cfg.coordination_timeout.total_seconds()):
+            log.error("%s: the snapshot thread's copies did not finish within %s", self.run.where(),
+                      self.cfg.coordination_timeout)
 
     def retire_buffers(self) -> None:
         """Keep every complete buffer as a memory-only recovery source (its shares were

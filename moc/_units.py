@@ -19,6 +19,7 @@ onto a model whose expert layout or world size differs.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections import defaultdict
 from typing import Any, Iterable, Mapping, Sequence
@@ -26,10 +27,13 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
+from ._cuda import runtime
 from ._device_copy import copy_into, finish_copies
 from ._layouts import (DEFAULT_EXPERT_PATTERN, ExpertLayout, TensorRef, UnitLayout, UnitSpec, discover_units,
                        expert_unit_name, fused_row_map, is_dtensor, local_box, local_tensor, module_unit_name,
                        parse_expert, unit_base)
+
+log = logging.getLogger("moc")
 
 __all__ = [
     "DEFAULT_EXPERT_PATTERN",
@@ -65,13 +69,19 @@ def optimizer_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *
 
 
 def capture_rng() -> dict[str, Any]:
+    """The RNG states to restore with a checkpoint: torch's (CPU), every CUDA device's
+    (when CUDA is initialised in this process), Python's and NumPy's."""
     np_state = np.random.get_state()
-    return {
+    out = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
         "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
                   "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
     }
+    cuda = runtime().rng_states()
+    if cuda:
+        out["cuda"] = list(cuda)
+    return out
 
 
 def restore_rng(rng: Mapping[str, Any]) -> None:
@@ -82,6 +92,12 @@ def restore_rng(rng: Mapping[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
     n = rng["numpy"]
     np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    cuda = rng.get("cuda") or []
+    if cuda:
+        restored = runtime().set_rng_states([t.clone() for t in cuda])
+        if restored < len(cuda):
+            log.info("rank - step -: CUDA RNG state restored on %d of the %d devices it was saved from "
+                     "(this process sees %d)", restored, len(cuda), restored)
 
 
 def _clone_all(node: Any) -> Any:

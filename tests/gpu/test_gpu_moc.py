@@ -1,6 +1,8 @@
 """moc on CUDA: snapshots copied on a side stream into page-locked shared memory, ordered
 after ``optimizer.step()`` and before the next update by events; restores into CUDA
-parameters and optimizer state; FSDP2 (DTensor) parameters on CUDA.
+parameters and optimizer state (and the CUDA RNG); FSDP2 (DTensor) parameters on CUDA.
+Each test asserts the asynchronous path was the one taken (buffers page-locked, copies
+into pinned memory on the side stream, no fallback), so none passes on the slow path.
 
 Run with ``make test-gpu`` (skipped without a GPU).
 """
@@ -8,6 +10,7 @@ Run with ``make test-gpu`` (skipped without a GPU).
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 
 import pytest
@@ -16,7 +19,7 @@ import torch.nn.functional as F
 
 from gpu_common import GPU, free_port, shm_dir, to_host  # noqa: F401 - shm_dir is a fixture
 from moc import CheckpointManager, MoCConfig
-from moc._device_copy import CudaCopier
+from moc._device_copy import CudaCopier, live_registrations
 from moc._toy import BigramTask, ToyMoE
 
 pytestmark = GPU
@@ -69,53 +72,126 @@ def assert_units_match(trees: dict, truth: dict) -> int:
     return n
 
 
+def settle(ckpt) -> None:
+    """Wait for the snapshot in flight and every buffer's upkeep (page-locking)."""
+    ckpt.wait(flush=False)
+    for b in ckpt.pool.buffers:
+        b.settle()
+
+
+def assert_page_locked(ckpt, shm: str) -> None:
+    used = [b for b in ckpt.pool.buffers if b.capacity]
+    assert used and all(b.pinned and b.data.is_pinned() for b in used), \
+        (f"snapshot buffers in {shm} were not page-locked (is it on tmpfs?): "
+         f"{ckpt.status()['page_lock_error']}")
+    assert len(live_registrations()) == len(used)
+
+
 def test_cuda_snapshot_uses_a_side_stream_and_page_locked_buffers(tmp_path, shm_dir) -> None:
+    """Steady-state snapshots take the asynchronous path: page-locked buffers (no
+    registration left to do), every device-to-host copy into pinned memory ("Device ->
+    Pinned" in the profiler, never "Pageable") on another stream than the training
+    kernels, and the snapshot thread's CUDA calls on the model's device."""
+    from torch.profiler import ProfilerActivity, profile
+
     model, opt, task = make()
-    with CheckpointManager(cfg(tmp_path, shm_dir), model=model, optimizer=opt) as ckpt:
-        for step in range(4):
+    with CheckpointManager(cfg(tmp_path, shm_dir, k_snapshot=1, dynamic_k=False), model=model, optimizer=opt) as ckpt:
+        for step in range(5):                   # the buffers are created, then page-locked in the background
             train_step(model, opt, task, step, ckpt)
-        ckpt.wait(flush=False)
+            settle(ckpt)
         engine = ckpt.engine
         assert isinstance(engine.copier, CudaCopier)
         assert engine.copier.devices == [torch.device("cuda", torch.cuda.current_device())]
-        used = [b for b in ckpt.pool.buffers if b.capacity]
-        assert used and all(b.pinned and b.data.is_pinned() for b in used), \
-            f"snapshot buffers in {shm_dir} were not page-locked (is it on tmpfs? see the log's cudaHostRegister line)"
-        assert engine.device_copy_seconds is not None and engine.device_copy_seconds > 0
+        assert_page_locked(ckpt, shm_dir)
+        before = ckpt.status()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for step in range(5, 8):
+                train_step(model, opt, task, step, ckpt)
+            ckpt.wait(flush=False)
+            torch.cuda.synchronize()
         st = ckpt.status()
-        assert st["snapshot_failures"] == 0 and st["last_snapshot_step"] == 3
+        assert st["device_snapshots_async"] - before["device_snapshots_async"] == 3, st
+        assert st["device_snapshots_fallback"] == before["device_snapshots_fallback"], st
+        assert engine.device_copy_seconds is not None and engine.device_copy_seconds > 0
+        assert st["snapshot_failures"] == 0 and st["last_snapshot_step"] == 7 and st["page_lock_error"] is None
+
+        events = list(prof.profiler.kineto_results.events())
+        kernels = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA
+                   and "Memcpy" not in e.name() and "Memset" not in e.name()]
+        d2h = [e for e in events if "Memcpy DtoH" in e.name()]
+        assert d2h and kernels, "the profiler saw no CUDA activity: the test proves nothing"
+        train_streams = {e.device_resource_id() for e in kernels}
+        side = [e for e in d2h if e.device_resource_id() not in train_streams]
+        on_train = [e for e in d2h if e.device_resource_id() in train_streams]   # loss.item(), nonzero()
+        assert side, f"no device-to-host copy off the training stream(s) {train_streams}"
+        assert all("Pinned" in e.name() for e in side), sorted({e.name() for e in side})
+        side_ns, train_ns = sum(e.duration_ns() for e in side), sum(e.duration_ns() for e in on_train)
+        assert train_ns < 0.1 * side_ns, (train_ns, side_ns)   # the snapshot's bytes did not go that way
 
 
-def test_step_returns_before_the_device_copies_finish(tmp_path, shm_dir) -> None:
-    """The copies run on the device while the host goes on: the host time of ``step()``
-    (planning + issuing) is shorter than the copies themselves (~1.6 GB of state)."""
-    model, opt, task = make(dim=1024, hidden=4096)
-    with CheckpointManager(cfg(tmp_path, shm_dir), model=model, optimizer=opt) as ckpt:
-        for step in range(4):                   # buffers reach their size at the first ones
+def test_step_issues_copies_and_the_update_waits_on_the_device(tmp_path, shm_dir) -> None:
+    """With the training stream busy (a 0.2 s device sleep queued behind the update), the
+    copies cannot have started when ``step()`` returns nor when the next update is queued
+    right after it: neither call blocks the host, and the pre-hook's wait is booked as a
+    stall measured on the device with CUDA events (not wall time around a call that
+    includes earlier work): about the copies' own device time, the training stream having
+    nothing else to do meanwhile."""
+    model, opt, task = make(dim=1024, hidden=4096)          # ~1.5 GB of state
+    with CheckpointManager(cfg(tmp_path, shm_dir, interval=2, dynamic_k=False), model=model, optimizer=opt) as ckpt:
+        for step in range(6):                   # checkpoints 0, 2, 4; buffers sized and page-locked
             train_step(model, opt, task, step, ckpt)
+            settle(ckpt)
+        assert_page_locked(ckpt, shm_dir)
+        x, y = task.batch(6, 1024)
+        opt.zero_grad()
+        F.cross_entropy(model(x.cuda()), y.cuda()).backward()
+        opt.step()
+        torch.cuda.synchronize()
+        before = ckpt.status()
+        torch.cuda._sleep(int(0.2 * torch.cuda.clock_rate() * 1e6))   # clock_rate() is in MHz
+        t0 = time.perf_counter()
+        ckpt.step(6)                            # a checkpoint; the previous one is complete (settled)
+        call = time.perf_counter() - t0
+        batch = ckpt.engine._batch
+        assert batch is not None and not batch.query(), "the copies were not issued asynchronously"
+        t0 = time.perf_counter()
+        opt.step()                              # same gradients: the pre-hook orders it after the copies
+        hook = time.perf_counter() - t0
         ckpt.wait(flush=False)
-        call, copy = ckpt.status()["step_call_seconds_last"], ckpt.engine.device_copy_seconds
-        assert call < copy, (call, copy)
+        torch.cuda.synchronize()
+        ckpt.engine.collect_device_stall()
+        st = ckpt.status()
+        copy = ckpt.engine.device_copy_seconds
+        assert st["device_snapshots_async"] == before["device_snapshots_async"] + 1, st
+        assert st["device_snapshots_fallback"] == before["device_snapshots_fallback"], st
+        assert call < 0.2 and hook < 0.2, (call, hook)       # the host went on while the device waited
+        assert st["stalls"] == before["stalls"] + 1, st
+        assert 0.5 * copy <= st["stall_seconds_last"] <= copy + 0.05, (st["stall_seconds_last"], copy)
 
 
 def test_snapshot_never_sees_the_next_update(tmp_path, shm_dir) -> None:
-    """The next optimizer step is queued right behind the snapshot's copies; the event the
-    update waits on keeps it from overwriting what is being copied."""
+    """The next optimizer step is queued right behind the snapshot's copies (asynchronous,
+    into a page-locked buffer); the event the update waits on keeps it from overwriting
+    what is being copied."""
     model, opt, task = make(dim=1024, hidden=4096)
-    with CheckpointManager(cfg(tmp_path, shm_dir, interval=3), model=model, optimizer=opt) as ckpt:
-        for step in range(3):                      # checkpoints step 0 (a run's first step)
+    with CheckpointManager(cfg(tmp_path, shm_dir, interval=3, dynamic_k=False), model=model, optimizer=opt) as ckpt:
+        for step in range(9):                      # checkpoints 0, 3, 6: each buffer created and page-locked
             train_step(model, opt, task, step, ckpt)
-        x, y = task.batch(3, 1024)
+            settle(ckpt)
+        assert_page_locked(ckpt, shm_dir)
+        before = ckpt.status()["device_snapshots_async"]
+        x, y = task.batch(9, 1024)
         loss = F.cross_entropy(model(x.cuda()), y.cuda())
         opt.zero_grad()
         loss.backward()
         opt.step()
-        truth = snapshot_of_now(model, opt)        # the state after step 3
-        ckpt.step(3)                               # interval 3: checkpoints step 3
-        train_step(model, opt, task, 4)            # the update of step 4 follows at once
-        train_step(model, opt, task, 5)
+        truth = snapshot_of_now(model, opt)        # the state after step 9
+        ckpt.step(9)                               # interval 3: checkpoints step 9
+        train_step(model, opt, task, 10)           # the update of step 10 follows at once
+        train_step(model, opt, task, 11)
         step, trees = ckpt.snapshot_state()
-        assert step == 3
+        assert step == 9
+        assert ckpt.status()["device_snapshots_async"] == before + 1, "the slow path was taken"
         assert assert_units_match(trees, truth) > 0
         after = snapshot_of_now(model, opt)
         changed = [k for k, v in truth["model"].items() if not torch.equal(v, after["model"][k])]
@@ -124,13 +200,17 @@ def test_snapshot_never_sees_the_next_update(tmp_path, shm_dir) -> None:
 
 def test_restore_into_cuda_from_memory_and_from_storage(tmp_path, shm_dir) -> None:
     model, opt, task = make()
+    torch.cuda.manual_seed(4321)
+    torch.rand(3, device="cuda")                   # a CUDA RNG state of its own
     with CheckpointManager(cfg(tmp_path, shm_dir, interval=2), model=model, optimizer=opt) as ckpt:
         for step in range(5):                      # checkpoints 0, 2, 4
             train_step(model, opt, task, step, ckpt)
         ckpt.wait()
+        assert ckpt.status()["device_snapshots_async"] >= 1
         ckpt.close(keep_snapshots=True)
     torch.cuda.synchronize()
     truth = snapshot_of_now(model, opt)
+    cuda_rng = torch.cuda.get_rng_state()          # training used no CUDA randomness since step 4
     reference_loss = train_step(model, opt, task, 5)
 
     for level in ("memory", "storage"):
@@ -139,9 +219,12 @@ def test_restore_into_cuda_from_memory_and_from_storage(tmp_path, shm_dir) -> No
                 for f in os.listdir(os.path.join(shm_dir, name)):
                     os.remove(os.path.join(shm_dir, name, f))
         m2, o2, _ = make(seed=123)
+        torch.cuda.manual_seed(99)
+        assert not torch.equal(torch.cuda.get_rng_state(), cuda_rng)
         with CheckpointManager(cfg(tmp_path, shm_dir, interval=2), model=m2, optimizer=o2) as ck2:
             assert ck2.restore() == 5
             torch.cuda.synchronize()
+            assert torch.equal(torch.cuda.get_rng_state(), cuda_rng), level
             got = snapshot_of_now(m2, o2)
             for k, v in truth["model"].items():
                 assert torch.equal(got["model"][k], v), (level, k)
@@ -153,6 +236,7 @@ def test_restore_into_cuda_from_memory_and_from_storage(tmp_path, shm_dir) -> No
                     assert torch.equal(got["optim"][k][name], v), (level, k, name)
             assert train_step(m2, o2, task, 5) == pytest.approx(reference_loss, rel=1e-6)
             ck2.close(keep_snapshots=True)
+        assert not live_registrations()
 
 
 @pytest.mark.timeout(300)
