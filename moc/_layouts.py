@@ -323,7 +323,7 @@ def _expert_like_modules(model: torch.nn.Module) -> list[str]:
     out = []
     for name, mod in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
-        if leaf.endswith("experts") or isinstance(getattr(mod, "num_experts", None), int):
+        if name and (leaf.endswith("experts") or isinstance(getattr(mod, "num_experts", None), int)):
             if not any(name.startswith(o + ".") for o in out):
                 out.append(name)
     return [f"{n} ({type(model.get_submodule(n)).__name__})" for n in out]
