@@ -224,5 +224,5 @@ def test_readme_lists_what_the_zoo_checks():
     assert rows["`make_elastic` refuses (`ValueError` with the reason)"] == set(ELASTIC_REFUSED)
     built = [a for a in ARCHS if a not in NOT_BUILT]
     both = len([a for a in built if a not in MOC_REFUSED and a not in ELASTIC_REFUSED])
-    assert f"({both} of the {len(built)} built)" in table
+    assert f"({both} of the {len(built)} built;" in table
     assert transformers.__version__.rsplit(".", 1)[0] in table
