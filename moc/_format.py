@@ -155,9 +155,10 @@ class Manifest:
     """One committed step: every unit's newest version, plus PLT data and user metadata.
 
     ``plt`` holds what the proportion-of-lost-tokens accounting needs:
-    ``{"top_k": int, "total_tokens": int, "lost_tokens": {layer: int},
+    ``{"top_k": int, "total_tokens": int, "routed": {layer: expert slots routed},
+    "lost_tokens": {layer: int},
     "unsaved": {layer: [tokens routed to expert e since the version this manifest points to]},
-    "value": float}``.
+    "per_layer": {layer: float}, "value": float}``.
     """
 
     step: int

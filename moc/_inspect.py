@@ -6,8 +6,9 @@ Terms used in the output:
 
 * age of an expert: steps between the manifest's step and the step its saved version was
   taken (partial checkpoints leave experts at older versions);
-* PLT of a layer: tokens lost by the recoveries so far / (tokens processed * top_k); the
-  run's PLT is the mean over layers;
+* PLT of a layer: expert slots lost by the recoveries so far / slots the layer was routed
+  (tokens processed * top_k in checkpoints that predate the per-layer count); the run's
+  PLT is the mean over layers;
 * unsaved tokens of a layer: tokens routed to its experts since their saved versions: what
   a restore from this step would lose.
 """
@@ -83,8 +84,8 @@ def layer_summary(m: Manifest) -> dict[str, Any]:
     """Per MoE layer (natural order): experts, ages, bytes, recorded PLT, unsaved tokens;
     plus totals for the non-expert units and the layout the writer recorded."""
     plt = m.plt or {}
-    denom = max(1, int(plt.get("total_tokens", 0) or 0)) * max(1, int(plt.get("top_k", 1) or 1))
-    has_tokens = int(plt.get("total_tokens", 0) or 0) > 0
+    flat = max(1, int(plt.get("total_tokens", 0) or 0)) * max(1, int(plt.get("top_k", 1) or 1))
+    routed = plt.get("routed") or {}
     lost = plt.get("lost_tokens") or {}
     unsaved = plt.get("unsaved") or {}
     layers = m.layers()
@@ -94,6 +95,8 @@ def layer_summary(m: Manifest) -> dict[str, Any]:
         ages = sorted(m.step - r.step for r in recs.values())
         lost_l = int(lost.get(layer, 0) or 0)
         unsaved_l = int(sum(unsaved.get(layer) or []))
+        denom = max(1, int(routed[layer])) if layer in routed else flat
+        has_tokens = int(routed[layer]) > 0 if layer in routed else int(plt.get("total_tokens", 0) or 0) > 0
         rows.append({
             "layer": layer, "experts": len(recs),
             "age_min": ages[0], "age_median": statistics.median(ages), "age_max": ages[-1],

@@ -3,7 +3,8 @@
 A unit is always "global expert ``e`` of MoE layer ``l``". What changes between the models
 people train is where its tensors live:
 
-* ``per_expert``: one module per expert (``...experts.7.w1.weight``), found by
+* ``per_expert``: one module per expert (``...experts.7.w1.weight``, or
+  ``...experts.expert_7.wi.weight`` as Switch Transformers and NLLB-MoE name them), found by
   ``MoCConfig.expert_pattern`` (named groups ``layer`` and ``expert``);
 * ``megatron_sequential``: Megatron-core SequentialMLP, ``...experts.local_experts.<i>...``;
 * ``te_grouped``: Transformer Engine GroupedMLP, ``...experts.linear_fc1.weight<i>``;
@@ -54,7 +55,7 @@ __all__ = [
     "fused_row_map",
 ]
 
-DEFAULT_EXPERT_PATTERN = r"(?P<layer>.+)\.experts\.(?P<expert>\d+)\."
+DEFAULT_EXPERT_PATTERN = r"(?P<layer>.+)\.experts\.(?:expert_)?(?P<expert>\d+)\."
 LAYOUT_NAMES = ("auto", "per_expert", "megatron", "te_grouped", "hf_fused", "torchtitan")
 
 _MEGATRON = r"(?P<layer>.+)\.experts\.local_experts\.(?P<expert>\d+)\."
@@ -317,6 +318,18 @@ def _piece_suffix(refs: list[TensorRef], full: dict[str, bool]) -> str:
     return "#p" + hashlib.sha1(desc.encode()).hexdigest()[:8]
 
 
+def _expert_like_modules(model: torch.nn.Module) -> list[str]:
+    """``name (Class)`` of the modules a reader would call experts (named ``*experts``,
+    or with a ``num_experts`` attribute), outermost first: what a refusal names."""
+    out = []
+    for name, mod in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if name and (leaf.endswith("experts") or isinstance(getattr(mod, "num_experts", None), int)):
+            if not any(name.startswith(o + ".") for o in out):
+                out.append(name)
+    return [f"{n} ({type(model.get_submodule(n)).__name__})" for n in out]
+
+
 def discover_units(model: torch.nn.Module, expert_pattern: str | None = None, *,
                    layout: LayoutSpec = "auto") -> UnitLayout:
     """Split ``model.state_dict()`` into expert units (global expert ids) and module units.
@@ -403,9 +416,12 @@ def discover_units(model: torch.nn.Module, expert_pattern: str | None = None, *,
         sample = ", ".join(list(state)[:4])
         tried = ", ".join(r.kind for r in rules)
         which = layout if isinstance(layout, str) else "ExpertLayout"
+        suspects = _expert_like_modules(model)
+        where = (f"; modules that look like experts but hold none of them: {', '.join(suspects[:3])}"
+                 if suspects else "")
         raise ValueError(
             f"expert_layout {which!r}: the layouts tried ({tried}) matched no parameter of the model "
-            f"(names look like: {sample}); pass MoCConfig(expert_layout=ExpertLayout(pattern, expert_dim)) "
+            f"(names look like: {sample}){where}; pass MoCConfig(expert_layout=ExpertLayout(pattern, expert_dim)) "
             "for fused tensors, or expert_pattern= with groups 'layer' and 'expert' for per-expert modules"
         )
 

@@ -251,7 +251,12 @@ class CheckpointManager:
         ``"global"``: counts already summed over ranks and identical on every rank (what
         lazarus MoE layers report; they are wired up automatically).
         """
+        self._fed.add(layer)
         self.policy.record_routing(layer, counts, scope=scope)
+
+    def _drain(self, record: Any) -> None:
+        """Router taps' counts; a router moc cannot read is an error unless its layer is fed."""
+        self._taps.drain(record, fed=lambda layer: layer in self._fed)
 
     def _attach_routing(self) -> None:
         """Count routing without user calls: lazarus MoE layers report their counts, other
@@ -261,16 +266,17 @@ class CheckpointManager:
         except ImportError:  # pragma: no cover - lazarus ships with moc
             moe_layers = lambda model: []  # noqa: E731
         lazarus_layers = set()
+        self._fed: set[str] = set()
         for name, layer in moe_layers(self.model):
             if name in self.num_experts:
-                layer.routing_hook = (lambda counts, _n=name: self.record_routing(_n, counts, scope="global"))
+                layer.routing_hook = (lambda counts, _n=name: self.policy.record_routing(_n, counts, scope="global"))
                 lazarus_layers.add(name)
-        self._taps = RouterTaps(self.model, self.num_experts, skip=lazarus_layers)
+        self._taps = RouterTaps(self.model, self.num_experts, skip=lazarus_layers, top_k=self.cfg.top_k)
         if self._taps.tapped and self.rank == 0:
             log.info("rank %d step -: routing counted from %d routers", self.rank, self._taps.tapped)
 
     def _sync_routing(self) -> None:
-        self.policy.sync_routing(self._taps.drain)
+        self.policy.sync_routing(self._drain)
 
     def step(self, step: int) -> None:
         """Call after ``optimizer.step()`` of training step ``step``."""
@@ -338,7 +344,7 @@ class CheckpointManager:
         if due:
             ballot.failed = self.engine.failing()
             ballot.broken = error is not None
-            ballot.routing = self.policy.take_routing(self._taps.drain)
+            ballot.routing = self.policy.take_routing(self._drain)
             if error is None:
                 ballot.sizes = self.coordinator.changed_sizes({**plans, f"extra/rank{self.rank}": extra})
         return self.coordinator.agree(ballot)

@@ -270,11 +270,12 @@ class Persister:
                        layer=u["layer"], expert=u["expert"])
             for name, u in merged.items()
         ]
+        base = self.base if self.base is not None else self.store.latest_manifest()
         plt = PLTTracker(self.policy.num_experts, self.cfg.top_k)
         plt.load_state(header["plt"])
+        carry_persist_counters(plt, base)
         for layer, experts in header["selection"].items():
             plt.mark_saved("persist", layer, experts)
-        base = self.base if self.base is not None else self.store.latest_manifest()
         self.base = self.store.commit(step, records, base=base, plt=plt.state(), meta=header["meta"])
 
     # -- waiting ---------------------------------------------------------------------------
@@ -318,3 +319,23 @@ class Persister:
 
     def shutdown(self, *, wait: bool = True) -> None:
         self._exec.shutdown(wait=wait)
+
+
+def carry_persist_counters(plt: PLTTracker, base: Manifest | None) -> None:
+    """Make the persist-level counters of a commit agree with the versions it records.
+
+    A snapshot's header holds the counters of the moment it was taken. When the persist
+    before it was still running then, the header does not know that persist's experts yet,
+    while the commit carries their versions over from ``base`` (that persist's manifest):
+    the counter of each expert the commit does not save itself must be the one ``base``
+    recorded for the version it carries. Counters only grow along a timeline (a restore
+    moves a stale expert's back to its version, never below the one stored for it), so
+    the newer of the two is the one of the version carried."""
+    if base is None:
+        return
+    carried = ((base.plt or {}).get("saved") or {}).get("persist") or {}
+    rows = plt.saved["persist"]
+    for layer, row in rows.items():
+        old = carried.get(layer)
+        if isinstance(old, list) and len(old) == len(row):
+            rows[layer] = [max(int(a), int(b)) for a, b in zip(row, old)]

@@ -34,6 +34,7 @@ class PLTTracker:
         self.saved: dict[str, dict[str, list[int]]] = {lv: {l: [0] * int(n) for l, n in experts_per_layer.items()}
                                                        for lv in LEVELS}
         self.lost: dict[str, dict[str, int]] = {lv: {l: 0 for l in experts_per_layer} for lv in LEVELS}
+        self.routed: dict[str, int] = {l: 0 for l in experts_per_layer}   # expert slots per layer
         self.total_tokens = 0  # tokens processed (each routed to top_k experts)
 
     @property
@@ -51,7 +52,9 @@ class PLTTracker:
         for e, c in enumerate(values):
             if c < 0:
                 raise ValueError(f"routing counts must be >= 0, got {c} for expert {e} of {layer!r}")
+        for e, c in enumerate(values):
             row[e] += int(c)
+        self.routed[layer] += int(sum(int(c) for c in values))
 
     def add_tokens(self, n: int) -> None:
         self.total_tokens += int(n)
@@ -76,31 +79,48 @@ class PLTTracker:
         levels = LEVELS if level is None else (level,)
         return sum(sum(self.lost[lv].values()) for lv in levels)
 
-    def value(self, level: str | None = None) -> float:
-        """PLT over all recoveries so far (losses of one level, or of both)."""
-        if self.total_tokens == 0 or not self.cum:
-            return 0.0
+    def per_layer(self, level: str | None = None) -> dict[str, float]:
+        """PLT of each MoE layer: its lost slots over the slots it was routed (losses of one
+        level, or of both); 0 for a layer that has routed nothing yet."""
         levels = LEVELS if level is None else (level,)
-        denom = self.total_tokens * self.top_k
-        per_layer = [sum(self.lost[lv].get(l, 0) for lv in levels) / denom for l in self.cum]
-        return sum(per_layer) / len(per_layer)
+        out = {}
+        for l in self.cum:
+            denom = self.routed.get(l, 0)
+            out[l] = sum(self.lost[lv].get(l, 0) for lv in levels) / denom if denom > 0 else 0.0
+        return out
+
+    def value(self, level: str | None = None) -> float:
+        """PLT over all recoveries so far (losses of one level, or of both): the mean of
+        :meth:`per_layer` over the MoE layers."""
+        if not self.cum:
+            return 0.0
+        per_layer = self.per_layer(level)
+        return sum(per_layer.values()) / len(per_layer)
 
     def state(self) -> dict[str, Any]:
         """JSON-able state, stored in manifests and snapshot headers."""
         return {
             "top_k": self.top_k,
             "total_tokens": self.total_tokens,
+            "routed": dict(self.routed),
             "cum": {l: list(v) for l, v in self.cum.items()},
             "saved": {lv: {l: list(v) for l, v in rows.items()} for lv, rows in self.saved.items()},
             "lost": {lv: dict(rows) for lv, rows in self.lost.items()},
             "lost_tokens": {l: sum(self.lost[lv].get(l, 0) for lv in LEVELS) for l in self.cum},
             "unsaved": {l: self.unsaved("persist", l) for l in self.cum},
+            "per_layer": self.per_layer(),
             "value": self.value(),
         }
 
     def load_state(self, d: Mapping[str, Any]) -> None:
         """Restore counters saved by :meth:`state` (layers must match)."""
         self.total_tokens = int(d.get("total_tokens", 0))
+        routed = d.get("routed")
+        for layer in self.routed:
+            if isinstance(routed, Mapping) and layer in routed:
+                self.routed[layer] = int(routed[layer])
+            else:   # written before per-layer slots were counted: every layer took top_k per token
+                self.routed[layer] = self.total_tokens * self.top_k
         for layer, row in (d.get("cum") or {}).items():
             if layer in self.cum and len(row) == len(self.cum[layer]):
                 self.cum[layer] = [int(x) for x in row]

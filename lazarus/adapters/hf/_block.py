@@ -14,6 +14,7 @@ factors, shared experts and outputs are the model's code, not a copy of it.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import Any
 
@@ -46,6 +47,23 @@ def is_hf_moe_block(module: nn.Module) -> bool:
             and router_of(module) is not None)
 
 
+def _check_supported(block: nn.Module) -> None:
+    """Refuse, naming what differs, a block whose own forward would compute something else
+    once made elastic."""
+    cls, experts = type(block).__name__, block.experts
+    params = [p for p in inspect.signature(type(experts).forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(params) < 4:    # self, hidden_states, top_k_index, top_k_weights
+        raise ValueError(f"{cls}: its experts ({type(experts).__name__}) take one dense, pre-scaled input "
+                         "(experts(routed_in), every token for every expert) instead of (hidden_states, "
+                         "top_k_index, top_k_weights): Lazarus cannot dispatch tokens to them without changing "
+                         "the model")
+    own = getattr(block, "num_experts", None)
+    if own is not None and own != experts.num_experts:
+        raise ValueError(f"{cls}.num_experts is {own!r}, not its experts' count ({experts.num_experts}); the "
+                         "elastic layer's num_experts would replace it in the block's own forward")
+
+
 class ElasticHFBlock(ElasticMoE):
     """A transformers MoE block whose experts are placed, dispatched and synchronised by
     Lazarus. ``state_dict()`` has the block's own names; ``experts.*`` tensors hold this
@@ -67,6 +85,7 @@ class ElasticHFBlock(ElasticMoE):
             raise ValueError(f"{type(block).__name__} is not a transformers MoE block (an `experts` module with "
                              f"fused expert tensors and a `gate`/`router` with top_k)")
         experts = block.experts
+        _check_supported(block)
         super().__init__(int(experts.num_experts), group=group, grad_reduction=grad_reduction)
         self.block_class = type(block)
         self.router_name, router = router_of(block)  # type: ignore[misc]
