@@ -177,10 +177,11 @@ class ExactCheckpointer:
             self._replay_step(t)
             return
         if self.expected is not None and t != self.expected:
+            expected = self.expected
             self._abort_window("a step was left out")
             raise CheckpointError(
                 f"{self.run.where()}: exact mode needs step() after every optimizer.step(), steps in order: "
-                f"expected step {self.expected}, got {t}")
+                f"expected step {expected}, got {t}")
         self.expected = t + 1
         if self.window is None and not self._open_window(t):
             return
