@@ -78,6 +78,14 @@ class MoCConfig:
         mtbf: failure interval assumed by ``interval="auto"`` until failures are observed.
         persist_timeout: how long :meth:`CheckpointManager.wait` waits for storage.
         coordination_timeout: timeout of the manager's own process groups.
+        exact: sparse checkpoints that lose no tokens (``docs/exact.md``): every step captures
+            the full state of the units scheduled for it and the compute weights of the
+            others, over a window of W = ceil(E / k_snapshot) steps; ``restore()`` returns
+            the window's first step + 1 and the loop's replay of the window brings every
+            unit back exactly (PLT stays 0). Needs ``interval=1``; ``persist_every``
+            counts windows; ``k_persist``, ``interval="auto"``, ``k_snapshot="auto"`` and
+            ``selection="load_aware"`` are refused. A single process for now (no
+            torch.distributed group, no DTensor parameters, no Lazarus).
     """
 
     storage: str
@@ -101,6 +109,7 @@ class MoCConfig:
     mtbf: timedelta = timedelta(hours=6)
     persist_timeout: timedelta = timedelta(minutes=10)
     coordination_timeout: timedelta = timedelta(minutes=5)
+    exact: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.storage, os.PathLike):
@@ -145,7 +154,25 @@ class MoCConfig:
             raise ValueError(f"MoCConfig.expert_layout must be one of {LAYOUT_NAMES} or an ExpertLayout, "
                              f"got {self.expert_layout!r}")
         _check_int("max_consecutive_failures", self.max_consecutive_failures, 1)
+        if not isinstance(self.exact, bool):
+            raise ValueError(f"MoCConfig.exact must be True or False, got {self.exact!r}")
+        if self.exact:
+            self._check_exact()
         for name in ("mtbf", "persist_timeout", "coordination_timeout"):
             value = getattr(self, name)
             if not isinstance(value, timedelta) or value <= timedelta(0):
                 raise ValueError(f"MoCConfig.{name} must be a positive timedelta, got {value!r}")
+
+    def _check_exact(self) -> None:
+        if self.interval != 1:
+            raise ValueError(f"MoCConfig.interval must be 1 when exact=True (every step captures the scheduled "
+                             f"units' full state and the others' compute weights), got {self.interval!r}")
+        if self.k_snapshot == "auto":
+            raise ValueError("MoCConfig.k_snapshot must be an integer >= 1 or None when exact=True (it sets the "
+                             "window W = ceil(E / k_snapshot)), got 'auto'")
+        if self.k_persist is not None:
+            raise ValueError(f"MoCConfig.k_persist must be None when exact=True (a complete window is what is "
+                             f"persisted), got {self.k_persist!r}")
+        if self.selection != "sequential":
+            raise ValueError(f"MoCConfig.selection must be 'sequential' when exact=True (the window schedule; "
+                             f"'load_aware' is not supported there yet), got {self.selection!r}")

@@ -45,6 +45,8 @@ from ._config import MoCConfig
 from ._coordination import Agreement, Ballot, Coordinator
 from ._dist import Comm
 from ._errors import CheckpointError
+from ._exact import ExactCheckpointer
+from ._layouts import is_dtensor
 from ._persister import Persister
 from ._plan_cache import UnitPlans
 from ._plt import PLTTracker
@@ -173,13 +175,27 @@ class CheckpointManager:
         self._closed = False
         self._sigterm = False
         self._adopt(handover)
+        self.exact = self._exact_mode(store, pool) if cfg.exact else None
 
         self._attach_routing()
-        self._hook = (optimizer.register_step_pre_hook(self.engine.before_optimizer_step)
-                      if optimizer is not None else None)
+        pre_hook = self.exact.before_optimizer_step if self.exact is not None else self.engine.before_optimizer_step
+        self._hook = optimizer.register_step_pre_hook(pre_hook) if optimizer is not None else None
         self._old_sigterm = None
         if threading.current_thread() is threading.main_thread():
             self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _exact_mode(self, store: CheckpointStore, pool: BufferPool) -> ExactCheckpointer:
+        """``cfg.exact``: the exact-mode protocol (single process for now: refused otherwise)."""
+        if self.world != 1:
+            raise ValueError(f"MoCConfig(exact=True) supports a single process for now; this process group has "
+                             f"{self.world} ranks (use exact=False for several ranks)")
+        sharded = [n for n, p in self.model.named_parameters() if is_dtensor(p)]
+        if sharded:
+            raise ValueError(f"MoCConfig(exact=True) does not support DTensor (FSDP2) parameters yet, e.g. "
+                             f"{sharded[0]!r} (use exact=False)")
+        return ExactCheckpointer(self.cfg, model=self.model, optimizer=self.optimizer, layout=self.inventory.layout,
+                                 plans=self.plans, pool=pool, store=store, run=self.run,
+                                 extra_tree=self._extra_tree, extra_state=self.extra_state)
 
     # -- the parts' public faces -----------------------------------------------------------
     @property
@@ -282,8 +298,13 @@ class CheckpointManager:
         """Call after ``optimizer.step()`` of training step ``step``."""
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
-        self.policy.observe_step()
         self.run.last_step = step
+        if self.exact is not None:
+            if self._sigterm:
+                self._flush_and_exit()
+            self.exact.step(step)
+            return
+        self.policy.observe_step()
         due = self.policy.due(step)
         if not (due or self.policy.decision_point(step)):
             return
@@ -392,7 +413,12 @@ class CheckpointManager:
         """Load the newest consistent state; return the next step to run (0 if none).
 
         Collective: every rank of the process group must call it.
+
+        Exact mode: the next step is the newest complete window's first step + 1; the loop
+        then replays the window's steps (see ``docs/exact.md``).
         """
+        if self.exact is not None:
+            return self.exact.restore()
         self.engine.wait()
         self.persister.drain(self.cfg.persist_timeout.total_seconds())
         try:
@@ -414,6 +440,9 @@ class CheckpointManager:
         "lost_tokens": int}``; level None means no saved version exists anywhere (the unit
         keeps its current values).
         """
+        if self.exact is not None:
+            raise CheckpointError("restore_units() is not available with MoCConfig(exact=True): restore() and "
+                                  "replay the window instead (no tokens are lost)")
         self.engine.wait()
         self.persister.drain(self.cfg.persist_timeout.total_seconds())
         self._sync_routing()
@@ -481,6 +510,9 @@ class CheckpointManager:
         flight and the persist in flight (a memory-only snapshot stays memory-only). That
         form is local to this rank; the flushing form is collective under
         torch.distributed (every rank decides the flush together)."""
+        if self.exact is not None:
+            self.exact.wait(flush=flush, timeout=self.cfg.persist_timeout.total_seconds())
+            return
         self.engine.wait()
         try:
             if not flush:
@@ -535,6 +567,8 @@ class CheckpointManager:
             self._taps.remove()
             self.engine.shutdown(wait=True)
             self.persister.shutdown(wait=True)
+            if self.exact is not None:
+                self.exact.shutdown(wait=True)
             self.engine.quiesce()
             if not keep_snapshots:
                 self.engine.pool.remove_files()
@@ -555,8 +589,10 @@ class CheckpointManager:
     def status(self) -> dict[str, Any]:
         busy = self.persister.busy
         e, p, pol = self.engine, self.persister, self.policy
+        exact = self.exact.status() if self.exact is not None else None
         with self.run.lock:
             return {
+                "exact": exact,
                 "rank": self.rank, "world": self.world, "step": self.run.last_step,
                 "last_snapshot_step": e.last_snapshot_step, "last_persisted_step": p.last_persisted_step,
                 "persist_in_flight": busy, "persist_failures": p.failures, "last_error": self.run.last_error,

@@ -15,6 +15,7 @@ from ._ckpt_store import CheckpointStore
 from ._codec import TensorMeta, decode_tree, unit_buffer
 from ._config import MoCConfig
 from ._dist import Comm
+from ._errors import CheckpointError
 from ._format import Manifest, manifest_key
 from ._policy import CheckpointPolicy
 from ._restore import (MemoryPiece, RestorePlan, manifest_inventory, module_units_of, plan_restore, plan_units,
@@ -110,6 +111,9 @@ class Recovery:
         """Load the newest consistent state (collective); return the next step to run
         (0 if none) and the manifest it is based on."""
         manifest = self.store.latest_manifest()
+        if manifest is not None and manifest.meta.get("exact"):
+            raise CheckpointError(f"{self.store.store.url}: step {manifest.step} was written with "
+                                  "MoCConfig(exact=True) (a window to replay); open it with exact=True")
         # Snapshots of this job only; older ones than the manifest still help experts
         # whose stored version is older than the snapshot. ``moc inspect --memory`` plans
         # with the same three helpers, so what it reports is what this does.

@@ -67,6 +67,9 @@ class ElasticConfig:
             raise ValueError(f"ElasticConfig.report_every must be an integer >= 1, got {self.report_every!r}")
         if self.moc is not None and not isinstance(self.moc, MoCConfig):
             raise ValueError(f"ElasticConfig.moc must be a moc.MoCConfig or None, got {type(self.moc).__name__}")
+        if self.moc is not None and self.moc.exact:
+            raise ValueError("ElasticConfig.moc must have exact=False: exact recovery (rollback and replay of the "
+                             "window) is not supported by ElasticTrainer yet")
         if self.memory_key is not None and (not isinstance(self.memory_key, str) or not self.memory_key
                                             or "/" in self.memory_key or self.memory_key.startswith(".")):
             raise ValueError(f"ElasticConfig.memory_key must be a plain folder name, got {self.memory_key!r}")
