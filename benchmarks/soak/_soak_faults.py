@@ -272,8 +272,10 @@ class Soak:
 # ----------------------------------------------------------------------------- evidence
 
 
-def account(f: Fault, events: list[dict[str, Any]], recs: list[dict[str, Any]], job_dir) -> None:
-    """Find the proof that the fault was handled (controller events, log lines, metrics)."""
+def account(f: Fault, events: list[dict[str, Any]], recs: list[dict[str, Any]], job_dir, step_s: float) -> None:
+    """Find the proof that the fault was handled (controller events, log lines, metrics).
+    Faults that last a while (storage, a full tmpfs) also get the rate of training during
+    them, as a fraction of the job's median (``detail["rate"]``)."""
     after = [e for e in events if e.get("t", 0) >= f.t - 0.05]
 
     def first(pred, t: float = 0.0) -> dict[str, Any] | None:
@@ -290,7 +292,10 @@ def account(f: Fault, events: list[dict[str, Any]], recs: list[dict[str, Any]], 
         return {"t": f.t if t is None else t} if ok else None
 
     def advanced(t0: float, t1: float) -> int:
-        return len({m["step"] for m in recs if t0 <= m["t"] <= t1})
+        k = len({m["step"] for m in recs if t0 <= m["t"] <= t1})
+        if t1 > t0 and step_s > 0:
+            d["rate"] = round(k * step_s / (t1 - t0), 2)
+        return k
 
     found: list[tuple[str, dict[str, Any] | None]] = []
     n, d = f.node, f.detail
@@ -313,13 +318,15 @@ def account(f: Fault, events: list[dict[str, Any]], recs: list[dict[str, Any]], 
                                                       and e.get("resumed"))),
                  ("resumed", ev("resumed"))]
     elif f.kind == "storage_outage":
+        k = advanced(f.t, f.t_end or f.t)
         found = [("storage_degraded", ev("storage_degraded")),
-                 ("storage_recovered", ev("storage_recovered", t=f.t_end or f.t))]
+                 ("storage_recovered", ev("storage_recovered", t=f.t_end or f.t)),
+                 (f"{k} steps trained while down ({d.get('rate')}x the median rate)", pseudo(k > 0, f.t_end))]
     elif f.kind == "slow_storage":
         end = f.t_end or f.t
         k = advanced(f.t, end)
         found = [(f"{d.get('requests', 0)} requests slowed by {d.get('delay_s')} s", pseudo(d.get("requests", 0) > 0)),
-                 (f"{k} steps trained while slow", pseudo(k > 0, end))]
+                 (f"{k} steps trained while slow ({d.get('rate')}x the median rate)", pseudo(k > 0, end))]
     elif f.kind == "shm_full":
         end = f.t_end or f.t
         skips = [x for x in log_lines(job_dir, "snapshot skipped") if f.t <= x[0] <= end + 1.0]
@@ -327,7 +334,7 @@ def account(f: Fault, events: list[dict[str, Any]], recs: list[dict[str, Any]], 
         found = [("node_registered", ev("node_registered", n)), ("join plan", plan_with("joined", n)),
                  (f"{len(skips)} 'snapshot skipped' log lines on {len({x[1] for x in skips})} node(s)",
                   pseudo(bool(skips), skips[0][0] if skips else None)),
-                 (f"{k} steps trained while full", pseudo(k > 0, end))]
+                 (f"{k} steps trained while full ({d.get('rate')}x the median rate)", pseudo(k > 0, end))]
     elif f.kind == "kill_during_join":
         v = d.get("victim")
         lost = plan_with("lost", v)

@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             recs = sorted(c.steps(), key=lambda m: m["t"])
             step_s = _median_step_seconds(c)
             for f in soak.faults:
-                account(f, events, recs, c.dir)
+                account(f, events, recs, c.dir, step_s)
                 measure(f, recs, step_s)
             final = [e for e in events if e.get("event") == "plan"][-1]["members"]
             digests = c.read_digests(str(workdir / "digest-{node}.json"), final)

@@ -185,8 +185,21 @@ class ElasticTrainer:
             # other survivors fail fast instead of waiting out their timeout.
             if failure is not None:
                 self._on_broken_collective(failure)
-        if not self._left:
+        if self._left:
+            self._report_left()
+        else:
             self._finish()
+
+    def _report_left(self) -> None:
+        """Tell the agent that this worker handed its state over and is out of the job:
+        from here on nothing the job needs runs here, so a process held up at exit by
+        background work that cannot end (a checkpoint write to hung storage, abandoned by
+        the hand-over) is stopped by the agent after ``--stop-timeout``, not waited for."""
+        log.info("node %s step %d: left the job", self.where, self.step)
+        try:
+            self.channel.send({"type": "left", "step": self.step, "generation": self.generation})
+        except Exception:  # noqa: BLE001 - the agent link has its own watchdog
+            pass
 
     @property
     def left(self) -> bool:
