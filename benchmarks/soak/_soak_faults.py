@@ -49,6 +49,7 @@ class Fault:
     t: float                       # injected (wall clock)
     node: str | None = None
     t_end: float | None = None     # thawed / restarted / storage back / filler removed
+    t_hit: float | None = None     # when training was hit, where later than ``t`` (time lost counts from it)
     step_before: int = -1          # high-water mark of recorded steps at injection
     detail: dict[str, Any] = field(default_factory=dict)
     accounted: bool = False
@@ -57,7 +58,7 @@ class Fault:
     steps_lost: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "t": self.t, "node": self.node, "t_end": self.t_end,
+        return {"kind": self.kind, "t": self.t, "node": self.node, "t_end": self.t_end, "t_hit": self.t_hit,
                 "step_before": self.step_before, "detail": self.detail, "accounted": self.accounted,
                 "evidence": self.evidence, "time_lost": self.time_lost, "steps_lost": self.steps_lost}
 
@@ -220,7 +221,7 @@ class Soak:
     def _inject_kill_controller_away(self, f: Fault) -> None:
         f.t = self.c.kill_controller()
         time.sleep(self.rng.uniform(1.0, 2.0))
-        self._kill(f.node)
+        f.t_hit = self._kill(f.node)
         time.sleep(self.rng.uniform(2.0, 4.0))
         self.c.restart_controller()
         f.t_end = time.time()
@@ -367,18 +368,20 @@ def account(f: Fault, events: list[dict[str, Any]], recs: list[dict[str, Any]], 
 
 
 def measure(f: Fault, recs: list[dict[str, Any]], step_s: float) -> None:
-    """Time and steps this fault cost: from the injection until training first gets past
-    the step it had reached before it, minus one normal step; steps lost = recorded steps
+    """Time and steps this fault cost: from the injection (the node kill, for a kill while
+    the controller is away) until training first gets past the step it had reached
+    before it, minus one normal step; steps lost = recorded steps
     run again (a rollback to a checkpoint)."""
-    before = [m["step"] for m in recs if m["t"] < f.t]
-    after = [m for m in recs if m["t"] >= f.t]
+    t = f.t_hit or f.t
+    before = [m["step"] for m in recs if m["t"] < t]
+    after = [m for m in recs if m["t"] >= t]
     if not before or not after:
         return
     hw = max(before)
     f.steps_lost = max(0, hw - after[0]["step"] + 1)
     regain = next((m for m in after if m["step"] > hw), None)
     if regain is not None:
-        f.time_lost = max(0.0, regain["t"] - f.t - step_s)
+        f.time_lost = max(0.0, regain["t"] - t - step_s)
 
 
 def target_met(kind: str, time_lost: list[float], steps_lost: int, step_s: float) -> bool | None:
