@@ -32,6 +32,9 @@ FAULTS: dict[str, tuple[int, str]] = {
 }
 KINDS = tuple(FAULTS)
 MIN_NODES, MAX_NODES = 3, 5
+#: no fault is injected with less training than this left: the longest ones (a join under
+#: a full tmpfs, a leave while storage hangs) take ~30 s to play out and be seen handled
+END_MARGIN_S = 45.0
 #: live nodes a kind needs before it is injected (min, max); outside it a join (too few)
 #: or a node kill (too many) is injected instead, so the world stays within 3-5 nodes
 _NEEDS = {"kill_node": (4, MAX_NODES), "spot_notice": (4, MAX_NODES), "spot_notice_persist_hung": (4, MAX_NODES),
@@ -120,6 +123,14 @@ class Soak:
                 return False
             time.sleep(0.2)
         return False
+
+    def seconds_left(self) -> float:
+        """Training time left to the last step at the recent rate (median of the last 50
+        steps' gaps)."""
+        recs = sorted(self.c.steps(), key=lambda m: m["t"])[-51:]
+        gaps = sorted(b["t"] - a["t"] for a, b in zip(recs, recs[1:]) if b["step"] == a["step"] + 1)
+        step_s = gaps[len(gaps) // 2] if gaps else 0.5
+        return (self.steps - self.c.current_step()) * step_s
 
     def pick_kind(self, kind: str) -> str:
         lo, hi = _NEEDS.get(kind, (MIN_NODES, MAX_NODES))
@@ -263,8 +274,10 @@ class Soak:
             if not self.wait_healthy():
                 self.say("the job did not become healthy again within 180 s; stopping the faults")
                 break
-            if c.current_step() > 0.93 * self.steps:
-                self.say("close to the last step; stopping the faults")
+            left_s = self.seconds_left()
+            if left_s < END_MARGIN_S:
+                self.say(f"about {left_s:.0f} s of training left; stopping the faults (each needs "
+                         f"{END_MARGIN_S:.0f} s to play out and be checked)")
                 break
             self.inject(self.pick_kind(drawn))
         self.say(f"faults over after {time.time() - t0:.0f} s; running to step {self.steps}")
