@@ -111,7 +111,15 @@ class Soak:
         return list(plan["members"]) if plan else []
 
     def healthy(self, since_step: int) -> bool:
-        return sorted(self.members()) == sorted(self.alive) and self.c.current_step() > since_step + 2
+        """Every live node a member of the newest plan, training past ``since_step``, and a
+        restarted controller done resuming (its members back or given up on)."""
+        if sorted(self.members()) != sorted(self.alive) or self.c.current_step() <= since_step + 2:
+            return False
+        events = self.c.events()
+        started = [e for e in events if e.get("event") == "controller_started"]
+        if started and started[-1].get("resumed"):
+            return any(e.get("event") == "resumed" and e["t"] >= started[-1]["t"] for e in events)
+        return True
 
     def wait_healthy(self, timeout: float = 180.0) -> bool:
         since = max([f.step_before for f in self.faults], default=-1)
@@ -333,7 +341,12 @@ def account(f: Fault, events: list[dict[str, Any]], recs: list[dict[str, Any]], 
                  ("resumed", ev("resumed"))]
     elif f.kind == "storage_outage":
         k = advanced(f.t, f.t_end or f.t)
-        found = [("storage_degraded", ev("storage_degraded")),
+        # degraded during the outage: reported after it began, or still so from before (a
+        # worker reports the change, not every failure)
+        earlier = [e for e in events if e.get("t", 0) < f.t and e["event"] in ("storage_degraded", "storage_recovered")]
+        still = earlier[-1] if earlier and earlier[-1]["event"] == "storage_degraded" else None
+        found = [("storage_degraded" + (" (since before)" if still and not ev("storage_degraded") else ""),
+                  ev("storage_degraded") or still),
                  ("storage_recovered", ev("storage_recovered", t=f.t_end or f.t)),
                  (f"{k} steps trained while down ({d.get('rate')}x the median rate)", pseudo(k > 0, f.t_end))]
     elif f.kind == "slow_storage":
