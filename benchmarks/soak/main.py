@@ -60,7 +60,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from _soak_env import CpuLoad, S3Endpoint, Tmpfs  # noqa: E402
+from _soak_env import CpuLoad, S3Endpoint, Tmpfs, log_lines  # noqa: E402
 from _soak_faults import KINDS, MAX_NODES, MIN_NODES, TARGETS, Fault, Soak, account, measure, target_met  # noqa: E402
 
 from lazarus._local_cluster import LocalCluster  # noqa: E402
@@ -144,6 +144,19 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         out.append(f"| {name} | {r['injected']} | {r['accounted']} | {tl} | {r['steps_lost']} | "
                    f"{target_text(r['kind'])} | {met} |")
     return out
+
+
+def commit_gap(job_dir: Path, recs: list[dict[str, Any]]) -> tuple[float, float | None, int]:
+    """The longest time training went on without a checkpoint reaching storage (what a
+    restart of the whole job from storage would have lost), when it began, and how many
+    steps it spanned: from the gaps between the commits the nodes logged."""
+    commits = sorted({round(t, 1) for t, _, _ in log_lines(job_dir, "moc.store INFO committed step")})
+    if not recs or not commits:
+        return 0.0, None, 0
+    marks = commits + [recs[-1]["t"]]
+    gap, start = max((b - a, a) for a, b in zip(marks, marks[1:])) if len(marks) > 1 else (0.0, commits[0])
+    steps = [m["step"] for m in recs if start <= m["t"] <= start + gap]
+    return gap, start, (max(steps) - min(steps)) if steps else 0
 
 
 def crashed_workers(events: list[dict[str, Any]]) -> list[str]:
@@ -233,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             verified, verify_out = moc_verify(s3, run)
             job_wall = (recs[-1]["t"] - recs[0]["t"]) if recs else 0.0
             crashes = crashed_workers(events)
+            gap, gap_start, gap_steps = commit_gap(c.dir, recs)
     finally:
         s3.stop()
         load.stop()
@@ -260,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}, torch {_torch_version()}, load average at the end "
         f"{os.getloadavg()[0]:.1f} (--load {args.load} of it).",
+        f"Longest time without a checkpoint reaching storage: {gap:.1f} s ({gap_steps} steps)"
+        + (f" from {time.strftime('%H:%M:%S', time.localtime(gap_start))}" if gap_start else "") + ".",
         "",
         *table(rows),
         "",
@@ -284,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         record = {"seed": args.seed, "load": args.load, "minutes": args.minutes, "steps": steps,
                   "step_s": step_s, "job_wall_s": job_wall, "faults": [f.to_json() for f in soak.faults],
                   "by_kind": rows, "checks": [{"name": n, "passed": p} for n, p in checks],
-                  "targets_missed": missed, "workdir": str(workdir)}
+                  "targets_missed": missed, "commit_gap_s": gap, "commit_gap_steps": gap_steps,
+                  "workdir": str(workdir)}
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
     return 1 if not ok else 2 if missed else 0
 

@@ -3,7 +3,8 @@ and with CPU-bound load beside it, summarised in one table.
 
 Each run is a separate ``main.py`` process (its own work directory under ``--dir``, its
 record as JSON beside it). The table has one row per run: seed, load, faults by kind,
-survived, time lost median / max per kind, steps lost, and every check; then time lost
+survived, time lost median / max per kind, steps lost, the longest time without a
+checkpoint reaching storage, and every check; then time lost
 per kind over all runs against the issue-28 targets (node or worker kill <= 2 s,
 controller kill 0 steps and <= 2 s, storage outage 0 s). It is printed and written to
 ``benchmarks/soak/matrix.md``.
@@ -76,7 +77,7 @@ def _fmt(lost: list[float]) -> str:
 
 def row(rec: dict[str, Any]) -> str:
     if "error" in rec:
-        return f"| {rec['seed']} | {rec['load']} | - | - | - | - | **{rec['error']}** |"
+        return f"| {rec['seed']} | {rec['load']} | - | - | - | - | - | **{rec['error']}** |"
     faults = rec["faults"]
     kinds = {}
     for f in faults:
@@ -90,7 +91,8 @@ def row(rec: dict[str, Any]) -> str:
     checks = "all pass" if not failed else "**fail: " + ", ".join(failed) + "**"
     if rec.get("targets_missed"):
         checks += "; targets missed: " + ", ".join(SHORT[k] for k in rec["targets_missed"])
-    return f"| {rec['seed']} | {rec['load']} | {counts} | {survived} | {lost} | {steps} | {checks} |"
+    nocommit = f"{rec.get('commit_gap_s', 0):.0f} s / {rec.get('commit_gap_steps', 0)}"
+    return f"| {rec['seed']} | {rec['load']} | {counts} | {survived} | {lost} | {steps} | {nocommit} | {checks} |"
 
 
 def per_kind(records: list[dict[str, Any]]) -> list[str]:
@@ -147,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{','.join(map(str, loads))} ({len(records)} runs, {(time.time() - t0) / 3600:.1f} h); "
         f"{os.cpu_count()} cores.",
         "",
-        "| seed | load | faults by kind | survived | time lost median/max per kind (s) | steps lost | checks |",
-        "|---|---|---|---|---|---|---|",
+        "| seed | load | faults by kind | survived | time lost median/max per kind (s) | steps lost | longest "
+        "without a commit (time / steps) | checks |",
+        "|---|---|---|---|---|---|---|---|",
         *[row(r) for r in records],
         "",
         f"Kinds: {legend}.",
