@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", default=None, help="passed to main.py --kinds (default: every kind)")
     ap.add_argument("--dir", default=str(ROOT / "runs" / "soak-matrix"), help="work directory")
     ap.add_argument("--results", default=str(HERE / "matrix.md"), help="where to write the tables ('' = nowhere)")
+    ap.add_argument("--collect", action="store_true",
+                    help="run nothing: make the tables from the records of earlier runs in --dir")
     args = ap.parse_args(argv)
     try:
         seeds = _seeds(args.seeds)
@@ -140,6 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     for seed in seeds:
         for load in loads:
+            if args.collect:
+                path = workdir / f"seed{seed}-load{load}.json"
+                rec = json.loads(path.read_text()) if path.exists() else {
+                    "seed": seed, "load": load, "error": f"no record {path}"}
+                records.append(rec)
+                continue
             rec = run_one(seed, load, args.minutes, workdir, args.kinds)
             records.append(rec)
             print(row(rec), flush=True)
