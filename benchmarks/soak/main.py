@@ -301,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                   "step_s": step_s, "job_wall_s": job_wall, "faults": [f.to_json() for f in soak.faults],
                   "by_kind": rows, "checks": [{"name": n, "passed": p} for n, p in checks],
                   "targets_missed": missed, "commit_gap_s": gap, "commit_gap_steps": gap_steps,
+                  "total_s": time.time() - t_start,
                   "workdir": str(workdir)}
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
     return 1 if not ok else 2 if missed else 0

@@ -65,9 +65,9 @@ def run_one(seed: int, load: int, minutes: float, workdir: Path, kinds: str | No
         r = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     if not record.exists():
         return {"seed": seed, "load": load, "rc": r.returncode, "error": f"no record (exit {r.returncode}); see "
-                f"{out.with_suffix('.log')}", "wall_s": time.time() - t0}
+                f"{out.with_suffix('.log')}", "total_s": time.time() - t0}
     rec = json.loads(record.read_text())
-    rec.update(rc=r.returncode, wall_s=time.time() - t0)
+    rec.update(rc=r.returncode)
     return rec
 
 
@@ -138,7 +138,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--loads must be a comma list of integers >= 0, got {args.loads!r}")
     workdir = Path(args.dir)
     workdir.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
     records = []
     for seed in seeds:
         for load in loads:
@@ -154,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     legend = ", ".join(f"{v} = {k}" for k, v in SHORT.items())
     lines = [
         f"Soak matrix: seeds {','.join(map(str, seeds))} x {args.minutes:g} min of faults x load "
-        f"{','.join(map(str, loads))} ({len(records)} runs, {(time.time() - t0) / 3600:.1f} h); "
+        f"{','.join(map(str, loads))} ({len(records)} runs, "
+        f"{sum(r.get('total_s', 0) for r in records) / 3600:.1f} h of soak); "
         f"{os.cpu_count()} cores.",
         "",
         "| seed | load | faults by kind | survived | time lost median/max per kind (s) | steps lost | longest "
