@@ -91,7 +91,7 @@ def row(rec: dict[str, Any]) -> str:
     checks = "all pass" if not failed else "**fail: " + ", ".join(failed) + "**"
     if rec.get("targets_missed"):
         checks += "; targets missed: " + ", ".join(SHORT[k] for k in rec["targets_missed"])
-    nocommit = f"{rec.get('commit_gap_s', 0):.0f} s / {rec.get('commit_gap_steps', 0)}"
+    nocommit = f"{rec['commit_gap_s']:.0f} s / {rec['commit_gap_steps']}" if "commit_gap_s" in rec else "-"
     return f"| {rec['seed']} | {rec['load']} | {counts} | {survived} | {lost} | {steps} | {nocommit} | {checks} |"
 
 
