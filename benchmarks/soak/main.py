@@ -30,6 +30,9 @@ lost, the issue-28 target and whether it was met) and writes it to
 ``benchmarks/soak/results.md`` (``--json`` adds a machine-readable record, which
 ``make soak-matrix`` collects).
 
+It also reports the longest time training went on without a checkpoint reaching storage
+(what a restart of the whole job from storage would have cost then).
+
 Time lost per fault = from the injection until training first gets past the step it had
 reached before it, minus one normal step. Steps lost = recorded steps run again (a
 rollback to a checkpoint); the step in flight when a peer dies is discarded before it is
