@@ -141,6 +141,7 @@ class ElasticTrainer:
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
             raise ValueError(f"total_steps must be an integer >= 1, got {total_steps!r}")
         _warm_up()
+        self.reconf.probe_storage()
         self.channel.hello(self.layout)
         plan = self._wait_plan(-1)
         self._reconfigure_loop(plan, error=None)
