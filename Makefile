@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: test test-gpu demo demo-moc docs-heatmap bench bench-store bench-placement bench-node-gpus bench-dispatch bench-hf bench-moc bench-simulate bench-runtime bench-gpu soak install check-install clean
+.PHONY: test test-gpu demo demo-moc docs-heatmap bench bench-store bench-placement bench-node-gpus bench-dispatch bench-hf bench-moc bench-simulate bench-runtime bench-gpu soak soak-matrix install check-install clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -66,11 +66,20 @@ bench-runtime: $(STAMP)
 bench-simulate: $(STAMP)
 	$(VPY) benchmarks/simulate/main.py
 
-# Chaos soak of a live job (not part of `make test`): MINUTES of seeded random faults.
+# Chaos soak of a live job (not part of `make test`): MINUTES of seeded random faults,
+# LOAD CPU-bound busy processes beside it.
 MINUTES ?= 10
 SEED ?= 0
+LOAD ?= 0
 soak: $(STAMP)
-	$(VPY) benchmarks/soak/main.py --minutes $(MINUTES) --seed $(SEED)
+	$(VPY) benchmarks/soak/main.py --minutes $(MINUTES) --seed $(SEED) --load $(LOAD)
+
+# The soak for SEEDS seeds (a count, or a comma list) x MINUTES x LOADS (not part of `make test`
+# nor `make bench`; 10 x 10 min x {0, 2}: 20 soaks of ~18 min, ~6 hours on 2 cores). One table: benchmarks/soak/matrix.md.
+SEEDS ?= 10
+LOADS ?= 0,2
+soak-matrix: $(STAMP)
+	$(VPY) benchmarks/soak/matrix.py --seeds $(SEEDS) --minutes $(MINUTES) --loads $(LOADS)
 
 # Not part of `make bench`: needs a CUDA GPU (moc stall vs DCP / torch.save, D2H bandwidth,
 # MoE layer with the CUDA dispatch kernel).

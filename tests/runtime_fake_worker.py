@@ -3,8 +3,9 @@
 Started by ``lazarus agent ... -- python tests/runtime_fake_worker.py``. It says hello with
 a small model (``FAKE_LAYERS`` layers x ``FAKE_EXPERTS`` experts), then every
 ``FAKE_STEP_S`` seconds counts a step and reports ``progress`` (rank 0 also ``routing``).
-On a new plan it replies ``reconfigured``; if it is in the plan's ``leaving`` list it exits
-0 after that. After ``FAKE_STEPS`` steps (0 = never) it reports ``done`` and waits for
+On a new plan it replies ``reconfigured``; if it is in the plan's ``leaving`` list it reports
+``left`` and exits 0 (held up at exit for ``FAKE_LEFT_STUCK_S`` seconds by a non-daemon
+thread, as by a checkpoint write stuck on hung storage). After ``FAKE_STEPS`` steps (0 = never) it reports ``done`` and waits for
 ``stop``. With ``FAKE_CRASH_AT_STEP`` it raises at that step of every incarnation (a
 deterministic crash loop); with ``FAKE_CRASH_LOCAL_RANK`` as well, only the worker of that
 ``LOCAL_RANK`` does (one rank of a node with ``--nproc-per-node`` > 1). Writing ``collective_error`` into the file ``$FAKE_CONTROL_DIR/<node>`` makes it
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -52,6 +54,11 @@ def main() -> int:
                      "sources": {"peer": 0, "memory": 0, "storage": 0}, "plt": 0.0,
                      "lost_experts": [], "node": ch.node_id})
             if leaving:
+                ch.send({"type": "left", "step": step, "generation": gen})
+                stuck = float(os.environ.get("FAKE_LEFT_STUCK_S", "0"))
+                if stuck:   # background work that cannot end holds the exit up, as a
+                    # non-daemon thread blocked in a write to hung storage does
+                    threading.Thread(target=time.sleep, args=(stuck,), name="fake-stuck-persist").start()
                 return 0
         members = plan["members"] if plan is not None else []
         if ch.node_id in members:

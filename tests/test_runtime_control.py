@@ -389,6 +389,30 @@ def test_sigterm_is_a_graceful_leave(cluster_factory: Callable[..., Cluster]) ->
 
 
 @pytest.mark.timeout(60)
+def test_sigterm_leave_is_not_held_up_by_stuck_background_work(cluster_factory: Callable[..., Cluster]) -> None:
+    """A spot notice while a checkpoint write hangs (issue 28): the worker hands over and
+    reports ``left``, but a thread stuck on storage keeps its process from exiting. The
+    agent stops it after --stop-timeout and exits 0 long before --leave-timeout, instead of
+    giving up with exit 3."""
+    c = cluster_factory("--expected-nodes", "3", agent_args=("--stop-timeout", "1s", "--leave-timeout", "40s"),
+                        FAKE_LEFT_STUCK_S="300")
+    started(c, ["a", "b", "c"])
+    t0 = time.monotonic()
+    c.agents["c"].send_signal(signal.SIGTERM)
+    plan = c.wait_plan(5, reason="leave")
+    assert plan["leaving"] == ["c"] and plan["members"] == ["a", "b"]
+    assert c.agents["c"].wait(timeout=30) == 0
+    assert time.monotonic() - t0 < 25, "the agent waited for the stuck worker instead of stopping it"
+    log = (c.tmp / "agent-c.log").read_text()
+    assert "handed its state over and left the job, but has not exited" in log
+    left = c.wait_event("worker_message", 5, node="c")
+    assert left["msg"]["type"] == "left"
+    assert c.wait_event("node_left", 5, node="c")["t"] >= plan["t"]
+    assert not c.events("node_failed")
+    assert c.agents["a"].poll() is None and c.agents["b"].poll() is None
+
+
+@pytest.mark.timeout(60)
 def test_collective_error_replans_same_members_and_rebalance(
     cluster_factory: Callable[..., Cluster], tmp_path: Path
 ) -> None:

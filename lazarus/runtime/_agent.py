@@ -38,7 +38,9 @@ with its status.
 
 Signals: SIGTERM (spot notice) -> ``leaving``; the agent waits for the plan without this
 node, lets the worker finish its hand-over and exit, then exits 0 (exit 3 if that takes
-longer than ``leave_timeout``). SIGINT -> stop the worker and exit 130.
+longer than ``leave_timeout``). A worker that reported it ``left`` (hand-over done) but is
+still running ``stop_timeout`` later (held up at exit by stuck background work, such as a
+checkpoint write to hung storage) is stopped, and the agent exits 0. SIGINT -> stop the worker and exit 130.
 
 Exit codes: 0 normal (shutdown, leave, worker finished), 1 cannot connect / registration
 refused / worker failed without respawn, 3 leave timed out, 4 controller unreachable for
@@ -434,6 +436,25 @@ class Agent:
             log.warning("agent %s: worker ignored stop; killing it", self.node_id)
         self._finish(EXIT_OK)
 
+    async def _left_worker_deadline(self, grp: WorkerGroup) -> None:
+        """The workers handed their state over and left: the job needs nothing more from
+        them. One still running after ``stop_timeout`` is held up at exit by background
+        work that cannot end (a checkpoint write to hung storage): stop it and leave, well
+        within the spot notice, instead of waiting out ``leave_timeout``."""
+        timeout = self.config.stop_timeout.total_seconds()
+        try:
+            await asyncio.wait_for(asyncio.shield(grp.wait()), timeout)
+            return   # exited by itself: the watcher finishes the leave
+        except asyncio.TimeoutError:
+            pass
+        if grp is not self._worker or self._exiting:
+            return
+        log.warning("agent %s: the worker handed its state over and left the job, but has not exited %.1f s "
+                    "later (background work stuck, e.g. a checkpoint write to unreachable storage); stopping it",
+                    self.node_id, timeout)
+        await self._stop_worker(kill=False)
+        self._finish(EXIT_OK)
+
     async def _leave_deadline(self) -> None:
         await asyncio.sleep(self.config.leave_timeout.total_seconds())
         log.error("agent %s: hand-over not finished within %.1fs; giving up", self.node_id,
@@ -494,6 +515,10 @@ class Agent:
                     wk.step = msg["step"]
                 if kind in ("progress", "reconfigured") and isinstance(msg.get("generation"), int):
                     wk.generation = msg["generation"]
+                if kind == "left":
+                    wk.left = True
+                    if grp.left and self._leaving and grp.left_task is None:
+                        grp.left_task = self._spawn_task(self._left_worker_deadline(grp))
                 if kind == "done":
                     wk.done = True
                     if not grp.done:

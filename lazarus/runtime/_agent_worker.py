@@ -83,6 +83,7 @@ class WorkerProcess:
         self.plan_generation = 0            # newest plan relayed to it
         self.killed = False                 # stopped on purpose (evict / shutdown / leave timeout)
         self.done = False                   # reported that training finished; never killed after that
+        self.left = False                   # handed its state over and left the job (a leave plan)
         self.grace_task: asyncio.Task[Any] | None = None
         self._tail = bytearray()
         self._stderr_task: asyncio.Task[None] | None = None
@@ -177,6 +178,7 @@ class WorkerGroup:
         self.ready_sent = False             # worker_ready reported for this incarnation
         self.failed: WorkerProcess | None = None   # the worker whose exit took the group down
         self.grace_task: asyncio.Task[Any] | None = None
+        self.left_task: asyncio.Task[Any] | None = None   # bounds the exit of workers that left
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -198,6 +200,11 @@ class WorkerGroup:
     @property
     def done(self) -> bool:
         return all(w.done for w in self.workers)
+
+    @property
+    def left(self) -> bool:
+        """Every worker handed its state over and left the job."""
+        return all(w.left for w in self.workers)
 
     @property
     def model(self) -> dict[str, Any]:

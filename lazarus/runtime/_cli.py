@@ -222,6 +222,9 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
                         "reconnects for this long; then it stops the worker and exits 4 (default 5m)")
     p.add_argument("--leave-timeout", type=_duration("--leave-timeout"), default="60s",
                    help="after SIGTERM, wait this long for the hand-over (default 60s)")
+    p.add_argument("--stop-timeout", type=_duration("--stop-timeout"), default="10s",
+                   help="a stopped worker, or one that left the job, may take this long to exit before it "
+                        "is killed (default 10s)")
     p.add_argument("--exit-grace", type=_duration("--exit-grace"), default="5m",
                    help="a worker that reported done is never killed: wait this long for it to exit, "
                         "then exit with its status (default 5m)")
@@ -239,7 +242,8 @@ _AGENT_OPTIONS = {
     "respawn_delay": "--respawn-delay", "connect_timeout": "--connect-timeout",
     "max_restarts": "--max-restarts", "restart_window": "--restart-window",
     "reconnect_timeout": "--reconnect-timeout",
-    "leave_timeout": "--leave-timeout", "exit_grace": "--exit-grace", "job": "--job",
+    "leave_timeout": "--leave-timeout", "stop_timeout": "--stop-timeout", "exit_grace": "--exit-grace",
+    "job": "--job",
     "controller_port": "--controller", "controller_host": "--controller", "worker_command": "WORKER_COMMAND",
 }
 
@@ -271,7 +275,8 @@ def _run_agent(args: argparse.Namespace) -> int:
             respawn_delay=args.respawn_delay, connect_timeout=args.connect_timeout,
             max_restarts=args.max_restarts, restart_window=args.restart_window,
             reconnect_timeout=args.reconnect_timeout,
-            leave_timeout=args.leave_timeout, exit_grace=args.exit_grace, env=env, **kwargs,
+            leave_timeout=args.leave_timeout, stop_timeout=args.stop_timeout, exit_grace=args.exit_grace,
+            env=env, **kwargs,
         )
     except ValueError as exc:
         raise _config_error(exc, _AGENT_OPTIONS) from None

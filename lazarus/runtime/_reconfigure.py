@@ -35,6 +35,7 @@ import threading
 import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Iterator
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,7 @@ from lazarus.moe import moe_layers
 from lazarus.moe._placement import rank_slots
 from lazarus.planning import Placement
 from moc import CheckpointManager
+from storage_backends import open_store
 from moc._units import apply_partial, capture_unit, discover_units
 
 from ._abort import GroupAborter, SocketTracker, nccl_errors
@@ -448,6 +450,43 @@ class Reconfigurer:
         if newest >= 0:
             t.step = newest
         self._dense = None
+
+    def probe_storage(self) -> None:
+        """Reach the checkpoint storage once, before this worker joins a group (outside every
+        collective): a wrong bucket or credentials fail here with storage's own error; an S3
+        endpoint that is down or hung right now is only logged. The managers built in
+        reconfigurations then open it without probing it (``check=False``): opening storage
+        inside a reconfiguration held the other ranks' collective past its timeout while S3
+        hung, and every new plan failed the same way (issue 28's soak: a join while a
+        persist hung stalled the job until the joiner gave up)."""
+        cfg = self.t.config.moc
+        if cfg is None or urlsplit(str(cfg.storage)).scheme.lower() not in ("s3", "s3a"):
+            return
+        if cfg.storage_options.get("check") is False:
+            return
+        result: list[BaseException | None] = []
+
+        def probe() -> None:
+            try:
+                open_store(cfg.storage, **cfg.storage_options)
+                result.append(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                result.append(exc)
+
+        # A hung endpoint answers nothing for minutes (each attempt waits out the read
+        # timeout): wait at most the rendezvous timeout, in a thread that cannot hold the
+        # process up at exit.
+        limit = self.t.config.rendezvous_timeout.total_seconds()
+        th = threading.Thread(target=probe, name="lazarus-storage-probe", daemon=True)
+        th.start()
+        th.join(limit)
+        exc = result[0] if result else TimeoutError(f"no answer within {limit:.0f} s")
+        if exc is not None and not isinstance(exc, (ConnectionError, TimeoutError)):
+            raise exc
+        if exc is not None:
+            log.warning("node %s step -: storage %s unreachable at start (%s); joining anyway, persists will retry",
+                        self.t.where, cfg.storage, str(exc).splitlines()[0][:200])
+        cfg.storage_options = {**cfg.storage_options, "check": False}
 
     def _moc(self, lost: list[str], fresh_start: bool) -> dict[str, int]:
         t = self.t

@@ -143,6 +143,7 @@ class ElasticTrainer:
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
             raise ValueError(f"total_steps must be an integer >= 1, got {total_steps!r}")
         _warm_up()
+        self.reconf.probe_storage()
         self.channel.hello(self.layout)
         plan = self._wait_plan(-1)
         self._reconfigure_loop(plan, error=None)
@@ -205,8 +206,21 @@ class ElasticTrainer:
             # other survivors fail fast instead of waiting out their timeout.
             if failure is not None:
                 self._on_broken_collective(failure)
-        if not self._left:
+        if self._left:
+            self._report_left()
+        else:
             self._finish()
+
+    def _report_left(self) -> None:
+        """Tell the agent that this worker handed its state over and is out of the job:
+        from here on nothing the job needs runs here, so a process held up at exit by
+        background work that cannot end (a checkpoint write to hung storage, abandoned by
+        the hand-over) is stopped by the agent after ``--stop-timeout``, not waited for."""
+        log.info("node %s step %d: left the job", self.where, self.step)
+        try:
+            self.channel.send({"type": "left", "step": self.step, "generation": self.generation})
+        except Exception:  # noqa: BLE001 - the agent link has its own watchdog
+            pass
 
     @property
     def left(self) -> bool:

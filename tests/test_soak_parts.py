@@ -1,0 +1,101 @@
+"""The soak's own parts (``benchmarks/soak``): its schedule, the world-size rule, the tmpfs
+filler that makes ``/dev/shm`` full, the log reader and the per-kind evidence. The soak
+itself runs a live job for minutes (``make soak``); these check the pieces it relies on."""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "soak"
+sys.path.insert(0, str(SOAK))
+
+import _soak_faults as sf  # noqa: E402
+from _soak_env import Tmpfs, log_lines  # noqa: E402
+
+
+def test_schedule_is_a_function_of_the_seed_and_the_kinds():
+    a, b = sf.schedule(7, 10), sf.schedule(7, 10)
+    assert a == b and a != sf.schedule(8, 10)
+    assert all(0 < t <= 600 for t, _ in a)
+    assert {k for _, k in a} <= set(sf.KINDS)
+    only = sf.schedule(7, 10, ("kill_two_in_grace", "join"))
+    assert {k for _, k in only} == {"kill_two_in_grace", "join"}
+
+
+class _World:
+    """Just what pick_kind reads."""
+
+    def __init__(self, n: int) -> None:
+        self.alive = [f"n{i}" for i in range(n)]
+
+
+@pytest.mark.parametrize("kind", sf.KINDS)
+def test_every_kind_keeps_the_world_within_3_to_5_nodes(kind):
+    removes = {"kill_node": 1, "spot_notice": 1, "spot_notice_persist_hung": 1, "kill_controller_away": 1,
+               "kill_during_reconfig": 2, "kill_two_in_grace": 2, "join": -1, "shm_full": -1,
+               "kill_during_join": 0}
+    for n in range(sf.MIN_NODES, sf.MAX_NODES + 1):
+        picked = sf.Soak.pick_kind(_World(n), kind)
+        after = n - removes.get(picked, 0)
+        assert sf.MIN_NODES <= after <= sf.MAX_NODES, (kind, n, picked)
+        if picked != kind:
+            assert picked in ("join", "kill_node")
+
+
+def test_tmpfs_filler_makes_allocation_fail_with_enospc_until_drained(tmp_path):
+    fs = Tmpfs(tmp_path / "shm", 8 << 20)
+    try:
+        fs.mount()
+    except RuntimeError as exc:
+        pytest.fail(str(exc))   # the soak machine and CI run as root
+    try:
+        taken = fs.fill()
+        assert taken > 7 << 20 and fs.free() < 64 << 10
+        fd = os.open(fs.path / "buf0.bin", os.O_RDWR | os.O_CREAT)
+        try:
+            with pytest.raises(OSError) as err:
+                os.posix_fallocate(fd, 0, 1 << 20)
+            assert err.value.errno == errno.ENOSPC
+            fs.drain()
+            os.posix_fallocate(fd, 0, 1 << 20)   # room again once the filler is gone
+        finally:
+            os.close(fd)
+    finally:
+        fs.unmount()
+    assert not os.path.ismount(fs.path)
+
+
+def test_log_lines_reads_the_workers_timestamps(tmp_path):
+    (tmp_path / "node-n3.log").write_text(
+        "2026-11-25 02:43:18,700 worker n3 moc WARNING rank 1 step 240: snapshot skipped (1 so far) on this rank\n"
+        "2026-11-25 02:43:19,000 worker n3 moc INFO rank 1 step 240: checkpoint persisted\n"
+        "a line without a time: snapshot skipped\n")
+    got = log_lines(tmp_path, "snapshot skipped")
+    assert len(got) == 1 and got[0][1] == "n3"
+    want = time.mktime(time.strptime("2026-11-25 02:43:18", "%Y-%m-%d %H:%M:%S")) + 0.7
+    assert got[0][0] == pytest.approx(want)
+
+
+def test_shm_full_needs_skipped_snapshots_inside_its_window(tmp_path):
+    """shm_full is accounted only when a worker logged a skipped snapshot while the tmpfs
+    was full, and training went on meanwhile."""
+    t0 = time.mktime(time.strptime("2026-11-25 02:43:10", "%Y-%m-%d %H:%M:%S"))
+    events = [{"t": t0 + 1, "event": "node_registered", "node": "n4"},
+              {"t": t0 + 5, "event": "plan", "joined": ["n4"], "members": ["n0", "n4"], "lost": []}]
+    recs = [{"t": t0 + i, "step": 100 + i} for i in range(20)]
+    f = sf.Fault("shm_full", t0, node="n4", t_end=t0 + 12)
+    sf.account(f, events, recs, tmp_path, 0.1)
+    assert not f.accounted and any("0 'snapshot skipped'" in e for e in f.evidence)
+    (tmp_path / "node-n4.log").write_text(
+        "2026-11-25 02:43:18,700 worker n4 moc WARNING rank 1 step 240: snapshot skipped (1 so far) on this rank: "
+        "OSError: [Errno 28] snapshot buffer cannot grow\n")
+    f = sf.Fault("shm_full", t0, node="n4", t_end=t0 + 12)
+    sf.account(f, events, recs, tmp_path, 0.1)
+    assert f.accounted, f.evidence
+    assert f.detail["rate"] == pytest.approx(13 * 0.1 / 12, abs=0.01)   # 13 steps in the 12 s window
