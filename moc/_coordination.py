@@ -62,7 +62,7 @@ class Agreement:
     persist_busy: bool
     no_buffer: bool                   # some rank has no buffer: every rank skips the snapshot
     retry_steps: list[int | None]
-    finished_seq: int                 # newest persist job finished on any rank
+    finished_seq: int                 # newest persist job finished on every rank
     routing: torch.Tensor | None
     k_snapshot: int | None
     interval: int | None
@@ -141,5 +141,5 @@ class Coordinator:
         return Agreement(
             sigterm=vals[_SIGTERM] > 0, failed=vals[_FAILED] > 0, broken=vals[_BROKEN] > 0,
             persist_busy=vals[_BUSY] > 0, no_buffer=vals[_NO_BUFFER] > 0, retry_steps=[None if s < 0 else s for s in retry],
-            finished_seq=max(vals[seq0:len0]), routing=v[route0:] if ballot.routing is not None else None,
+            finished_seq=min(vals[seq0:len0]), routing=v[route0:] if ballot.routing is not None else None,
             k_snapshot=vals[_K] or None, interval=vals[_INTERVAL] or None, collectives=collectives)

@@ -321,7 +321,7 @@ class CheckpointManager:
             self.engine.unreserve()
         if agreed.sigterm:
             self._flush_and_exit()
-        self.persister.settle(agreed.finished_seq, self.cfg.persist_timeout.total_seconds())
+        self.persister.settle(agreed.finished_seq)
         self.policy.adopt(agreed.k_snapshot, agreed.interval)
         if not due or agreed.no_buffer:
             if due:   # every rank skips it: no buffer on some rank (logged with its reason there)
@@ -595,7 +595,7 @@ class CheckpointManager:
                 "exact": exact,
                 "rank": self.rank, "world": self.world, "step": self.run.last_step,
                 "last_snapshot_step": e.last_snapshot_step, "last_persisted_step": p.last_persisted_step,
-                "persist_in_flight": busy, "persist_failures": p.failures, "last_error": self.run.last_error,
+                "persist_in_flight": busy, "persist_failures": p.failures, "persists_skipped": p.skipped, "last_error": self.run.last_error,
                 "snapshot_failures": e.failures, "consecutive_snapshot_failures": e.consecutive_failures,
                 "snapshots_skipped": e.skipped, "snapshots_skipped_here": e.skipped_local,
                 "last_skip": dict(e.last_skip) if e.last_skip else None,

@@ -54,6 +54,7 @@ class Persister:
         self.base: Manifest | None = None          # newest committed manifest (rank 0)
         self.last_persisted_step: int | None = None
         self.failures = 0
+        self.skipped = 0          # persists not tried: some rank skipped that snapshot
         # Jobs are numbered in start order, the same on every rank (starts are collective
         # decisions). What a commit changes in the decisions of later checkpoints (has_base,
         # the persist level of PLT) is applied by the training thread at a point where
@@ -130,22 +131,14 @@ class Persister:
             self.reap()
         self.apply_outcomes()
 
-    def settle(self, seq: int, timeout: float) -> None:
-        """Apply the outcomes of persist jobs up to number ``seq`` (the newest job any rank
-        has finished, agreed in a round): this rank's own job ``seq`` is past its last
-        collective then and finishes at once, so wait for it first. Every rank calls this
-        with the same ``seq``, so has_base and the PLT persist marks change at the same
-        point everywhere, whatever moment each rank's persist thread finished at."""
-        if self.finished_seq < seq and self.in_flight is not None:
-            try:
-                self.in_flight.result(timeout=timeout)
-            except FuturesTimeout:
-                log.error("%s: persist job %d finished on another rank but not here within %.0f s",
-                          self.run.where(), seq, timeout)
-            except Exception:  # noqa: BLE001 - reported by reap()
-                pass
-            self.reap()
-        self.apply_outcomes(seq)
+    def settle(self, seq: int) -> None:
+        """Apply the outcomes of persist jobs up to number ``seq``: the newest job that every
+        rank has finished, agreed in a round. No rank waits for its own job here (one can
+        be stuck on storage: rank 0 commits between the persist round's two collectives,
+        and a hung endpoint holds it there long after the others gave up on it); every rank
+        calls this with the same ``seq``, so has_base and the PLT persist marks change at
+        the same point everywhere, whatever moment each rank's persist thread finished at."""
+        self.apply_outcomes(min(seq, self.finished_seq))
 
     def apply_outcomes(self, upto: int | None = None) -> None:
         """Book committed jobs numbered <= ``upto`` (default: all finished here)."""
@@ -201,7 +194,11 @@ class Persister:
                 error = f"{type(exc).__name__}: {exc}"
         else:
             error = f"snapshot of step {step} is not available"
-        results = self.comm.gather_json({"ok": ok, "error": error, "units": units}, persist=True)
+        results = self.comm.gather_json({"ok": ok, "error": error, "units": units, "missing": buf is None},
+                                        persist=True)
+        # A step some rank has no snapshot of (it skipped it for lack of room) is not a storage
+        # failure: nothing was tried; counted apart so storage is not reported degraded.
+        missing = not all(r["ok"] for r in results) and all(r["ok"] or r.get("missing") for r in results)
         committed = False
         if self.run.rank == 0 and not self.run.abandoned:
             if all(r["ok"] for r in results):
@@ -222,6 +219,9 @@ class Persister:
                 buf.persisted = True
                 self.last_persisted_step = step
                 self._outcomes.append((seq, buf.header["selection"], buf.header["plt"]["cum"]))
+            elif missing:
+                self.skipped += 1
+                self.run.last_error = outcome["error"]
             else:
                 self.failures += 1
                 self.run.last_error = outcome["error"]

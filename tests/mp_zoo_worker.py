@@ -18,6 +18,7 @@ import signal
 import sys
 import traceback
 import warnings
+from datetime import timedelta
 
 import torch
 
@@ -79,7 +80,6 @@ def train(arch: str, arch_dir: str, shm: str, steps: int, keep: list) -> None:
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     counts = expert_counters(model)
     ckpt = CheckpointManager(config(arch_dir, shm), model=model, optimizer=opt)
-    keep.append((model, opt, ckpt))     # alive until the SIGKILL: nothing is closed cleanly
     for step in range(steps):
         loss = zoo.loss_of(model, zoo.batch(arch, step))
         opt.zero_grad()
@@ -92,6 +92,9 @@ def train(arch: str, arch_dir: str, shm: str, steps: int, keep: list) -> None:
         dump["cum"] = {l: c.clone() for l, c in counts.items()}
         torch.save(dump, os.path.join(arch_dir, f"gt-{step}.pt"))
     ckpt.engine.wait()                   # the newest snapshot is complete in memory
+    # Nothing is closed cleanly (no flush, the shared-memory files stay, as a SIGKILL leaves
+    # them); detaching lets this architecture's model go before the next one is built.
+    keep.append(ckpt.detach(grace=timedelta(seconds=60)))
 
 
 def restore(arch: str, arch_dir: str, shm: str) -> None:

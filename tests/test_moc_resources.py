@@ -223,6 +223,8 @@ def test_one_rank_without_room_skips_alone_and_its_peers_do_not_wait(tmp_path):
     assert r0["before"]["last_snapshot_step"] == 3 and r1["before"]["last_snapshot_step"] is None
     assert r0["before"]["last_persisted_step"] is None       # never committed without rank 1's share
     assert r0["before"]["snapshot_failures"] == 0 and r1["before"]["snapshot_failures"] == 0
+    for s in st:   # the persists rank 1 had no snapshot for were skipped, not storage failures
+        assert s["before"]["persists_skipped"] >= 1 and s["before"]["persist_failures"] == 0, s["before"]
     for s in st:
         assert s["after"]["last_snapshot_step"] == 7 and s["after"]["last_persisted_step"] == 7
     cs = CheckpointStore(open_store(str(tmp_path / "ckpt")))
