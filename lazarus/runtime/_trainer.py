@@ -144,7 +144,8 @@ class ElasticTrainer:
             raise ValueError(f"total_steps must be an integer >= 1, got {total_steps!r}")
         _warm_up()
         self.channel.hello(self.layout)
-        plan = self._wait_plan(-1)
+        # a hot spare (``lazarus agent --standby``) waits, warm, for as long as it is not called in
+        plan = self._wait_plan(-1, unbounded=os.environ.get("LAZARUS_STANDBY") == "1")
         self._reconfigure_loop(plan, error=None)
         watcher = threading.Thread(target=self._watch_plans, name=f"lazarus-watch-{self.where}", daemon=True)
         watcher.start()
@@ -391,9 +392,11 @@ class ElasticTrainer:
                 error = time.time()
             plan = self._wait_plan(plan["generation"])
 
-    def _wait_plan(self, newer_than: int, at_least: int | None = None) -> dict[str, Any]:
+    def _wait_plan(self, newer_than: int, at_least: int | None = None, unbounded: bool = False) -> dict[str, Any]:
         deadline = time.monotonic() + self.config.plan_timeout.total_seconds()
         while True:
+            if unbounded:
+                deadline = time.monotonic() + self.config.plan_timeout.total_seconds()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 log.error("node %s: no plan newer than generation %d within %s; exiting", self.where, newer_than,
