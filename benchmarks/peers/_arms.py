@@ -151,15 +151,27 @@ class TorchftArm(_Arm):
                 if self.lighthouse.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"torchft lighthouse did not start; see {self.work}/lighthouse.log")
                 time.sleep(0.05)
+        # The first groups start together, as the other systems' first nodes do (Lazarus waits
+        # for --expected-nodes, torchrun for --nnodes): with --min_replicas 1 the first group
+        # up would otherwise train alone until the others have imported torch.
+        go = self.work / "go"
         for n in nodes:
-            self._spawn(n)
+            self._spawn(n, start_when=go)
+        deadline = time.monotonic() + 300
+        while {r["node"] for r in self.records() if r.get("kind") == "built"} < set(nodes):
+            dead = [n for n, p in self.procs.items() if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name}: groups {dead or 'some'} did not start; see {self.work}")
+            time.sleep(0.05)
+        go.touch()
 
-    def _spawn(self, node: str) -> None:
+    def _spawn(self, node: str, start_when: Path | None = None) -> None:
         log = open(self.work / f"{node}.log", "ab")
         self.starts[node] = time.time()
         self.procs[node] = subprocess.Popen(
             [sys.executable, str(HERE / "_torchft_worker.py"), "--replica-id", node, "--lighthouse", self.address,
-             "--steps", str(self.steps), "--metrics", str(self.metrics), *self.spec.worker_args()],
+             "--steps", str(self.steps), "--metrics", str(self.metrics), *self.spec.worker_args(),
+             *(["--start-when", str(start_when)] if start_when else [])],
             stdout=log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
 
     def kill(self, node: str) -> float:

@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--metrics", required=True)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--start-when", default=None, metavar="FILE",
+                   help="after building, wait for FILE before joining (the job's first groups start together)")
     args = p.parse_args(argv)
     spec = ModelSpec.from_args(args)
     out = MetricsWriter(args.metrics, args.replica_id)
@@ -79,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         model.load_state_dict(sd["model"])
         inner_opt.load_state_dict(sd["optim"])
 
+    out.write("built")
+    while args.start_when and not os.path.exists(args.start_when):
+        time.sleep(0.02)
     # The Manager expects the replica group's TCPStore to exist (torchrun's); one process
     # per group, so this process hosts it, on loopback.
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

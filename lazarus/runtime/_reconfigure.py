@@ -106,6 +106,8 @@ class Reconfigurer:
     def retire_group(self) -> None:
         """Retire the moc manager (keep its buffers) and tear the process group down."""
         t = self.t
+        if not dist.is_initialized() and t.ckpt is None:
+            return   # retired already (a failure retires before waiting for the plan)
         # Abort the NCCL communicators and shut the gloo sockets down first: every peer's
         # pending operation (training thread, or moc's snapshot/persist threads) fails at
         # once instead of waiting out its timeout, and so do this process's own background
@@ -288,7 +290,9 @@ class Reconfigurer:
             # on the new store: moc's groups (and any later new_group) need a live store.
             same_group = members == t.members and int(plan["store"].get("epoch", 0)) == self.group_epoch
             if not same_group:
+                t1 = time.time()
                 self.retire_group()
+                timings["retire"] = time.time() - t1
                 t1 = time.time()
                 self._rendezvous(plan)
                 timings["rendezvous"] = time.time() - t1
@@ -297,7 +301,9 @@ class Reconfigurer:
                 t.ckpt = None
             t.generation = int(plan["generation"])
         else:
+            t1 = time.time()
             self.retire_group()
+            timings["retire"] = time.time() - t1
             t1 = time.time()
             self._rendezvous(plan)
             timings["rendezvous"] = time.time() - t1
