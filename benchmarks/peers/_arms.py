@@ -66,12 +66,17 @@ class _Arm:
 
 class LazarusArm(_Arm):
     """Controller + 4 agents + ``ElasticTrainer`` as ``make demo`` runs them
-    (:class:`lazarus._local_cluster.LocalCluster`, the example worker)."""
+    (:class:`lazarus._local_cluster.LocalCluster`, the example worker). The replacement
+    node ``spare`` is a hot spare (``lazarus agent --standby``) started with the others and
+    called in at the join (None: its agent starts cold at the join, like the others')."""
 
     name = "lazarus"
 
-    def __init__(self, work: Path, spec: ModelSpec, steps: int) -> None:
+    def __init__(self, work: Path, spec: ModelSpec, steps: int, spare: str | None = None) -> None:
         super().__init__(work, spec, steps)
+        self.spare = spare
+        if spare is None:
+            self.name = "lazarus (cold join)"
         from lazarus._local_cluster import LocalCluster
 
         worker = ["--steps", str(steps), "--storage", str(self.work / "store"), "--interval", "10",
@@ -88,14 +93,19 @@ class LazarusArm(_Arm):
         for n in nodes:
             self.starts[n] = time.time()
             self.cluster.add_node(n)
+        if self.spare is not None:
+            self.cluster.add_node(self.spare, standby=True)
 
     def kill(self, node: str) -> float:
         return self.cluster.kill_node(node)
 
     def join(self, node: str) -> float:
-        t = time.time()
+        if node == self.spare:
+            t = self.cluster.activate(node)
+        else:
+            t = time.time()
+            self.cluster.add_node(node)
         self.starts[node] = t
-        self.cluster.add_node(node)
         return t
 
     def term(self, node: str) -> float:

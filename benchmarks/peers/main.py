@@ -4,8 +4,11 @@ steps, N from Young/Daly), on the same MoE model, the same seeded data and the s
 failures.
 
 Every system runs 4 local nodes on gloo and gets the same schedule: SIGKILL of node n3 at
-20% of the steps, a replacement node n4 starting at 35% (the next fault waits until it
-trains), SIGTERM of node n1 (a spot notice) at 85%. Per system and
+20% of the steps, a replacement node n4 joining at 35% (the next fault waits until it
+trains), SIGTERM of node n1 (a spot notice) at 85%. Lazarus's n4 is a hot spare
+(``lazarus agent --standby``, warm since the start; ``lazarus-cold`` starts it at the join);
+torchft's is a new replica group process and checkpoint-restart's a restart of the job on
+the nodes there are. Per system and
 fault: time from the fault to the next committed step that is new progress, steps redone or
 discarded, steps/s before and after; per system: goodput (committed tokens per second).
 
@@ -36,13 +39,15 @@ sys.path.insert(0, str(ROOT))
 from _arms import TORCHFT_SETTINGS, CkptRestartArm, LazarusArm, TorchftArm  # noqa: E402
 from _common import Fault, ModelSpec, analyse  # noqa: E402
 
-SYSTEMS = ("lazarus", "torchft-readme", "torchft-tuned", "ckpt")
+SYSTEMS = ("lazarus", "torchft-readme", "torchft-tuned", "ckpt", "lazarus-cold")
 NODES = ["n0", "n1", "n2", "n3"]
 
 
 def make_arm(system: str, work: Path, spec: ModelSpec, steps: int, mtbf_steps: float) -> Any:
     if system == "lazarus":
-        return LazarusArm(work, spec, steps)
+        return LazarusArm(work, spec, steps, spare="n4")
+    if system == "lazarus-cold":
+        return LazarusArm(work, spec, steps, spare=None)
     if system.startswith("torchft-"):
         return TorchftArm(work, spec, steps, system.split("-", 1)[1])
     if system == "ckpt":
@@ -225,7 +230,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="benchmarks/peers/main.py", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer steps (under 3 minutes for all four systems)")
     p.add_argument("--steps", type=int, default=None, help="steps per system (default 300, 150 with --quick)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument("--systems", default=",".join(SYSTEMS[:4]),
+                   help=f"comma-separated subset of {','.join(SYSTEMS)} (default: the first four; lazarus-cold "
+                        f"starts the joiner's agent at the join instead of calling in a hot spare)")
     p.add_argument("--faults", default="kill,join,term", help="comma-separated subset of kill,join,term")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--out", default=str(HERE), help="where results.md and timeline.png go")
