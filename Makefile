@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: test test-gpu demo demo-moc docs-heatmap bench bench-store bench-placement bench-node-gpus bench-dispatch bench-hf bench-moc bench-simulate bench-runtime bench-gpu soak soak-matrix install check-install clean
+.PHONY: test test-gpu demo demo-moc docs-heatmap bench bench-store bench-placement bench-node-gpus bench-dispatch bench-hf bench-moc bench-simulate bench-runtime bench-peers bench-gpu soak soak-matrix install check-install clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -65,6 +65,11 @@ bench-runtime: $(STAMP)
 
 bench-simulate: $(STAMP)
 	$(VPY) benchmarks/simulate/main.py
+
+# Lazarus vs torchft (README settings and tuned) vs checkpoint-restart, same model and faults
+# (not part of `make bench`: about 6 minutes; QUICK=1 for the under-3-minutes form).
+bench-peers: $(STAMP)
+	$(VPY) benchmarks/peers/main.py $(if $(QUICK),--quick)
 
 # Chaos soak of a live job (not part of `make test`): MINUTES of seeded random faults,
 # LOAD CPU-bound busy processes beside it.

@@ -40,6 +40,18 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _catches(pid: int, sig: int) -> bool:
+    """Has process ``pid`` a handler for ``sig`` (``SigCgt`` in /proc/PID/status)?"""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
 class LocalCluster:
     """Controller + agents on 127.0.0.1 with ephemeral ports.
 
@@ -100,15 +112,30 @@ class LocalCluster:
                 return self.address
         raise TimeoutError("controller did not start")
 
-    def add_node(self, node: str, *, extra_worker_args: Sequence[str] = ()) -> subprocess.Popen:
+    def add_node(self, node: str, *, extra_worker_args: Sequence[str] = (), standby: bool = False) -> subprocess.Popen:
+        """Start node ``node``'s agent (``standby``: as a hot spare, warm but not registered
+        until :meth:`activate`)."""
         mem = self.dir / "memory" / node
         log = open(self.dir / f"node-{node}.log", "a")
         cmd = [sys.executable, "-m", "lazarus.cli", "agent", "--controller", self.address,
                "--secret-file", str(self.secret_path), "--node-id", node, "--snapshot-dir", str(mem),
-               *self.agent_args, "--", *self.worker_command, *extra_worker_args]
+               *self.agent_args, *(["--standby"] if standby else []), "--", *self.worker_command, *extra_worker_args]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
         self.agents[node] = proc
         return proc
+
+    def activate(self, node: str, timeout: float = 60.0) -> float:
+        """Call standby node ``node`` in (SIGUSR1: it registers and joins); returns when.
+        Waits (up to ``timeout``) for the agent's handler first: SIGUSR1 before it would
+        kill the agent."""
+        agent = self.agents[node]
+        self.wait_for(lambda: agent.poll() is not None or _catches(agent.pid, signal.SIGUSR1), timeout,
+                      f"node {node}'s agent to handle SIGUSR1")
+        if agent.poll() is not None:
+            raise RuntimeError(f"standby node {node}'s agent exited ({agent.returncode}); see {self.dir}")
+        t = time.time()
+        agent.send_signal(signal.SIGUSR1)
+        return t
 
     def start(self, nodes: Sequence[str]) -> None:
         self.start_controller()

@@ -2,9 +2,14 @@
 node its peers can absorb, then a node holding the only replica of some expert (moc
 fallback), then gains a node; training never restarts.
 
+The node that joins, n4, is a hot spare (``lazarus agent --standby``) started with the
+others: its worker imports and warms up while the job trains, and it registers when the
+demo calls it in (SIGUSR1). The demo then waits for it to train, whatever the machine's
+load (it never races the end of the job), and prints where the join's time went.
+
 Prints a per-event table (detection time, reconfiguration time, experts moved, where
-they came from, PLT), the training loss, and writes a PNG of throughput and node count
-over time. Rerun: ``python -m lazarus.demo --dir runs/lazarus-demo``.
+they came from, PLT), the join's figures, the training loss, and writes a PNG of
+throughput and node count over time. Rerun: ``python -m lazarus.demo --dir runs/lazarus-demo``.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ def run(workdir: Path, steps: int, quick: bool) -> int:
         print(f"lazarus demo: controller + 4 agents, training {steps} steps of a byte-level MoE GPT on the "
               f"Python stdlib sources (logs in {c.dir})", flush=True)
         c.start(["n0", "n1", "n2", "n3"])
+        c.add_node("n4", standby=True)   # the joiner: warms up now, joins when called in
         c.wait_step(marks[0], timeout=240)
         victim = "n3"
         timeline.append({"event": f"SIGKILL node {victim} (peers hold replicas)", "node": victim,
@@ -67,9 +73,10 @@ def run(workdir: Path, steps: int, quick: bool) -> int:
         print(f"  step {timeline[-1]['step']}: {timeline[-1]['event']}", flush=True)
         c.wait_for(lambda: len(c.reconfigurations()) >= 3, 60, "recovery from the second failure")
         c.wait_step(marks[2], timeout=240)
-        timeline.append({"event": "node n4 joins", "node": "n4", "step": c.current_step(), "t": time.time()})
-        c.add_node("n4")
-        print(f"  step {timeline[-1]['step']}: {timeline[-1]['event']}", flush=True)
+        step = c.current_step()
+        timeline.append({"event": "node n4 joins", "node": "n4", "step": step, "t": c.activate("n4")})
+        print(f"  step {timeline[-1]['step']}: {timeline[-1]['event']} (hot spare called in)", flush=True)
+        c.wait_for(lambda: any(r.get("reason") == "join" for r in c.reconfigurations()), 120, "node n4 training")
         rc = c.wait(timeout=600)
         events, metrics = c.events(), c.metrics()
     elapsed = time.time() - t_start
@@ -103,6 +110,10 @@ def _report(workdir: Path, timeline: list[dict], events: list[dict], metrics: li
     print()
     print(_table(head, rows))
     print()
+    join = next((ev for ev in timeline if ev["node"] == "n4"), None)
+    if join is not None:
+        print(join_figures(join["t"], "n4", events, metrics))
+        print()
     losses = [(m["step"], m["loss"]) for m in steps]
     if losses:
         marks = sorted({0, *range(0, losses[-1][0] + 1, max(1, losses[-1][0] // 6)), losses[-1][0]})
@@ -122,6 +133,39 @@ def _report(workdir: Path, timeline: list[dict], events: list[dict], metrics: li
         print("matplotlib missing: no plot")
     (workdir / "summary.json").write_text(json.dumps({"rows": rows, "elapsed_s": elapsed}, indent=1))
     print(f"demo finished in {elapsed:.0f} s")
+
+
+def join_figures(t_called: float, node: str, events: list[dict], metrics: list[dict]) -> str:
+    """Where a join's time went, from the moment the node was called in: registered,
+    ready, join plan issued, reconfiguration done, first step trained with it; and the
+    longest the members went without a step meanwhile."""
+    def first(pred) -> float | None:
+        return next((e["t"] for e in events if e.get("t", 0) >= t_called and pred(e)), None)
+
+    marks = {
+        "registered": first(lambda e: e.get("event") == "node_registered" and e.get("node") == node),
+        "ready": first(lambda e: e.get("event") == "worker_ready" and e.get("node") == node),
+        "plan": first(lambda e: e.get("event") == "plan" and node in (e.get("joined") or [])),
+    }
+    rec = next((m for m in metrics if m.get("kind") == "reconfigured" and m.get("reason") == "join"
+                and m["t_resumed"] >= t_called), None)
+    steps = sorted((m for m in metrics if m.get("kind") == "step"), key=lambda m: m["t"])
+    trained = next((m for m in steps if m["t"] >= t_called and node in (rec or {}).get("members", [])
+                    and m["generation"] >= (rec or {}).get("generation", 1 << 30)), None)
+    parts = [f"{k} +{v - t_called:.2f} s" for k, v in marks.items() if v is not None]
+    if rec:
+        parts.append(f"reconfigured +{rec['t_resumed'] - t_called:.2f} s ("
+                     + ", ".join(f"{k} {v:.2f}" for k, v in rec.get("timings", {}).items()) + ")")
+    if trained:
+        parts.append(f"first step with it +{trained['t'] - t_called:.2f} s")
+    around = [m["t"] for m in steps if t_called - 2 <= m["t"] <= (trained or {"t": t_called + 5})["t"]]
+    gaps = [b - a for a, b in zip(around, around[1:])]
+    usual = sorted(b["t"] - a["t"] for a, b in zip(steps, steps[1:]))
+    typical = usual[len(usual) // 2] if usual else 0.0
+    line = f"join of {node} (called in at t=0): " + ", ".join(parts) if parts else f"join of {node}: not seen"
+    if gaps:
+        line += f"; members' longest step gap meanwhile {max(gaps):.2f} s (a step takes {typical:.2f} s)"
+    return line
 
 
 def _f(x: float | None) -> str:

@@ -114,6 +114,31 @@ def test_a_joiner_slow_to_build_its_model_joins_without_a_collective_error(tmp_p
 
 
 @pytest.mark.timeout(300)
+def test_a_hot_spare_registers_only_when_called_in_and_joins_warm(tmp_path: Path) -> None:
+    # `lazarus agent --standby`: its worker warms up while the job trains, the node stays
+    # out of the job (not registered, no plan for it) until SIGUSR1, then it joins.
+    steps = 400
+    with _cluster(tmp_path, steps=steps, extra_controller=("--expected-nodes", "3")) as c:
+        c.start(NODES[:3])
+        c.add_node("n3", standby=True)
+        c.wait_step(40, timeout=180)
+        assert not [e for e in c.events() if e.get("node") == "n3"], "a standby node registered"
+        assert all(len(p["members"]) == 3 for p in c.events() if p.get("event") == "plan")
+        warm = c.worker_pids("n3")
+        assert c.agents["n3"].poll() is None and warm, "the spare's worker is not running"
+        t = c.activate("n3")
+        join = c.wait_for(lambda: [r for r in c.reconfigurations() if r["reason"] == "join"], 150, "the join")[0]
+        assert join["world_size"] == 4 and "n3" in join["members"]
+        registered = next(e for e in c.events() if e.get("event") == "node_registered" and e["node"] == "n3")
+        ready = next(e for e in c.events() if e.get("event") == "worker_ready" and e["node"] == "n3")
+        # the worker that warmed up on standby is the one that joined (not a new start)
+        assert t <= registered["t"] <= ready["t"] and ready["pid"] == warm[0] and ready["incarnation"] == 1
+        assert not _failure_reconfigs(c)
+        _finish(c, tmp_path, NODES, steps=steps)
+        _survivors_not_restarted(c, NODES[:3])
+
+
+@pytest.mark.timeout(300)
 def test_sigstop_frozen_node_caught_by_heartbeat(tmp_path: Path) -> None:
     with _cluster(tmp_path) as c:
         c.start(NODES)

@@ -36,6 +36,12 @@ Clean end: a worker that reported ``done`` is never killed: when the job is done
 controller is gone) the agent waits up to ``exit_grace`` for it to exit and then exits
 with its status.
 
+Standby (``--standby``, a hot spare): the workers start at once and import, build and warm
+up, but the agent connects and registers only on SIGUSR1 (:meth:`Agent.activate`); a
+worker ready by then is reported ready with the registration, so the join costs the plan
+and the reconfiguration only. SIGTERM or SIGINT while on standby stops the workers and
+exits 0 / 130.
+
 Signals: SIGTERM (spot notice) -> ``leaving``; the agent waits for the plan without this
 node, lets the worker finish its hand-over and exit, then exits 0 (exit 3 if that takes
 longer than ``leave_timeout``). A worker that reported it ``left`` (hand-over done) but is
@@ -106,6 +112,7 @@ class Agent:
         self._queued_latest: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._restarts = RestartPolicy(config.max_restarts, config.restart_window, config.respawn_delay)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._activated: asyncio.Event | None = None   # standby: set by activate()
 
     # ------------------------------------------------------------------ public
     def run(self) -> int:
@@ -116,12 +123,28 @@ class Agent:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(signal.SIGTERM, self.request_leave)
                 loop.add_signal_handler(signal.SIGINT, self.request_stop)
+                loop.add_signal_handler(signal.SIGUSR1, self.activate)
             return await self.run_async()
 
         return asyncio.run(main())
 
+    def activate(self) -> None:
+        """A standby node registers now (what SIGUSR1 does; a no-op otherwise). Call from
+        the agent's loop thread."""
+        if self._activated is not None and not self._activated.is_set():
+            log.info("agent %s: activated; registering", self.node_id)
+            self._activated.set()
+
+    @property
+    def _on_standby(self) -> bool:
+        return self._activated is not None and not self._activated.is_set()
+
     def request_leave(self) -> None:
         """Graceful leave (what SIGTERM does). Call from the agent's loop thread."""
+        if self._on_standby and self._exit is not None:
+            log.info("agent %s: SIGTERM on standby; stopping", self.node_id)
+            self._finish(EXIT_OK)
+            return
         if self._leaving or self._exit is None or self._exit.done():
             return
         self._leaving = True
@@ -142,11 +165,26 @@ class Agent:
         cfg = self.config
         self._loop = asyncio.get_running_loop()
         self._exit = self._loop.create_future()
+        if cfg.standby:
+            self._activated = asyncio.Event()
+            os.makedirs(cfg.snapshot_dir, exist_ok=True)
+            await self._start_worker()
+            log.info("agent %s: on standby (workers warming up); SIGUSR1 registers the node", self.node_id)
+            waiter = asyncio.ensure_future(self._activated.wait())
+            await asyncio.wait([waiter, self._exit], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if self._exit.done():
+                await self._stop_worker(kill=False)
+                shutil.rmtree(cfg.snapshot_dir, ignore_errors=True)
+                return self._exit.result()
+            self._queued.clear()            # worker exits while on standby are no one's business
+            self._queued_latest.clear()
         try:
             reader, self._cw = await self._connect(cfg.connect_timeout.total_seconds())
         except OSError as exc:
             log.error("agent %s: cannot reach the controller at %s:%s: %s", self.node_id,
                       cfg.controller_host, cfg.controller_port, exc)
+            await self._stop_worker(kill=True)
             return EXIT_FAILED
         os.makedirs(cfg.snapshot_dir, exist_ok=True)
         rc = EXIT_FAILED
@@ -154,7 +192,13 @@ class Agent:
             self._register()
             self._spawn_task(self._read_controller(reader, self._cw))
             self._spawn_task(self._heartbeats())
-            await self._start_worker()
+            grp = self._worker
+            if grp is None:
+                await self._start_worker()
+            elif grp.healthy and grp.ready:   # warmed up on standby: ready with the registration
+                grp.ready_sent = True
+                self._to_controller({"type": "worker_ready", "node": self.node_id, "incarnation": grp.incarnation,
+                                     "model": grp.model, "pid": grp.pid, "pids": grp.pids})
             rc = await self._exit
         finally:
             for t in list(self._tasks):
@@ -471,7 +515,7 @@ class Agent:
         started: list[tuple[WorkerProcess, asyncio.StreamReader]] = []
         for local_rank in range(g):
             env = worker_env(dict(os.environ), cfg.env, node_id=self.node_id, snapshot_dir=str(cfg.snapshot_dir),
-                             incarnation=str(inc), secret=cfg.secret.hex(),
+                             incarnation=str(inc), secret=cfg.secret.hex(), standby="1" if self._on_standby else "0",
                              max_message_bytes=str(max(cfg.max_message_bytes, PLAN_MAX_MESSAGE_BYTES)))
             # as torchrun: the worker's place on the node (device selection follows LOCAL_RANK)
             env.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(g))
@@ -504,8 +548,8 @@ class Agent:
                 if kind == "hello":
                     wk.ready = True
                     wk.model = msg.get("model") if isinstance(msg.get("model"), dict) else {}
-                    if grp.ready and not grp.ready_sent:   # the node is ready when all its workers are
-                        grp.ready_sent = True
+                    if grp.ready and not grp.ready_sent and not self._on_standby:
+                        grp.ready_sent = True               # the node is ready when all its workers are
                         # not queued: a reconnect's resume record says the worker is ready
                         self._to_controller({"type": "worker_ready", "node": self.node_id,
                                              "incarnation": grp.incarnation, "model": grp.model, "pid": grp.pid,

@@ -230,6 +230,9 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
                         "then exit with its status (default 5m)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment variable for the worker (repeatable)")
+    p.add_argument("--standby", action="store_true",
+                   help="hot spare: start the worker now (imports, model code, warm-up) but register with the "
+                        "controller only on SIGUSR1, so that the node joins with nothing left to load")
     p.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
     p.add_argument("worker_command", nargs=argparse.REMAINDER, metavar="-- WORKER_COMMAND ...",
                    help="the training command to run")
@@ -276,7 +279,7 @@ def _run_agent(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts, restart_window=args.restart_window,
             reconnect_timeout=args.reconnect_timeout,
             leave_timeout=args.leave_timeout, stop_timeout=args.stop_timeout, exit_grace=args.exit_grace,
-            env=env, **kwargs,
+            env=env, standby=args.standby, **kwargs,
         )
     except ValueError as exc:
         raise _config_error(exc, _AGENT_OPTIONS) from None

@@ -212,6 +212,9 @@ class AgentConfig:
             ``trainer.run()``: exports, evaluations) once the job is done or the controller
             is gone; it is never killed before. The agent then exits with its status.
         max_message_bytes: largest accepted message body.
+        standby: a hot spare: start the workers at once and let them import, build and warm
+            up, but register with the controller only when told (SIGUSR1, or
+            :meth:`Agent.activate`); the node then joins with nothing left to load.
     """
 
     secret: bytes
@@ -235,9 +238,12 @@ class AgentConfig:
     stop_timeout: timedelta = timedelta(seconds=10)
     exit_grace: timedelta = timedelta(minutes=5)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    standby: bool = False
 
     def __post_init__(self) -> None:
         self.secret = _check_secret(self.secret)
+        if not isinstance(self.standby, bool):
+            raise ValueError(f"standby must be True or False, got {self.standby!r}")
         if isinstance(self.worker_command, str) or not self.worker_command \
                 or not all(isinstance(a, str) for a in self.worker_command):
             raise ValueError("worker_command must be a non-empty list of strings (the worker's argv)")

@@ -105,27 +105,39 @@ class Reconfigurer:
         self._store_sockets = SocketTracker()
 
     # -- groups ----------------------------------------------------------------------------
-    def retire_group(self) -> None:
-        """Retire the moc manager (keep its buffers) and tear the process group down."""
+    def retire_group(self, planned: bool = False) -> None:
+        """Retire the moc manager (keep its buffers) and tear the process group down.
+        ``planned``: every member retires this healthy group together at a step boundary
+        (a between-steps plan), so nothing waits on its sockets closing and the full
+        garbage collection that forces them closed after a failure is skipped (it costs
+        0.7-1.3 s on 2 loaded cores, all of it members' waiting time)."""
         t = self.t
+        if not dist.is_initialized() and t.ckpt is None:
+            return   # retired already (a failure retires before waiting for the plan)
         # Abort the NCCL communicators and shut the gloo sockets down first: every peer's
         # pending operation (training thread, or moc's snapshot/persist threads) fails at
         # once instead of waiting out its timeout, and so do this process's own background
         # threads. NCCL groups are then aborted, never destroyed (that can hang).
+        t0 = time.time()
         if dist.is_initialized():
             r = self.aborter.retire()
             log.info("node %s step %d gen %d: %s group retired (%d NCCL communicators aborted, %d connections "
-                     "shut, teardown %s)", t.where, t.step, t.generation, r.backend, r.nccl_aborted, r.sockets_shut,
-                     r.teardown or "none")
+                     "shut, teardown %s, %.3f s)", t.where, t.step, t.generation, r.backend, r.nccl_aborted,
+                     r.sockets_shut, r.teardown or "none", time.time() - t0)
         else:
             self.aborter.interrupt()
-        gc.collect()  # drop the last references so the group's sockets close now
+        t1 = time.time()
+        if not planned:
+            gc.collect()  # drop the last references so the broken group's sockets close now
+        t2 = time.time()
         if t.ckpt is not None:
             try:
                 self.handover = t.ckpt.detach()
             except Exception as exc:  # noqa: BLE001
                 log.warning("node %s: moc detach failed: %s", t.where, exc)
             t.ckpt = None
+        log.info("node %s step %d gen %d: retired in %.3f s (group %.3f, gc %.3f, moc detach %.3f)", t.where, t.step,
+                 t.generation, time.time() - t0, t1 - t0, t2 - t1, time.time() - t2)
 
     def _store_client(self, host: str, port: int, epoch: int):
         """A client of the controller's store. A restarted controller hosts a new store
@@ -290,7 +302,9 @@ class Reconfigurer:
             # on the new store: moc's groups (and any later new_group) need a live store.
             same_group = members == t.members and int(plan["store"].get("epoch", 0)) == self.group_epoch
             if not same_group:
-                self.retire_group()
+                t1 = time.time()
+                self.retire_group(planned=True)
+                timings["retire"] = time.time() - t1
                 t1 = time.time()
                 self._rendezvous(plan)
                 timings["rendezvous"] = time.time() - t1
@@ -299,7 +313,9 @@ class Reconfigurer:
                 t.ckpt = None
             t.generation = int(plan["generation"])
         else:
-            self.retire_group()
+            t1 = time.time()
+            self.retire_group(planned=plan.get("mode") == "between_steps")
+            timings["retire"] = time.time() - t1
             t1 = time.time()
             self._rendezvous(plan)
             timings["rendezvous"] = time.time() - t1

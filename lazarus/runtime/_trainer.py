@@ -17,6 +17,7 @@ rebalancing) are agreed on at a step boundary through the per-step all-reduce.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -145,7 +146,8 @@ class ElasticTrainer:
         _warm_up()
         self.reconf.probe_storage()
         self.channel.hello(self.layout)
-        plan = self._wait_plan(-1)
+        # a hot spare (``lazarus agent --standby``) waits, warm, for as long as it is not called in
+        plan = self._wait_plan(-1, unbounded=os.environ.get("LAZARUS_STANDBY") == "1")
         self._reconfigure_loop(plan, error=None)
         watcher = threading.Thread(target=self._watch_plans, name=f"lazarus-watch-{self.where}", daemon=True)
         watcher.start()
@@ -405,9 +407,11 @@ class ElasticTrainer:
                 error = time.time()
             plan = self._wait_plan(plan["generation"])
 
-    def _wait_plan(self, newer_than: int, at_least: int | None = None) -> dict[str, Any]:
+    def _wait_plan(self, newer_than: int, at_least: int | None = None, unbounded: bool = False) -> dict[str, Any]:
         deadline = time.monotonic() + self.config.plan_timeout.total_seconds()
         while True:
+            if unbounded:
+                deadline = time.monotonic() + self.config.plan_timeout.total_seconds()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 log.error("node %s: no plan newer than generation %d within %s; exiting", self.where, newer_than,
@@ -451,9 +455,14 @@ class ElasticTrainer:
 def _warm_up() -> None:
     """One-time costs paid before this worker says it is ready, not during a
     reconfiguration where the other members wait for it: the first ``torch.optim``
-    optimizer imports ``torch._dynamo`` (3-9 s on a loaded 2-core machine), and the
-    dispatch extension is loaded."""
+    optimizer imports ``torch._dynamo`` (3-9 s on a loaded 2-core machine), the
+    dispatch extension is loaded, and the import heap is frozen out of the collector."""
     from lazarus.dispatch import load_ops
 
     torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
     load_ops()
+    # Everything imported so far lives as long as the process: keep it out of every later
+    # collection (a full gc.collect() retiring a broken group otherwise walks torch's whole
+    # import heap: ~1 s of the survivors' recovery on 2 loaded cores).
+    gc.collect()
+    gc.freeze()
