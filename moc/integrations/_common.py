@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import torch
 
+from .._config import MoCConfig
 from .._optional import import_optional
 from .._units import capture_rng, restore_rng
 
-__all__ = ["inner_optimizer", "RngHandoff", "require"]
+__all__ = ["inner_optimizer", "RngHandoff", "require", "check_callback_args"]
 
 
 def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
@@ -53,3 +54,19 @@ class RngHandoff:
 def require(module: str, extra: str, what: str) -> Any:
     """Import ``module`` or raise an ``ImportError`` saying which extra installs it."""
     return import_optional(module, what, extra)
+
+
+def check_callback_args(config: Any, extra_state: Mapping[str, Any] | None, manager_kwargs: Mapping[str, Any] | None,
+                        *, reserved: Callable[[str], bool]) -> None:
+    """A callback's arguments: a :class:`MoCConfig`, ``extra_state`` names the callback does
+    not use itself (``reserved``), ``manager_kwargs`` that leave the model, optimizer and
+    extra state to the callback."""
+    if not isinstance(config, MoCConfig):
+        raise TypeError(f"MoCCallback(config=...) must be a moc.MoCConfig, got {type(config).__name__}")
+    taken = sorted(n for n in (extra_state or {}) if reserved(n))
+    if taken:
+        raise ValueError(f"MoCCallback(extra_state=...) may not use the names {taken} (used by moc)")
+    bad = {"model", "optimizer", "extra_state", "handover", "cfg"} & set(manager_kwargs or {})
+    if bad:
+        raise ValueError(f"MoCCallback(manager_kwargs=...) may not set {sorted(bad)}; allowed: "
+                         "process_group, node, expert_pattern, memory_key")

@@ -32,7 +32,7 @@ from typing import Any, Mapping
 from .._config import MoCConfig
 from .._manager import CheckpointManager
 from .._units import capture_rng, restore_rng
-from ._common import RngHandoff, inner_optimizer, require
+from ._common import RngHandoff, check_callback_args, inner_optimizer, require
 
 _L = require("lightning.pytorch", "lightning", "moc.integrations.lightning")
 Callback = _L.Callback
@@ -80,15 +80,8 @@ class MoCCallback(Callback):
 
     def __init__(self, config: MoCConfig, *, resume: bool = True, extra_state: Mapping[str, Any] | None = None,
                  manager_kwargs: Mapping[str, Any] | None = None) -> None:
-        if not isinstance(config, MoCConfig):
-            raise TypeError(f"MoCCallback(config=...) must be a moc.MoCConfig, got {type(config).__name__}")
-        reserved = {n for n in (extra_state or {}) if n == "fit" or n.startswith("lr_scheduler")}
-        if reserved:
-            raise ValueError(f"MoCCallback(extra_state=...) may not use the names {sorted(reserved)} (used by moc)")
-        bad = {"model", "optimizer", "extra_state", "handover", "cfg"} & set(manager_kwargs or {})
-        if bad:
-            raise ValueError(f"MoCCallback(manager_kwargs=...) may not set {sorted(bad)}; allowed: "
-                             "process_group, node, expert_pattern, memory_key")
+        check_callback_args(config, extra_state, manager_kwargs,
+                            reserved=lambda n: n == "fit" or n.startswith("lr_scheduler"))
         self.config = config
         self.resume = bool(resume)
         self.extra_state = dict(extra_state or {})

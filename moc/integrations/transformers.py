@@ -35,7 +35,7 @@ from typing import Any, Mapping
 
 from .._config import MoCConfig
 from .._manager import CheckpointManager
-from ._common import RngHandoff, inner_optimizer, require
+from ._common import RngHandoff, check_callback_args, inner_optimizer, require
 
 transformers = require("transformers", "hf", "moc.integrations.transformers")
 require("accelerate", "hf", "transformers.Trainer")
@@ -91,15 +91,7 @@ class MoCCallback(TrainerCallback):
 
     def __init__(self, config: MoCConfig, *, resume: bool = True, extra_state: Mapping[str, Any] | None = None,
                  manager_kwargs: Mapping[str, Any] | None = None) -> None:
-        if not isinstance(config, MoCConfig):
-            raise TypeError(f"MoCCallback(config=...) must be a moc.MoCConfig, got {type(config).__name__}")
-        reserved = {"trainer", "lr_scheduler"} & set(extra_state or {})
-        if reserved:
-            raise ValueError(f"MoCCallback(extra_state=...) may not use the names {sorted(reserved)} (used by moc)")
-        bad = {"model", "optimizer", "extra_state", "handover", "cfg"} & set(manager_kwargs or {})
-        if bad:
-            raise ValueError(f"MoCCallback(manager_kwargs=...) may not set {sorted(bad)}; allowed: "
-                             "process_group, node, expert_pattern, memory_key")
+        check_callback_args(config, extra_state, manager_kwargs, reserved=lambda n: n in ("trainer", "lr_scheduler"))
         self.config = config
         self.resume = bool(resume)
         self.extra_state = dict(extra_state or {})
