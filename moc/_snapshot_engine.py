@@ -200,7 +200,7 @@ class SnapshotEngine:
                     buf.state = FREE
                 self.pool.release(buf)
                 raise
-        self.in_flight = self._exec.submit(self._fill, buf, placed, plan, header, landing, batch, issued, done)
+        self.in_flight = self._exec.submit(self._fill_job, buf, placed, plan, header, landing, batch, issued, done)
         self.in_flight.add_done_callback(lambda _: done.set())
         return self.in_flight
 
@@ -269,18 +269,26 @@ class SnapshotEngine:
             runtime().set_device(batch.device)    # before any CUDA call of this thread
         try:
             return self._fill_now(buf, placed, plan, header, landing, batch, issued, done)
-        except BaseException:
-            with self.run.lock:
-                if not self.run.abandoned and buf.state == SNAPSHOT:   # a detached manager's buffers
-                    buf.invalidate()                                  # are its successor's
-                    buf.state = FREE
-            raise
         finally:
             if done is not None:
                 done.set()
             with self.run.lock:
                 if not self.run.abandoned:   # after a detach the buffers are no longer ours to pin
                     buf.start_upkeep()
+
+    def _fill_job(self, buf: SnapshotBuffer, *args) -> SnapshotBuffer:
+        """The background job of a snapshot: :meth:`_fill` under the buffer's lease, which
+        ends however the job does; a job that fails gives its buffer back (free), unless its
+        manager was detached meanwhile (the buffers are the successor's then)."""
+        try:
+            return self._fill(buf, *args)
+        except BaseException:
+            with self.run.lock:
+                if not self.run.abandoned and buf.state == SNAPSHOT:
+                    buf.invalidate()
+                    buf.state = FREE
+            raise
+        finally:
             self.pool.release(buf)
 
     def _exchange_without_buffer(self, remote) -> None:
