@@ -47,6 +47,7 @@ class StorageProxy:
         self._delay = 0.0
         self._open = threading.Event()      # cleared: requests hang until heal()
         self._open.set()
+        self._match: bytes | None = None
         self._refusing = False
         self._closed = False
         self._lock = threading.Lock()
@@ -63,8 +64,10 @@ class StorageProxy:
         self._delay = delay.total_seconds()
         return self
 
-    def hang(self) -> "StorageProxy":
-        """Requests wait, connections open, until :meth:`heal` (a stuck endpoint)."""
+    def hang(self, match: str | None = None) -> "StorageProxy":
+        """Requests wait, connections open, until :meth:`heal` (a stuck endpoint); with
+        ``match``, only requests whose first line holds it (``"/manifests/"``: commits only)."""
+        self._match = match.encode() if match is not None else None
         self._open.clear()
         return self
 
@@ -79,6 +82,7 @@ class StorageProxy:
         self._delay = 0.0
         self._refusing = False
         self._open.set()
+        self._match = None
         return self
 
     # -- running ---------------------------------------------------------------------------
@@ -139,6 +143,7 @@ class StorageProxy:
         sel.register(client, selectors.EVENT_READ, upstream)
         sel.register(upstream, selectors.EVENT_READ, client)
         new_request = True   # the next bytes from the client start a request (HTTP keep-alive)
+        held = True          # this request is subject to hang()
         try:
             while not self._closed:
                 for key, _ in sel.select(timeout=0.5):
@@ -149,7 +154,10 @@ class StorageProxy:
                     if src is client:
                         if new_request:
                             self.requests += 1
-                        self._open.wait()
+                            line = data.split(b"\r\n", 1)[0]
+                            held = self._match is None or self._match in line
+                        if held:
+                            self._open.wait()
                         if new_request:
                             new_request = False
                             if self._delay:

@@ -268,3 +268,76 @@ def test_a_manager_starts_while_storage_is_down_and_persists_once_it_is_back(tmp
     finally:
         proxy.close()
         server.stop()
+
+
+def _train_through_a_hung_commit(rank: int, world: int, opts: dict, shm: str, out: str) -> None:
+    import json
+
+    cfg = MoCConfig(storage="s3://ckpt/run", storage_options=opts, snapshot_dir=shm, interval=1, k_snapshot=2,
+                    k_persist=1, coordination_timeout=timedelta(seconds=4), persist_timeout=timedelta(minutes=5))
+    model, opt, task = make(0)
+    ckpt = CheckpointManager(cfg, model=model, optimizer=opt)
+    for step in range(3):
+        train_step(model, opt, task, step, ckpt)
+    ckpt.wait()
+    Path(out, f"ready{rank}").touch()
+    while not Path(out, "hung").exists():       # the parent holds every commit from here on
+        time.sleep(0.05)
+    # Rank 0's commit of step 3 hangs meanwhile; rank 1's persist job gives up after the
+    # 4 s collective timeout, so train for three of those (the same steps on both ranks).
+    step = 3
+    while step < 3 + 12 * 20:
+        train_step(model, opt, task, step, ckpt)
+        step += 1
+        time.sleep(0.05)
+    st = ckpt.status()
+    Path(out, f"trained{rank}.json").write_text(json.dumps(
+        {"steps": step, "persist_in_flight": st["persist_in_flight"], "last_snapshot_step": st["last_snapshot_step"]}))
+    while not Path(out, "healed").exists():
+        time.sleep(0.05)
+    ckpt.close(keep_snapshots=True, raise_errors=False, flush=False)
+
+
+@pytest.mark.timeout(240)
+def test_no_rank_waits_for_its_own_commit_hung_on_storage(tmp_path):
+    """Rank 0 commits the manifest between the persist round's two collectives; with the
+    endpoint hung on that request only, the other rank's persist job gives up and the next
+    rounds go on. Rank 0 must not wait for its own stuck job at those rounds (it did, for
+    up to persist_timeout, and rank 1's next round then timed out): both ranks train 240
+    more steps, ~12 s, three collective timeouts, while the commit is still hung."""
+    import json
+
+    from conftest import MotoS3
+
+    server = MotoS3()
+    server.start()
+    server.make_bucket("ckpt")
+    proxy = StorageProxy(server.port).start()
+    try:
+        opts = dict(server.options, endpoint_url=proxy.url, read_timeout=timedelta(seconds=120),
+                    retry=RetryPolicy(attempts=1))
+        import threading
+
+        def hang_when_ready() -> None:
+            deadline = time.monotonic() + 120
+            while not all((tmp_path / f"ready{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            proxy.hang(match="/manifests/")
+            (tmp_path / "hung").touch()
+            while not all((tmp_path / f"trained{r}.json").exists() for r in range(2)) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
+            proxy.heal()
+            (tmp_path / "healed").touch()
+
+        t = threading.Thread(target=hang_when_ready, daemon=True)
+        t.start()
+        run_ranks(_train_through_a_hung_commit, 2, tmp_path, opts, str(tmp_path / "shm"), str(tmp_path))
+        t.join(5)
+        res = [json.loads((tmp_path / f"trained{r}.json").read_text()) for r in range(2)]
+        assert res[0]["persist_in_flight"], "rank 0's commit was still hung when it had trained 240 more steps"
+        for r in res:
+            assert r["steps"] == 243 and r["last_snapshot_step"] >= 241   # (the newest copy may still run)
+    finally:
+        proxy.close()
+        server.stop()
