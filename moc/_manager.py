@@ -53,7 +53,7 @@ from ._plt import PLTTracker
 from ._policy import CheckpointPolicy
 from ._recovery import Recovery
 from ._restore import RestorePlan
-from ._routing import RouterTaps
+from ._routing import RouterTaps, routing_reporters
 from ._run_state import RunState
 from ._snapshot_engine import SnapshotEngine
 from ._snapshot_plan import Inventory, plan_snapshot
@@ -275,15 +275,12 @@ class CheckpointManager:
         self._taps.drain(record, fed=lambda layer: layer in self._fed)
 
     def _attach_routing(self) -> None:
-        """Count routing without user calls: lazarus MoE layers report their counts, other
-        routers (transformers, Megatron) are tapped with forward hooks."""
-        try:
-            from lazarus.moe import moe_layers
-        except ImportError:  # pragma: no cover - lazarus ships with moc
-            moe_layers = lambda model: []  # noqa: E731
+        """Count routing without user calls: layers that report their own counts (Lazarus's,
+        through :data:`moc._routing.GLOBAL_ROUTING_ATTR`) are wired up, other routers
+        (transformers, Megatron) are tapped with forward hooks."""
         lazarus_layers = set()
         self._fed: set[str] = set()
-        for name, layer in moe_layers(self.model):
+        for name, layer in routing_reporters(self.model):
             if name in self.num_experts:
                 layer.routing_hook = (lambda counts, _n=name: self.policy.record_routing(_n, counts, scope="global"))
                 lazarus_layers.add(name)

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["RouterTaps", "find_router"]
+__all__ = ["RouterTaps", "find_router", "GLOBAL_ROUTING_ATTR", "routing_reporters"]
 
 log = logging.getLogger("moc")
 
@@ -150,3 +150,15 @@ class RouterTaps:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+#: The protocol by which an MoE layer reports its own routing to moc, without moc knowing
+#: its class: a module with ``reports_global_routing = True`` and a settable ``routing_hook``
+#: attribute calls ``routing_hook(counts)`` after each forward with the global (all-rank)
+#: tokens per expert. Lazarus's MoE layers declare it; moc never imports them.
+GLOBAL_ROUTING_ATTR = "reports_global_routing"
+
+
+def routing_reporters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``(name, module)`` of every module of ``model`` that reports its own routing."""
+    return [(n, m) for n, m in model.named_modules() if getattr(m, GLOBAL_ROUTING_ATTR, False) is True]
