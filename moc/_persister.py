@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FuturesTimeout
 from datetime import timedelta
 from typing import Any
@@ -18,6 +18,7 @@ from typing import Any
 from ._buffers import PERSIST, READY, BufferPool, SnapshotBuffer
 from ._ckpt_store import CheckpointStore
 from ._config import MoCConfig
+from ._daemon import DaemonExecutor
 from ._dist import Comm
 from ._format import ChunkRecord, Manifest, UnitRecord
 from ._plt import PLTTracker
@@ -49,7 +50,9 @@ class Persister:
         self.comm = comm
         self.run = run
         self.policy = policy
-        self._exec = ThreadPoolExecutor(1, thread_name_prefix=f"moc-persist-r{run.rank}")
+        # Daemon threads: a job stuck on storage never holds up the process's exit.
+        self._exec = DaemonExecutor(f"moc-persist-r{run.rank}")
+        self._io = DaemonExecutor(f"moc-persist-io-r{run.rank}")
         self.in_flight: Future | None = None
         self.base: Manifest | None = None          # newest committed manifest (rank 0)
         self.last_persisted_step: int | None = None
@@ -65,7 +68,8 @@ class Persister:
 
     @property
     def busy(self) -> bool:
-        return self.in_flight is not None and not self.in_flight.done()
+        """A persist job runs, or storage I/O of one that ended (a peer died) still does."""
+        return (self.in_flight is not None and not self.in_flight.done()) or not self._io.idle
 
     def retry_candidate(self, mode: str = "retry", *, before_snapshot: bool = False) -> int | None:
         """The complete snapshot this rank would persist now (local; the ranks agree on it
@@ -157,9 +161,72 @@ class Persister:
                 self.finished_seq = max(self.finished_seq, seq)
 
     def _persist(self, snap: Future | None, step: int, seq: int) -> bool:
-        """Write this rank's share of the snapshot of ``step``, holding a lease on its buffer
-        for as long as the job runs, and set the buffer back from PERSIST however the job
-        ends (a detached manager's job touches no state: the buffers are its successor's)."""
+        """Persist the snapshot of ``step``: every rank writes its share, rank 0 commits.
+
+        Storage I/O runs on the I/O thread; this thread meets the other ranks' persist
+        threads every :attr:`tick` seconds until every rank's I/O is done, so no collective
+        of the persist group ever waits on storage (a group's timeout can be seconds under
+        Lazarus; a collective that timed out on some ranks and not on others would leave
+        the group out of step and the ranks disagreeing on what was committed). A slow or
+        hung store makes the job long, never the ranks' views different."""
+        hand = _Handoff()
+        try:
+            io = self._io.submit(self._write_io, snap, step, hand)
+            self._wait_together(io, step, "writing its share")
+            mine, _ = io.result()
+            results = self.comm.gather_json(mine, persist=True)
+            missing = not all(r["ok"] for r in results) and all(r["ok"] or r.get("missing") for r in results)
+            error = mine["error"]
+            commit: Future = Future()
+            if self.run.rank == 0 and not self.run.abandoned and all(r["ok"] for r in results):
+                commit = self._io.submit(self._commit_io, step, results, hand.buf.header)  # type: ignore[union-attr]
+            else:
+                if self.run.rank == 0 and not all(r["ok"] for r in results):
+                    error = "; ".join(f"rank {i}: {r['error']}" for i, r in enumerate(results) if not r["ok"])
+                commit.set_result({"committed": False, "error": error})
+            self._wait_together(commit, step, "committing")
+            outcome = self.comm.broadcast_json(commit.result(), persist=True)
+            return self._book(step, seq, hand.buf, outcome, missing)
+        finally:
+            with self.run.lock:
+                hand.closed = True
+                buf = hand.buf
+                if buf is not None:
+                    if not self.run.abandoned and buf.state == PERSIST:
+                        buf.state = READY
+                    buf.users = max(0, buf.users - 1)
+
+    def _wait_together(self, fut: Future, step: int, doing: str) -> None:
+        """Meet the other ranks every :attr:`tick` seconds until ``fut`` is done on every
+        rank (collective, persist group). Logs who is still waiting on storage every
+        minute: a slow store is visible, never silent."""
+        tick = self.tick
+        started = last_log = time.monotonic()
+        while True:
+            try:
+                fut.result(timeout=tick)
+            except FuturesTimeout:
+                pass
+            except Exception:  # noqa: BLE001 - the I/O jobs report errors in their result
+                pass
+            done = self.comm.gather_json(fut.done(), persist=True)
+            if all(done):
+                return
+            now = time.monotonic()
+            if now - last_log >= 60.0:
+                last_log = now
+                waiting = [i for i, d in enumerate(done) if not d]
+                log.warning("rank %d step %d: persist %s for %.0f s; storage still busy on rank(s) %s",
+                            self.run.rank, step, doing, now - started, waiting)
+
+    @property
+    def tick(self) -> float:
+        """Seconds between the persist threads' meetings: well inside the group's timeout."""
+        return max(0.05, min(1.0, self.cfg.coordination_timeout.total_seconds() / 10))
+
+    def _write_io(self, snap: Future | None, step: int, hand: "_Handoff") -> tuple[dict[str, Any], None]:
+        """I/O thread: find the snapshot of ``step``, lease it (one lease for this job, one
+        handed to the persist thread for its bookkeeping) and write this rank's share."""
         buf = None
         if snap is not None:
             try:
@@ -170,52 +237,40 @@ class Persister:
             if buf is None or buf.step != step or buf.state != READY:
                 found = [b for b in self.pool.buffers if b.step == step and b.state == READY and not b.reserved]
                 buf = found[0] if found else None
-            if buf is not None and self.run.abandoned:
+            if buf is not None and (self.run.abandoned or hand.closed):
                 buf = None
             if buf is not None:
                 buf.state = PERSIST
-                buf.users += 1
+                buf.users += 2
+                hand.buf = buf
+        if buf is None:
+            return {"ok": False, "error": f"snapshot of step {step} is not available", "units": {},
+                    "missing": True}, None
         try:
-            return self._persist_leased(buf, step, seq)
+            units = self._write_share(buf)
+            return {"ok": True, "error": None, "units": units, "missing": False}, None
+        except Exception as exc:  # noqa: BLE001 - storage trouble never reaches training
+            return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "units": {}, "missing": False}, None
         finally:
-            if buf is not None:
-                with self.run.lock:
-                    if not self.run.abandoned and buf.state == PERSIST:
-                        buf.state = READY
-                    buf.users = max(0, buf.users - 1)
+            self.pool.release(buf)
 
-    def _persist_leased(self, buf: SnapshotBuffer | None, step: int, seq: int) -> bool:
-        ok, error, units = False, None, {}
-        if buf is not None:
-            try:
-                units = self._write_share(buf)
-                ok = True
-            except Exception as exc:  # noqa: BLE001 - storage trouble never reaches training
-                error = f"{type(exc).__name__}: {exc}"
-        else:
-            error = f"snapshot of step {step} is not available"
-        results = self.comm.gather_json({"ok": ok, "error": error, "units": units, "missing": buf is None},
-                                        persist=True)
-        # A step some rank has no snapshot of (it skipped it for lack of room) is not a storage
-        # failure: nothing was tried; counted apart so storage is not reported degraded.
-        missing = not all(r["ok"] for r in results) and all(r["ok"] or r.get("missing") for r in results)
-        committed = False
-        if self.run.rank == 0 and not self.run.abandoned:
-            if all(r["ok"] for r in results):
-                try:
-                    self._commit(step, results, buf.header)  # type: ignore[union-attr]
-                    committed = True
-                except Exception as exc:  # noqa: BLE001
-                    error = f"commit failed: {type(exc).__name__}: {exc}"
-            else:
-                error = "; ".join(f"rank {i}: {r['error']}" for i, r in enumerate(results) if not r["ok"])
-        outcome = self.comm.broadcast_json({"committed": committed, "error": error}, persist=True)
+    def _commit_io(self, step: int, results: list[dict[str, Any]], header: dict[str, Any]) -> dict[str, Any]:
+        """I/O thread, rank 0: publish the manifest."""
+        try:
+            self._commit(step, results, header)
+            return {"committed": True, "error": None}
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            return {"committed": False, "error": f"commit failed: {type(exc).__name__}: {exc}"}
+
+    def _book(self, step: int, seq: int, buf: SnapshotBuffer | None, outcome: dict[str, Any],
+              missing: bool) -> bool:
+        """Book the outcome every rank received (the same on each)."""
         with self.run.lock:
             if self.run.abandoned:
                 return bool(outcome["committed"])
             if buf is not None:
                 buf.state = READY
-            if outcome["committed"]:
+            if outcome["committed"] and buf is not None:
                 buf.persisted = True
                 self.last_persisted_step = step
                 self._outcomes.append((seq, buf.header["selection"], buf.header["plt"]["cum"]))
@@ -317,8 +372,26 @@ class Persister:
                 log.warning("rank %d: in-flight persist abandoned at reconfiguration: %s", self.run.rank, exc)
             self.in_flight = None
 
-    def shutdown(self, *, wait: bool = True) -> None:
-        self._exec.shutdown(wait=wait)
+    def shutdown(self, *, wait: bool = True, timeout: float = 30.0) -> None:
+        """Stop the threads; ``wait``: up to ``timeout`` seconds each (the caller already
+        waited ``persist_timeout`` for the job in flight). A job still stuck on storage
+        after that is left behind on its daemon thread, logged: it can publish nothing
+        the ranks did not agree on, and it does not keep the process from exiting."""
+        self._exec.shutdown(wait=wait, timeout=timeout)
+        self._io.shutdown(wait=wait, timeout=timeout)
+        if wait and not (self._exec.idle and self._io.idle):
+            log.warning("rank %d: a persist job is still blocked on storage at close; left behind: %s",
+                        self.run.rank, self.run.last_error)
+
+
+class _Handoff:
+    """The buffer a persist job's I/O leased for it (under the run's lock): the persist
+    thread books the outcome on it and ends that lease; ``closed`` once the job ended, so
+    I/O that starts late takes no lease nobody would end."""
+
+    def __init__(self) -> None:
+        self.buf: SnapshotBuffer | None = None
+        self.closed = False
 
 
 def carry_persist_counters(plt: PLTTracker, base: Manifest | None) -> None:

@@ -7,6 +7,7 @@ each experts call receives), never from moc's router taps."""
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -119,6 +120,15 @@ def test_overlapping_persists_book_counters_of_the_versions_they_record(tmp_path
                 ckpt.wait()                 # the full first checkpoint is the base
             if step % 2 == 0:
                 slow.checkpoint_taken(step)
+            if step % 2 == 0 and step >= 4:
+                # The persist that was waiting for this checkpoint may go on now: let it
+                # end before the next decision point, which then retries this step's
+                # snapshot (busy at its own round). Whatever the load, the persists are
+                # 0, 2 and every later even step, each overlapping the checkpoint after it.
+                deadline = time.monotonic() + 60
+                while ckpt.status()["persist_in_flight"]:
+                    assert time.monotonic() < deadline, "the persist released by this checkpoint never ended"
+                    time.sleep(0.005)
         slow.close()
         ckpt.close()
     finally:

@@ -283,8 +283,8 @@ def _train_through_a_hung_commit(rank: int, world: int, opts: dict, shm: str, ou
     Path(out, f"ready{rank}").touch()
     while not Path(out, "hung").exists():       # the parent holds every commit from here on
         time.sleep(0.05)
-    # Rank 0's commit of step 3 hangs meanwhile; rank 1's persist job gives up after the
-    # 4 s collective timeout, so train for three of those (the same steps on both ranks).
+    # Rank 0's commit of step 3 hangs meanwhile, for three of the persist group's 4 s
+    # timeouts (the same steps on both ranks): the persist threads keep meeting every tick.
     step = 3
     while step < 3 + 12 * 20:
         train_step(model, opt, task, step, ckpt)
@@ -295,16 +295,23 @@ def _train_through_a_hung_commit(rank: int, world: int, opts: dict, shm: str, ou
         {"steps": step, "persist_in_flight": st["persist_in_flight"], "last_snapshot_step": st["last_snapshot_step"]}))
     while not Path(out, "healed").exists():
         time.sleep(0.05)
+    ckpt.wait()          # collective: the hung commit ends, then the newest snapshot is persisted
+    st = ckpt.status()
+    Path(out, f"flushed{rank}.json").write_text(json.dumps(
+        {k: st[k] for k in ("last_persisted_step", "persist_failures", "persists_skipped", "last_error")}))
     ckpt.close(keep_snapshots=True, raise_errors=False, flush=False)
 
 
 @pytest.mark.timeout(240)
 def test_no_rank_waits_for_its_own_commit_hung_on_storage(tmp_path):
-    """Rank 0 commits the manifest between the persist round's two collectives; with the
-    endpoint hung on that request only, the other rank's persist job gives up and the next
-    rounds go on. Rank 0 must not wait for its own stuck job at those rounds (it did, for
-    up to persist_timeout, and rank 1's next round then timed out): both ranks train 240
-    more steps, ~12 s, three collective timeouts, while the commit is still hung."""
+    """Rank 0 commits the manifest while the other ranks wait for the outcome; with the
+    endpoint hung on that request only, no rank waits for the job at its rounds (rank 0
+    did, for up to persist_timeout, and rank 1's next round then timed out): both ranks
+    train 240 more steps, ~12 s, three of the persist group's timeouts, while the commit
+    is still hung. No persist collective times out meanwhile (it did on rank 1, which
+    then booked a failure rank 0 did not: the ranks disagreed on what was committed, and
+    the group was out of step): once storage is back, both ranks book the same commits
+    and no failure."""
     import json
 
     from conftest import MotoS3
@@ -338,6 +345,12 @@ def test_no_rank_waits_for_its_own_commit_hung_on_storage(tmp_path):
         assert res[0]["persist_in_flight"], "rank 0's commit was still hung when it had trained 240 more steps"
         for r in res:
             assert r["steps"] == 243 and r["last_snapshot_step"] >= 241   # (the newest copy may still run)
+        assert res[1]["persist_in_flight"], "rank 1 gave up waiting for rank 0's commit"
+        flushed = [json.loads((tmp_path / f"flushed{r}.json").read_text()) for r in range(2)]
+        assert flushed[0] == flushed[1], flushed
+        assert flushed[0]["last_persisted_step"] == 242 and flushed[0]["persist_failures"] == 0, flushed
+        steps = CheckpointStore(open_store("s3://ckpt/run", **server.options)).steps()
+        assert steps[-1] == 242 and 3 <= steps[-2] < 242, steps    # the hung commit landed once healed
     finally:
         proxy.close()
         server.stop()
