@@ -36,7 +36,11 @@ from .._config import MoCConfig
 from .._manager import CheckpointManager
 from ._common import inner_optimizer, require
 
-require("torchtitan", None, "moc.integrations.torchtitan")
+try:
+    require("torchtitan", None, "moc.integrations.torchtitan")
+except ImportError as exc:
+    raise ImportError(f"{exc} (torchtitan 0.3.0 beside this project: pip install -e \".[titan]\" then "
+                      "pip install --no-deps torchtitan==0.3.0; see docs/trainers.md)") from exc
 from torchtitan.components.checkpointer.base import BaseCheckpointManager  # noqa: E402
 
 __all__ = ["MoCCheckpointManager"]
