@@ -5,6 +5,10 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
+# torchtitan (Python >= 3.11) without its declared needs: its datasets<4.8 pins an fsspec
+# older than s3fs wants, and wandb/tensorboard are not imported by the parts moc uses. The
+# `titan` extra brings what its modules do import (einops, tyro, torchdata, spmd_types, triton...).
+TORCHTITAN_PIN ?= torchtitan==0.3.0
 
 .PHONY: test test-gpu demo demo-moc docs-heatmap bench bench-store bench-placement bench-node-gpus bench-dispatch bench-hf bench-moc bench-simulate bench-runtime bench-peers bench-gpu soak soak-matrix install check-install clean
 
@@ -15,6 +19,8 @@ $(VPY):
 $(STAMP): $(VPY) pyproject.toml
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install --quiet "$(TORCH_PIN)"
 	$(VPY) -m pip install --quiet -e ".[dev]"
+	if $(VPY) -c "import sys; sys.exit(sys.version_info < (3, 11))"; then \
+	  $(VPY) -m pip install --quiet -e ".[dev,titan]" && $(VPY) -m pip install --quiet --no-deps "$(TORCHTITAN_PIN)"; fi
 	touch $(STAMP)
 
 install: $(STAMP)

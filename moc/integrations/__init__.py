@@ -6,8 +6,9 @@ Each adapter lives in its own module and imports its library only when imported 
   (needs ``transformers`` and ``accelerate``: ``pip install "moc-lazarus[hf]"``);
 * :mod:`moc.integrations.lightning`: ``MoCCallback`` for ``lightning.Trainer``
   (``pip install "moc-lazarus[lightning]"``);
-* :mod:`moc.integrations.torchtitan`: moc as the checkpointer of a torchtitan MoE model
-  (a ``GroupedExperts`` model, FSDP2 and expert parallelism; see the torchtitan guide).
+* :mod:`moc.integrations.torchtitan`: ``MoCCheckpointManager``, torchtitan's checkpointer
+  contract (``Trainer.Config.checkpoint``) served by moc (torchtitan 0.3.0, installed with
+  ``--no-deps`` beside ``pip install "moc-lazarus[titan]"``; see docs/trainers.md).
 
 Nothing is imported here, so ``import moc`` never pulls in a trainer library.
 """
