@@ -30,9 +30,24 @@ from typing import Any, Iterator
 
 import torch.distributed as dist
 
-__all__ = ["SocketTracker", "GroupAborter", "AbortReport", "nccl_backends", "nccl_errors"]
+__all__ = ["SocketTracker", "GroupAborter", "AbortReport", "nccl_backends", "nccl_errors", "reset_group_names"]
 
 log = logging.getLogger("lazarus.trainer")
+
+
+def reset_group_names() -> None:
+    """Name the next process groups from 0 again, as on every other member.
+
+    torch names every group but WORLD by a per-process counter (their store keys are
+    ``<name>/...``) and resets it only when WORLD is destroyed. An ``init_process_group``
+    that failed midway (the controller's store died, a peer vanished) has already advanced
+    it, on some members and not on others: from then on every generation's groups would
+    wait for keys the other members never write, and no reconfiguration could succeed
+    again. Called before a generation's group is formed (nothing is initialised then)."""
+    if dist.is_available() and not dist.is_initialized():
+        from torch.distributed import distributed_c10d as c10d
+
+        c10d._world.group_count = 0
 
 
 def _socket_fds() -> dict[int, str]:

@@ -48,7 +48,7 @@ from moc import CheckpointManager
 from storage_backends import open_store
 from moc._units import apply_partial, capture_unit, discover_units
 
-from ._abort import GroupAborter, SocketTracker, nccl_errors
+from ._abort import GroupAborter, SocketTracker, nccl_errors, reset_group_names
 from ._backend import nccl_init_kwargs
 from ._transfer import choose_moves, exchange_units, world_comm
 
@@ -174,6 +174,7 @@ class Reconfigurer:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rendezvous of generation {plan['generation']} timed out")
             time.sleep(0.005)
+        reset_group_names()   # a failed earlier attempt may have advanced the names here only
         with self.sockets.track():
             # NCCL: cuda:nccl for device tensors, cpu:gloo for the small host agreements;
             # the watchdog's timeout is the group's (collective_timeout). With the device
