@@ -194,6 +194,7 @@ class ExactCheckpointer:
         self.last_step_bytes = 0
         self.replays = 0
         self.replayed_steps = 0
+        self.last_replay: dict[str, Any] | None = None    # {"start", "end", "source": "memory" | "storage"}
         self.rounds = 0
 
     # -- capture ---------------------------------------------------------------------------
@@ -644,6 +645,7 @@ class ExactCheckpointer:
             or self.run.run_id
         self._apply_start(replay)
         self.replays += 1
+        self.last_replay = {"start": replay.start, "end": replay.end, "source": replay.source}
         replay.next = replay.start + 1
         self.expected = replay.start + 1
         self.next_open = replay.end + 1
@@ -770,6 +772,6 @@ class ExactCheckpointer:
             "windows_failed": self.windows_failed, "last_persisted_step": self.last_persisted_step,
             "persist_failures": self.persist_failures,
             "replaying": None if r is None else {"start": r.start, "end": r.end, "next": r.next, "source": r.source},
-            "replays": self.replays, "replayed_steps": self.replayed_steps,
+            "replays": self.replays, "replayed_steps": self.replayed_steps, "last_replay": self.last_replay,
             "stall_seconds_last": self.stall_last, "stall_seconds_total": self.stall_total,
         }
