@@ -127,3 +127,59 @@ def test_divergence_on_one_rank_stops_both_then_replay_from_storage(tmp_path):
         assert res["start"] == 5 and res["status"]["replayed_steps"] == 3
         assert res["status"]["last_replay"]["source"] == "storage"
     _assert_equal_state(str(tmp_path / "got.pt"), ref)
+
+
+def _one_rank_without_room(rank: int, world: int, storage: str, shm: str, grow: str, out: str) -> None:
+    from datetime import timedelta
+    from pathlib import Path
+
+    from moc import CheckpointManager, MoCConfig
+    from moc_helpers import make, train_step
+
+    cfg = MoCConfig(storage=storage, snapshot_dir=shm, interval=1, k_snapshot=4, exact=True,
+                    coordination_timeout=timedelta(seconds=30))
+    model, opt, task = make(0)          # 8 experts, k_snapshot=4: W = 2
+    with CheckpointManager(cfg, model=model, optimizer=opt) as ckpt:
+        for step in range(3):
+            train_step(model, opt, task, step, ckpt)
+        before = ckpt.status()
+        torch.distributed.barrier()
+        if rank == 1:   # make room on this rank's tmpfs (a real remount to a larger size)
+            subprocess.run(["mount", "-o", "remount,size=64m", grow], check=True)
+        torch.distributed.barrier()
+        for step in range(3, 8):
+            train_step(model, opt, task, step, ckpt)
+        ckpt.wait()
+        after = ckpt.status()
+    Path(out, f"status{rank}.json").write_text(json.dumps({"before": before, "after": after}, default=str))
+
+
+@pytest.mark.timeout(240)
+def test_a_window_is_skipped_on_every_rank_when_one_has_no_room(tmp_path):
+    """Rank 1's shared memory cannot hold a window: every rank skips it (one round), none
+    captures a window the other could not, and nothing is committed; once rank 1 has room
+    both open the same windows, and their parts are committed as one manifest."""
+    from moc import CheckpointStore
+    from rank_harness import run_ranks
+    from storage_backends import open_store
+    from test_moc_resources import PAGE, tmpfs
+
+    base = tmp_path / "shm"
+    with tmpfs(base / "rank1", 4 * PAGE):
+        run_ranks(_one_rank_without_room, 2, tmp_path, str(tmp_path / "ckpt"), str(base), str(base / "rank1"),
+                  str(tmp_path))
+        st = [json.loads((tmp_path / f"status{r}.json").read_text()) for r in range(2)]
+    for r, s in enumerate(st):
+        b, a = s["before"]["exact"], s["after"]["exact"]
+        assert b["windows_skipped"] == 3 and b["windows_started"] == 0 and b["rounds"] == 3, (r, b)
+        assert b["last_persisted_step"] is None
+        # room again at step 3: windows 3-4, 5-6 (7 starts one the run ends inside)
+        assert a["windows_skipped"] == 3 and a["windows_started"] == 3 and a["windows_complete"] == 2, (r, a)
+        assert a["last_window"]["start"] == 5 and a["last_persisted_step"] == 6, (r, a)
+    assert "No space left" in st[1]["before"]["last_error"]
+    assert "no snapshot buffer on another rank" in st[0]["before"]["last_error"]
+    cs = CheckpointStore(open_store(str(tmp_path / "ckpt")))
+    assert cs.steps()[0] >= 4 and cs.steps()[-1] == 6 and cs.verify(6) == []
+    m = cs.read_manifest(6)
+    assert m.meta["exact"]["world"] == 2 and m.meta["exact"]["start"] == 5
+    assert any(n.endswith("@rank1") for n in m.units) and any(n.endswith("@rank0") for n in m.units)
