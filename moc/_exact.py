@@ -177,7 +177,8 @@ class ExactCheckpointer:
         self.next_open: int | None = None          # the step of the next round (None: the next step)
         self.opened: int | None = None             # first step of the window opened at the last round
         self.completed: SnapshotBuffer | None = None   # buffer of the newest window completed here
-        self.due: SnapshotBuffer | None = None     # newest counted window due for storage, not in it yet
+        # newest counted window due for storage and not in it yet: (its buffer, its last step)
+        self.due: tuple[SnapshotBuffer, int] | None = None
         self.windows_started = 0
         self.windows_complete = 0                  # completed on this rank
         self.windows_counted = 0                   # completed on every rank (persist_every counts these)
@@ -202,6 +203,8 @@ class ExactCheckpointer:
         """After ``optimizer.step()`` of step ``t``: capture (or, while replaying, promote).
         Returns True when the ranks agreed to flush and exit (a SIGTERM on some rank)."""
         self._settle()
+        if not self.comm.distributed:
+            self._retry_due()
         if self.replay is not None:
             self._replay_step(t)
             return False
@@ -225,7 +228,10 @@ class ExactCheckpointer:
     def _candidate(self, reserved: SnapshotBuffer | None, due_new: bool) -> SnapshotBuffer | None:
         """The window this rank would persist now: the one just completed when it is due,
         else the newest counted due one still in memory and not in storage."""
-        buf = self.completed if due_new else self.due
+        if due_new:
+            buf = self.completed
+        else:
+            buf = self.due[0] if self.due is not None and self.due[0].step == self.due[1] else None
         with self.run.lock:
             if buf is None or buf is reserved or buf.state != READY or buf.persisted or buf.step is None \
                     or not buf.header.get("exact"):
@@ -265,13 +271,14 @@ class ExactCheckpointer:
         if prev is not None and not agreed.prev_failed:
             self.windows_counted += 1
             if due_new:
-                self.due = self.completed
+                assert self.completed is not None and self.completed.step is not None
+                self.due = (self.completed, self.completed.step)
         elif prev is not None:
             log.warning("%s: the exact window from step %d is not complete on every rank; it does not count",
                         self.run.where(), prev)
         self.opened = None
         if agreed.persist is not None and cand is not None and cand.step == agreed.persist:
-            if cand is self.due:
+            if self.due is not None and self.due[1] <= cand.step:
                 self.due = None
             self._start_persist(cand)
         if agreed.fatal or agreed.sigterm or agreed.no_buffer:
@@ -477,6 +484,16 @@ class ExactCheckpointer:
             self.run.last_error = f"exact persist failed: {type(exc).__name__}: {exc}"
             log.error("%s: persisting the exact window failed: %s", self.run.where(), exc)
 
+    def _retry_due(self) -> None:
+        """One process: a due window that found the persist thread busy at its round is
+        written as soon as the thread is free (several ranks retry at the next round)."""
+        if self.due is None or self.persist_in_flight is not None:
+            return
+        buf = self._candidate(None, False)
+        self.due = None
+        if buf is not None:
+            self._start_persist(buf)
+
     def _start_persist(self, buf: SnapshotBuffer) -> None:
         """Persist the window in ``buf`` (every rank starts the same window: agreed)."""
         with self.run.lock:
@@ -547,7 +564,7 @@ class ExactCheckpointer:
         if self.last_persisted_step is not None and step <= self.last_persisted_step:
             return
         buf = next(b for b in self.pool.buffers if b.step == step and b.state == READY)
-        if buf is self.due:
+        if self.due is not None and self.due[1] <= step:
             self.due = None
         self._start_persist(buf)
         fut, self.persist_in_flight = self.persist_in_flight, None
@@ -649,7 +666,7 @@ class ExactCheckpointer:
         replay.next = replay.start + 1
         self.expected = replay.start + 1
         self.next_open = replay.end + 1
-        self.opened = None
+        self.opened, self.completed, self.due = None, None, None
         if replay.end == replay.start:
             self._end_replay(replay)
         else:

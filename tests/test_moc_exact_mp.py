@@ -183,3 +183,12 @@ def test_a_window_is_skipped_on_every_rank_when_one_has_no_room(tmp_path):
     m = cs.read_manifest(6)
     assert m.meta["exact"]["world"] == 2 and m.meta["exact"]["start"] == 5
     assert any(n.endswith("@rank1") for n in m.units) and any(n.endswith("@rank0") for n in m.units)
+    # one process cannot replay what two ranks trained: refused, naming both counts
+    from moc import CheckpointError, CheckpointManager, MoCConfig
+    from moc_helpers import make
+
+    model, opt, _ = make(0)
+    cfg = MoCConfig(storage=str(tmp_path / "ckpt"), snapshot_dir=str(base), interval=1, k_snapshot=4, exact=True)
+    with CheckpointManager(cfg, model=model, optimizer=opt) as ckpt:
+        with pytest.raises(CheckpointError, match=r"written by 2 rank\(s\); this job has 1"):
+            ckpt.restore()
