@@ -625,6 +625,12 @@ class ExactCheckpointer:
             self.persist_in_flight.exception()
             self._reap_persist()
         manifest = self._storage_manifest()
+        # every rank reads the manifest rank 0 found (a listing is never trusted to agree)
+        step = self.comm.broadcast_json(None if manifest is None else manifest.step)
+        if step is None:
+            manifest = None
+        elif manifest is None or manifest.step != step:
+            manifest = self.store.read_manifest(step)
         memory = self._memory_candidates()
         if manifest is not None:
             memory = [h for h in memory if h.get("run") == manifest.meta.get("run_id")]
