@@ -192,3 +192,41 @@ def test_a_window_is_skipped_on_every_rank_when_one_has_no_room(tmp_path):
     with CheckpointManager(cfg, model=model, optimizer=opt) as ckpt:
         with pytest.raises(CheckpointError, match=r"written by 2 rank\(s\); this job has 1"):
             ckpt.restore()
+
+
+def _sigterm_on_one_rank(rank: int, world: int, storage: str, shm: str, out: str) -> None:
+    from datetime import timedelta
+    from pathlib import Path
+
+    from moc import CheckpointManager, MoCConfig
+    from moc_helpers import make, train_step
+
+    cfg = MoCConfig(storage=storage, snapshot_dir=shm, interval=1, k_snapshot=4, exact=True,
+                    coordination_timeout=timedelta(seconds=30))
+    model, opt, task = make(0)          # W = 2: windows 0-1, 2-3, 4-5, ...
+    code, at = None, None
+    try:
+        with CheckpointManager(cfg, model=model, optimizer=opt) as ckpt:
+            for step in range(20):
+                at = step
+                train_step(model, opt, task, step, ckpt)
+                if step == 4 and rank == 1:
+                    os.kill(os.getpid(), signal.SIGTERM)
+    except SystemExit as exc:
+        code = exc.code
+    Path(out, f"sigterm{rank}.json").write_text(json.dumps({"code": code, "step": at}))
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_on_one_rank_flushes_and_stops_every_rank_at_the_next_window(tmp_path):
+    """A SIGTERM on rank 1 mid-window (after step 4 of window 4-5) stops both ranks at the
+    next window's round (step 6), after the newest window complete on both (4-5) is committed."""
+    from moc import CheckpointStore
+    from rank_harness import run_ranks
+    from storage_backends import open_store
+
+    run_ranks(_sigterm_on_one_rank, 2, tmp_path, str(tmp_path / "ckpt"), str(tmp_path / "shm"), str(tmp_path))
+    got = [json.loads((tmp_path / f"sigterm{r}.json").read_text()) for r in range(2)]
+    assert got == [{"code": 128 + signal.SIGTERM, "step": 6}] * 2, got
+    cs = CheckpointStore(open_store(str(tmp_path / "ckpt")))
+    assert cs.steps()[-1] == 5 and cs.read_manifest(5).meta["exact"]["start"] == 4 and cs.verify(5) == []
