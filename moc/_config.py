@@ -84,8 +84,9 @@ class MoCConfig:
             the window's first step + 1 and the loop's replay of the window brings every
             unit back exactly (PLT stays 0). Needs ``interval=1``; ``persist_every``
             counts windows; ``k_persist``, ``interval="auto"``, ``k_snapshot="auto"`` and
-            ``selection="load_aware"`` are refused. A single process for now (no
-            torch.distributed group, no DTensor parameters, no Lazarus).
+            ``selection="load_aware"`` are refused. Several ranks and DTensor (FSDP2)
+            parameters: each rank captures and replays its own pieces, the ranks agree
+            once per window. Not with Lazarus' ElasticTrainer yet.
     """
 
     storage: str

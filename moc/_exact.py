@@ -7,12 +7,21 @@ the compute weights of the units whose full capture is later, plus the extra sta
 the three shared-memory buffers of :mod:`moc._buffers` (one buffer holds one window, filled
 step by step, reserved and leased by its rules) on a background thread; the optimizer's
 step pre-hook waits for it (the stall). A window's header is published once its last step
-is copied: an incomplete window is never read. The first complete window and then every
-``persist_every``-th one is written to storage and committed (one manifest per window, at
-its last step).
+is copied: an incomplete window is never read.
 
-Recovery (:meth:`ExactCheckpointer.restore`) loads the newest complete window (memory,
-else storage) and returns its first step + 1; the user's loop then *replays* the window:
+Several ranks (plain replicas, FSDP2 / DTensor shards, expert parallelism): each rank
+captures and replays the pieces it holds (its units, named as everywhere in moc: FQN plus
+a piece suffix for a shard). The ranks meet once per window, at its first step, in one
+all-reduce (:meth:`ExactCheckpointer._round`): a window is opened only when every rank
+has a buffer for it (else every rank skips it and tries again at the next step), the
+previous window *counts* only when every rank completed it, a SIGTERM or too many failed
+windows on any rank stop every rank, and the persist of a window (the first counted one,
+then every ``persist_every``-th) starts on every rank together: each rank writes its part,
+rank 0 commits one manifest for the window (:mod:`moc._exact_store`) and tells the others.
+
+Recovery (:meth:`ExactCheckpointer.restore`, collective) loads the newest window complete
+on every rank (from memory, else storage) and returns its first step + 1; the user's loop
+then *replays* the window:
 
 * at restore, every unit of slot 0 gets its full state, every other unit its compute
   weights of the window's first step; the extra state of that step is restored;
@@ -23,16 +32,16 @@ else storage) and returns its first step + 1; the user's loop then *replays* the
   same norm); the updates of units not promoted yet are overwritten before they are read.
 
 After the window's last step the model and optimizer equal an uninterrupted run's (bit for
-bit on CPU). The gradients of the window's second step are hashed when it is first trained
-and again when it is replayed: a loop that feeds other data (or other code) on replay is
-stopped there with :class:`moc.CheckpointError`, before its update.
+bit on CPU). The gradients of the window's second step are hashed, on every rank, when it
+is first trained and again when it is replayed: a loop that feeds other data (or other
+code) on replay is stopped there with :class:`moc.CheckpointError`, before its update, on
+every rank (the ranks OR their verdicts in one all-reduce, so none is left waiting).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -45,8 +54,10 @@ from ._buffers import FREE, PERSIST, READY, BufferPool, SnapshotBuffer, read_hea
 from ._ckpt_store import CheckpointStore
 from ._codec import TensorMeta, TreePlan, decode_tree, plan_tree
 from ._config import MoCConfig
+from ._dist import Comm
 from ._errors import CheckpointError
 from ._exact_schedule import ExactSchedule, plan_schedule
+from ._exact_store import extra_name, rank_meta, read_part, weights_name, window_meta, write_part
 from ._format import UnitRecord
 from ._layouts import UnitLayout, local_tensor
 from ._plan_cache import UnitPlans
@@ -57,21 +68,16 @@ __all__ = ["ExactCheckpointer", "grad_digest", "weights_name", "extra_name"]
 
 log = logging.getLogger("moc")
 
-FORMAT = 1
+FORMAT = 2
 
-
-def weights_name(step: int, unit: str) -> str:
-    """Storage name of a unit's compute weights captured at ``step``."""
-    return f"exact/weights/{step}/{unit}"
-
-
-def extra_name(step: int) -> str:
-    """Storage name of the extra state captured at ``step``."""
-    return f"exact/extra/{step}"
+# Slots of the window round's all-reduce (counts over ranks), then each rank's persist candidate.
+_NO_BUFFER, _PREV_FAILED, _SIGTERM, _BUSY, _FATAL = range(5)
+_FIXED = 5
 
 
 def grad_digest(model: torch.nn.Module) -> dict[str, Any]:
-    """xxh3 of every gradient's bytes (parameter order, names included) and the global norm."""
+    """xxh3 of every gradient's bytes (parameter order, names included; a DTensor's local
+    shard) and the norm of those bytes (this rank's part)."""
     h = xxhash.xxh3_64()
     sq = 0.0
     for name, p in model.named_parameters():
@@ -116,24 +122,38 @@ class _Replay:
     checked: bool = False
 
 
+@dataclass
+class _Round:
+    """The outcome of a window round: the same on every rank."""
+
+    no_buffer: bool
+    prev_failed: bool
+    sigterm: bool
+    fatal: bool
+    persist: int | None                          # the window (its last step) to persist now
+
+
 class ExactCheckpointer:
-    """The exact-mode protocol of one (single-process) :class:`moc.CheckpointManager`.
+    """The exact-mode protocol of one :class:`moc.CheckpointManager` (one rank of it).
 
     Args:
         cfg: the manager's configuration (``exact=True``).
-        model, optimizer: what is captured and restored.
-        layout: the model's units.
+        model, optimizer: what is captured and restored (this rank's part).
+        layout: this rank's units.
         plans: the manager's unit plans (full state: weights and optimizer state).
-        pool: the shared-memory buffers.
+        pool: this rank's shared-memory buffers.
         store: the persistent store.
         run: the shared run bookkeeping (lock, rank, step).
+        comm: the manager's collectives (rounds, the persist thread's gathers).
+        shared: units that other ranks hold too (stored once per holder).
         extra_tree: the manager's extra unit of a step (RNG, optimizer groups, user state).
         extra_state: the user's objects restored from it.
     """
 
     def __init__(self, cfg: MoCConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  layout: UnitLayout, plans: UnitPlans, pool: BufferPool, store: CheckpointStore, run: RunState,
-                 extra_tree: Callable[[int], dict[str, Any]], extra_state: Mapping[str, Any]) -> None:
+                 extra_tree: Callable[[int], dict[str, Any]], extra_state: Mapping[str, Any],
+                 comm: Comm | None = None, shared: set[str] | None = None) -> None:
         self.cfg = cfg
         self.model = model
         self.optimizer = optimizer
@@ -143,6 +163,8 @@ class ExactCheckpointer:
         self.pool = pool
         self.store = store
         self.run = run
+        self.comm = comm if comm is not None else Comm()
+        self.shared = set(shared or ())
         self.extra_tree = extra_tree
         self.extra_state = extra_state
         self._capture = ThreadPoolExecutor(1, thread_name_prefix=f"moc-exact-r{run.rank}")
@@ -152,15 +174,20 @@ class ExactCheckpointer:
         self.window: _Window | None = None
         self.replay: _Replay | None = None
         self.expected: int | None = None           # the step the next step() must carry
+        self.next_open: int | None = None          # the step of the next round (None: the next step)
+        self.opened: int | None = None             # first step of the window opened at the last round
+        self.completed: SnapshotBuffer | None = None   # buffer of the newest window completed here
+        # newest counted window due for storage and not in it yet: (its buffer, its last step)
+        self.due: tuple[SnapshotBuffer, int] | None = None
         self.windows_started = 0
-        self.windows_complete = 0
+        self.windows_complete = 0                  # completed on this rank
+        self.windows_counted = 0                   # completed on every rank (persist_every counts these)
         self.windows_persisted = 0
-        self.windows_skipped = 0                   # no buffer at a window's first step
+        self.windows_skipped = 0                   # no buffer (on some rank) at a window's first step
         self.windows_failed = 0
         self.consecutive_failures = 0
         self.last_exception: BaseException | None = None
         self.last_window: dict[str, Any] | None = None    # {"start", "end", "bytes", "step_bytes", "buffer"}
-        self._persist_pending: SnapshotBuffer | None = None
         self.last_persisted_step: int | None = None
         self.persist_failures = 0
         self.stall_last = 0.0
@@ -168,14 +195,19 @@ class ExactCheckpointer:
         self.last_step_bytes = 0
         self.replays = 0
         self.replayed_steps = 0
+        self.last_replay: dict[str, Any] | None = None    # {"start", "end", "source": "memory" | "storage"}
+        self.rounds = 0
 
     # -- capture ---------------------------------------------------------------------------
-    def step(self, t: int) -> None:
-        """After ``optimizer.step()`` of step ``t``: capture (or, while replaying, promote)."""
+    def step(self, t: int, *, sigterm: bool = False) -> bool:
+        """After ``optimizer.step()`` of step ``t``: capture (or, while replaying, promote).
+        Returns True when the ranks agreed to flush and exit (a SIGTERM on some rank)."""
         self._settle()
+        if not self.comm.distributed:
+            self._retry_due()
         if self.replay is not None:
             self._replay_step(t)
-            return
+            return False
         if self.expected is not None and t != self.expected:
             expected = self.expected
             self._abort_window("a step was left out")
@@ -183,14 +215,35 @@ class ExactCheckpointer:
                 f"{self.run.where()}: exact mode needs step() after every optimizer.step(), steps in order: "
                 f"expected step {expected}, got {t}")
         self.expected = t + 1
-        if self.window is None and not self._open_window(t):
-            return
-        self._capture_step(t)
+        if self.next_open is None or t == self.next_open:
+            if self._open_window(t, sigterm):
+                return True
+        if self.window is not None:
+            self._capture_step(t)
+        return False
 
     def _sizes(self) -> tuple[dict[str, TreePlan], dict[str, TreePlan]]:
         return self.plans.refresh(), self.wplans.refresh()
 
-    def _open_window(self, t: int) -> bool:
+    def _candidate(self, reserved: SnapshotBuffer | None, due_new: bool) -> SnapshotBuffer | None:
+        """The window this rank would persist now: the one just completed when it is due,
+        else the newest counted due one still in memory and not in storage."""
+        if due_new:
+            buf = self.completed
+        else:
+            buf = self.due[0] if self.due is not None and self.due[0].step == self.due[1] else None
+        with self.run.lock:
+            if buf is None or buf is reserved or buf.state != READY or buf.persisted or buf.step is None \
+                    or not buf.header.get("exact"):
+                return None
+            if self.last_persisted_step is not None and buf.step <= self.last_persisted_step:
+                return None
+        return buf
+
+    def _open_window(self, t: int, sigterm: bool) -> bool:
+        """The round at a window's first step (see the module docstring); opens the window
+        when every rank has a buffer. Returns True when the ranks agreed to exit."""
+        self._reap_persist()
         full, weights = self._sizes()
         schedule = plan_schedule(self.layout, self.cfg.k_snapshot, {u: p.nbytes for u, p in full.items()},
                                  {u: p.nbytes for u, p in weights.items()})
@@ -199,21 +252,75 @@ class ExactCheckpointer:
                                        {u: p.nbytes + 64 for u, p in weights.items()}, extra))
         with self.run.lock:
             buf = self.pool.reserve(need)
-        if buf is None:
-            self._skip(t, "every snapshot buffer is being persisted, read or holds the newest complete window")
+        reason = "every snapshot buffer is being persisted, read or holds the newest complete window"
+        if buf is not None:
+            try:
+                buf.ensure(need, defer_upkeep=True)
+            except (OSError, RuntimeError) as exc:
+                with self.run.lock:
+                    self.pool.unreserve()
+                buf, reason = None, f"{type(exc).__name__}: {exc}"
+        prev = self.opened
+        prev_ok = prev is not None and self.completed is not None and self.last_window is not None \
+            and self.last_window["start"] == prev
+        due_new = prev_ok and self.windows_counted % self.cfg.persist_every == 0
+        cand = self._candidate(buf, due_new)
+        agreed = self._round(no_buffer=buf is None, prev_failed=prev is not None and not prev_ok, sigterm=sigterm,
+                             fatal=self.consecutive_failures >= self.cfg.max_consecutive_failures,
+                             candidate=None if cand is None else cand.step)
+        if prev is not None and not agreed.prev_failed:
+            self.windows_counted += 1
+            if due_new:
+                assert self.completed is not None and self.completed.step is not None
+                self.due = (self.completed, self.completed.step)
+        elif prev is not None:
+            log.warning("%s: the exact window from step %d is not complete on every rank; it does not count",
+                        self.run.where(), prev)
+        self.opened = None
+        if agreed.persist is not None and cand is not None and cand.step == agreed.persist:
+            if self.due is not None and self.due[1] <= cand.step:
+                self.due = None
+            self._start_persist(cand)
+        if agreed.fatal or agreed.sigterm or agreed.no_buffer:
+            if buf is not None:
+                with self.run.lock:
+                    self.pool.unreserve()
+        if agreed.fatal:
+            raise CheckpointError(
+                f"{self.run.where()}: {self.cfg.max_consecutive_failures} exact windows in a row failed on "
+                f"{'this rank' if self.consecutive_failures >= self.cfg.max_consecutive_failures else 'another rank'}"
+                f"; the newest complete window ends at step {(self.last_window or {}).get('end')}: "
+                f"{self.last_exception}") from self.last_exception
+        if agreed.sigterm:
+            return True
+        if agreed.no_buffer:
+            self.next_open = t + 1
+            self._skip(t, reason if buf is None else "no snapshot buffer on another rank (see its log)")
             return False
-        try:
-            buf.ensure(need, defer_upkeep=True)
-        except (OSError, RuntimeError) as exc:
-            with self.run.lock:
-                self.pool.unreserve()
-            self._skip(t, f"{type(exc).__name__}: {exc}")
-            return False
+        assert buf is not None
         with self.run.lock:
             self.pool.acquire(buf)      # header withdrawn, state SNAPSHOT, leased until the window ends
         self.windows_started += 1
         self.window = _Window(start=t, schedule=schedule, buf=buf, index=self.windows_started)
-        return True
+        self.opened = t
+        self.next_open = t + schedule.window
+        return False
+
+    def _round(self, *, no_buffer: bool, prev_failed: bool, sigterm: bool, fatal: bool,
+               candidate: int | None) -> _Round:
+        """One int64 all-reduce (SUM; per-rank candidates in per-rank slots)."""
+        world, rank = self.comm.world, self.comm.rank
+        v = torch.zeros(_FIXED + world, dtype=torch.int64)
+        v[_NO_BUFFER], v[_PREV_FAILED], v[_SIGTERM], v[_FATAL] = int(no_buffer), int(prev_failed), int(sigterm), \
+            int(fatal)
+        v[_BUSY] = int(self.persist_in_flight is not None and not self.persist_in_flight.done())
+        v[_FIXED + rank] = -1 if candidate is None else candidate
+        self.comm.sum_int64(v)
+        self.rounds += 1
+        cands = set(v[_FIXED:].tolist())
+        persist = cands.pop() if len(cands) == 1 and v[_BUSY] == 0 else None
+        return _Round(no_buffer=bool(v[_NO_BUFFER]), prev_failed=bool(v[_PREV_FAILED]), sigterm=bool(v[_SIGTERM]),
+                      fatal=bool(v[_FATAL]), persist=persist if persist is not None and persist >= 0 else None)
 
     def _skip(self, t: int, reason: str) -> None:
         self.windows_skipped += 1
@@ -239,8 +346,7 @@ class ExactCheckpointer:
             try:
                 w.buf.ensure(w.offset + nbytes + remaining, defer_upkeep=True)   # grows; the file keeps its bytes
             except (OSError, RuntimeError) as exc:
-                self._abort_window(f"the buffer cannot grow: {exc}")
-                self._skip(t, f"{type(exc).__name__}: {exc}")
+                self._failed(RuntimeError(f"the buffer cannot grow: {type(exc).__name__}: {exc}"))
                 return
         placed = []
         for what, name, plan, spec in items:
@@ -283,29 +389,28 @@ class ExactCheckpointer:
         self.pool.release(buf)
 
     def _settle(self) -> None:
-        """Wait for the capture in flight; book a finished window; start a due persist."""
+        """Wait for the capture in flight; book a finished window (local)."""
         fut, self.in_flight = self.in_flight, None
         if fut is not None:
             try:
                 fut.result()
-            except Exception as exc:  # noqa: BLE001 - counted; raised after too many in a row
+            except Exception as exc:  # noqa: BLE001 - counted; raised (on every rank) at the next round
                 self._failed(exc)
             else:
                 w = self.window
                 if w is not None and w.buf.state == READY and w.buf.step == w.end:
                     self._window_done(w)
-        self._start_persist()
+        self._reap_persist()
 
     def _window_done(self, w: _Window) -> None:
         self.window = None
         self.windows_complete += 1
         self.consecutive_failures = 0
+        self.completed = w.buf
         self.last_window = {"start": w.start, "end": w.end, "window": w.schedule.window, "bytes": w.offset,
                             "step_bytes": list(w.step_bytes), "buffer": w.buf.index}
-        log.info("rank %d step %d: exact window %d-%d complete (%d bytes in buffer %d)", self.run.rank, w.end,
+        log.info("rank %d step %d: exact window %d-%d complete here (%d bytes in buffer %d)", self.run.rank, w.end,
                  w.start, w.end, w.offset, w.buf.index)
-        if (self.windows_complete - 1) % self.cfg.persist_every == 0:
-            self._persist_pending = w.buf
 
     def _failed(self, exc: BaseException) -> None:
         self.windows_failed += 1
@@ -314,16 +419,12 @@ class ExactCheckpointer:
         self.run.last_error = f"exact capture failed: {type(exc).__name__}: {exc}"
         log.error("%s: exact capture failed (%d in a row): %s", self.run.where(), self.consecutive_failures, exc)
         self._abort_window(str(exc))
-        if self.consecutive_failures >= self.cfg.max_consecutive_failures:
-            raise CheckpointError(f"{self.run.where()}: {self.consecutive_failures} exact windows in a row failed; "
-                                  f"the newest complete window ends at step "
-                                  f"{(self.last_window or {}).get('end')}: {exc}") from exc
 
     def _abort_window(self, reason: str) -> None:
+        """Drop the window being captured here (the ranks' schedule of rounds goes on)."""
         w, self.window = self.window, None
         if w is None:
             return
-        self.expected = None
         with self.run.lock:
             w.buf.invalidate()
             w.buf.state = FREE
@@ -333,7 +434,8 @@ class ExactCheckpointer:
 
     def before_optimizer_step(self, optimizer, args, kwargs) -> None:
         """The optimizer step pre-hook: wait for the capture in flight (the stall); hash the
-        gradients of a window's second step (recorded, or checked while replaying)."""
+        gradients of a window's second step (recorded, or checked while replaying: the
+        ranks' verdicts are ORed, so a divergence on any rank stops every rank here)."""
         fut = self.in_flight
         if fut is not None and not fut.done():
             t0 = time.perf_counter()
@@ -347,67 +449,91 @@ class ExactCheckpointer:
             self.stall_last = 0.0
         r = self.replay
         if r is not None:
-            if r.next == r.start + 1 and not r.checked and r.grad is not None:
-                got = grad_digest(self.model)
-                if got["xxh3"] != r.grad["xxh3"]:
+            if r.next == r.start + 1 and not r.checked:
+                r.checked = True
+                got = grad_digest(self.model) if r.grad is not None else None
+                mine = got is not None and got["xxh3"] != r.grad["xxh3"]
+                anywhere = self.comm.any_true(mine)
+                if mine:
                     raise CheckpointError(
                         f"rank {self.run.rank} step {r.next}: replay diverged: the gradients of replayed step "
-                        f"{r.next} differ from those recorded when it was trained (xxh3 {r.grad['xxh3']}, global "
-                        f"norm {r.grad['norm']:.9g}; now xxh3 {got['xxh3']}, norm {got['norm']:.9g}). Exact replay "
+                        f"{r.next} differ from those recorded when it was trained (xxh3 {r.grad['xxh3']}, norm "
+                        f"{r.grad['norm']:.9g}; now xxh3 {got['xxh3']}, norm {got['norm']:.9g}). Exact replay "
                         "needs the same batch at every step (a function of the step, or a data loader passed in "
                         "extra_state) and the same model code; moc restores the RNG. Nothing was updated.")
-                r.checked = True
+                if anywhere:
+                    raise CheckpointError(
+                        f"rank {self.run.rank} step {r.next}: replay diverged on another rank (see its error): its "
+                        "gradients differ from those recorded when the step was trained. Nothing was updated.")
             return
         w = self.window
         if w is not None and w.grad is None and self.expected == w.start + 1 and w.schedule.window > 1:
             w.grad = grad_digest(self.model)
 
     # -- persisting ------------------------------------------------------------------------
-    def _start_persist(self) -> None:
+    def _reap_persist(self) -> None:
+        """Book a finished persist (errors are counted and reported, never raised here)."""
         fut = self.persist_in_flight
-        if fut is not None:
-            if not fut.done():
-                return
-            self.persist_in_flight = None
-            try:
-                fut.result()
-            except Exception as exc:  # noqa: BLE001 - reported, retried with the next window
-                self.persist_failures += 1
-                self.run.last_error = f"exact persist failed: {type(exc).__name__}: {exc}"
-                log.error("%s: persisting the exact window failed: %s", self.run.where(), exc)
-        buf, self._persist_pending = self._persist_pending, None
-        if buf is None:
+        if fut is None or not fut.done():
             return
+        self.persist_in_flight = None
+        try:
+            fut.result()
+        except Exception as exc:  # noqa: BLE001 - reported, retried with a later window
+            self.persist_failures += 1
+            self.run.last_error = f"exact persist failed: {type(exc).__name__}: {exc}"
+            log.error("%s: persisting the exact window failed: %s", self.run.where(), exc)
+
+    def _retry_due(self) -> None:
+        """One process: a due window that found the persist thread busy at its round is
+        written as soon as the thread is free (several ranks retry at the next round)."""
+        if self.due is None or self.persist_in_flight is not None:
+            return
+        buf = self._candidate(None, False)
+        self.due = None
+        if buf is not None:
+            self._start_persist(buf)
+
+    def _start_persist(self, buf: SnapshotBuffer) -> None:
+        """Persist the window in ``buf`` (every rank starts the same window: agreed)."""
         with self.run.lock:
-            if buf.state != READY or buf.persisted or buf.step is None:
-                return
             buf.state = PERSIST
             buf.users += 1
         self.persist_in_flight = self._persist.submit(self._write, buf)
 
     def _write(self, buf: SnapshotBuffer) -> None:
+        """This rank's part to storage; the ranks' records to rank 0, which commits and tells
+        every rank the outcome (the gathers run whatever failed, so no rank is left waiting)."""
         try:
             header = buf.header
-            ex = header["exact"]
-            writer = self.store.writer(header["step"], f"r{self.run.rank}")
-            records = []
-            for piece in header["pieces"]:
-                what, unit, t = piece["what"], piece["unit"], int(piece["step"])
-                chunk = writer.add_bytes([buf.view(piece["offset"], piece["nbytes"])], offset=0,
-                                         itemsize=piece["itemsize"], group="experts" if piece["kind"] == "expert"
-                                         else "state")
-                name = unit if what in ("full", "extra") else weights_name(t, unit)
-                kind = piece["kind"] if what == "full" else "extra"
-                records.append(UnitRecord(name=name, kind=kind, step=t, nbytes=piece["nbytes"],
-                                          skeleton=piece["skeleton"], tensors=piece["tensors"], chunks=[chunk],
-                                          layer=piece["layer"] if kind == "expert" else None,
-                                          expert=piece["expert"] if kind == "expert" else None))
-            writer.finish()
-            self.store.commit(header["step"], records, meta={"run_id": header["run"], "exact": ex,
-                                                             "world": header["world"]})
+            step = int(header["step"])
+            error, records = None, []
+            try:
+                records = write_part(self.store, buf, header, self.run.rank, self.shared)
+            except Exception as exc:  # noqa: BLE001 - reported to rank 0, which commits nothing
+                error = f"rank {self.run.rank}: {type(exc).__name__}: {exc}"
+            mine = {"step": step, "error": error, "meta": rank_meta(header),
+                    "records": {r.name: r.to_json() for r in records}}
+            parts = self.comm.gather_json(mine, persist=True)
+            outcome = None
+            if self.run.rank == 0:
+                errors = [p["error"] for p in parts if p["error"]]
+                if {p["step"] for p in parts} != {step}:
+                    errors.append(f"the ranks wrote different windows: {[p['step'] for p in parts]}")
+                if not errors:
+                    try:
+                        recs = [UnitRecord.from_json(n, d) for p in parts for n, d in p["records"].items()]
+                        self.store.commit(step, recs, meta={"run_id": header["run"], "world": self.comm.world,
+                                                            "exact": window_meta(header, [p["meta"] for p in parts])})
+                    except Exception as exc:  # noqa: BLE001 - told to every rank
+                        errors.append(f"commit: {type(exc).__name__}: {exc}")
+                outcome = "; ".join(errors) or None
+            outcome = self.comm.broadcast_json(outcome, persist=True)
+            if outcome:
+                raise CheckpointError(f"the exact window ending at step {step} was not committed: {outcome}")
             with self.run.lock:
                 buf.persisted = True
-                self.last_persisted_step = header["step"]
+                self.last_persisted_step = step
                 self.windows_persisted += 1
         finally:
             with self.run.lock:
@@ -416,28 +542,37 @@ class ExactCheckpointer:
                 buf.users = max(0, buf.users - 1)
 
     def wait(self, *, flush: bool = True, timeout: float | None = None) -> None:
-        """Wait for the capture and persist in flight; ``flush``: also write the newest
-        complete window if it is in memory only (raises if that fails)."""
+        """Wait for the capture and persist in flight (local); ``flush``: also write the
+        newest window complete on every rank if it is in memory only (collective; raises
+        on every rank if that fails)."""
         self._settle()
-        if self.persist_in_flight is not None:
-            self.persist_in_flight.exception(timeout)
-        if not flush:
-            return
-        self._start_persist()   # books the finished persist
-        with self.run.lock:
-            newest = self.pool.newest_complete()
-            todo = newest if newest is not None and newest.header.get("exact") and not newest.persisted else None
-        if todo is not None:
-            self._persist_pending = todo
-            self._start_persist()
         fut = self.persist_in_flight
         if fut is not None:
-            self.persist_in_flight = None
-            try:
-                fut.result(timeout)
-            except Exception as exc:
-                self.persist_failures += 1
-                raise CheckpointError(f"{self.run.where()}: persisting the exact window failed: {exc}") from exc
+            fut.exception(timeout)
+            self._reap_persist()
+        if not flush:
+            return
+        with self.run.lock:
+            mine = sorted(b.step for b in self.pool.buffers if b.step is not None and b.state == READY
+                          and b.header.get("exact") and b.header.get("run") == self.run.run_id)
+        common = set(mine)
+        for other in self.comm.gather_json(mine):
+            common &= set(other)
+        if not common:
+            return
+        step = max(common)
+        if self.last_persisted_step is not None and step <= self.last_persisted_step:
+            return
+        buf = next(b for b in self.pool.buffers if b.step == step and b.state == READY)
+        if self.due is not None and self.due[1] <= step:
+            self.due = None
+        self._start_persist(buf)
+        fut, self.persist_in_flight = self.persist_in_flight, None
+        try:
+            fut.result(timeout)
+        except Exception as exc:
+            self.persist_failures += 1
+            raise CheckpointError(f"{self.run.where()}: persisting the exact window failed: {exc}") from exc
 
     def shutdown(self, *, wait: bool = True) -> None:
         self._capture.shutdown(wait=wait)
@@ -450,7 +585,8 @@ class ExactCheckpointer:
     def _memory_candidates(self) -> list[dict[str, Any]]:
         units = set(self.layout.units)
         out = [h for h in read_headers(self.pool.directory)
-               if isinstance(h.get("exact"), dict) and set(h["exact"].get("slots", {})) == units]
+               if isinstance(h.get("exact"), dict) and set(h["exact"].get("slots", {})) == units
+               and h.get("world", 1) == self.comm.world]
         return sorted(out, key=lambda h: h["step"])
 
     def _storage_manifest(self):
@@ -467,34 +603,76 @@ class ExactCheckpointer:
             return m
         return None
 
+    def _agree_memory(self, memory: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """The newest window every rank holds in memory (same run, same steps), or None."""
+        keys = [[h["run"], int(h["exact"]["start"]), int(h["step"])] for h in memory]
+        common = {tuple(k) for k in keys}
+        for other in self.comm.gather_json(keys):
+            common &= {tuple(k) for k in other}
+        if not common:
+            return None
+        run, start, end = max(common, key=lambda k: k[2])
+        return next(h for h in memory if h["run"] == run and int(h["step"]) == end
+                    and int(h["exact"]["start"]) == start)
+
     def restore(self) -> int:
-        """Load the newest complete window and start its replay; return the next step to
-        run (the window's first step + 1), 0 when nothing is stored."""
+        """Load the newest window complete on every rank and start its replay; return the
+        next step to run (the window's first step + 1), 0 when nothing is stored.
+        Collective: every rank calls it."""
         self._settle()
         self._abort_window("restore")
         if self.persist_in_flight is not None:
             self.persist_in_flight.exception()
+            self._reap_persist()
         manifest = self._storage_manifest()
+        # every rank reads the manifest rank 0 found (a listing is never trusted to agree)
+        step = self.comm.broadcast_json(None if manifest is None else manifest.step)
+        if step is None:
+            manifest = None
+        elif manifest is None or manifest.step != step:
+            manifest = self.store.read_manifest(step)
         memory = self._memory_candidates()
         if manifest is not None:
             memory = [h for h in memory if h.get("run") == manifest.meta.get("run_id")]
-        replay = None
-        if memory and (manifest is None or memory[-1]["step"] >= manifest.step):
+        chosen = self._agree_memory(memory)
+        replay, problem = None, None
+        if chosen is not None and (manifest is None or chosen["step"] >= manifest.step):
             try:
-                replay = self._from_memory(memory[-1])
+                replay = self._from_memory(chosen)
             except (OSError, ValueError, KeyError) as exc:
-                log.warning("rank %d: the exact window in memory (step %d) is unusable (%s); reading storage",
-                            self.run.rank, memory[-1]["step"], exc)
+                problem = exc
+                log.warning("rank %d: the exact window in memory (step %d) is unusable (%s)", self.run.rank,
+                            chosen["step"], exc)
+            if self.comm.any_true(replay is None):
+                if replay is not None:
+                    self._drop(replay)
+                    replay = None
+                log.warning("rank %d: the exact window in memory (step %d) is not usable on every rank%s; "
+                            "reading storage", self.run.rank, chosen["step"], f" ({problem})" if problem else "")
         if replay is None and manifest is not None:
-            replay = self._from_storage(manifest)
+            error = None
+            try:
+                replay = self._from_storage(manifest)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                error = exc
+            if self.comm.any_true(error is not None):
+                if replay is not None:
+                    self._drop(replay)
+                if error is not None:
+                    raise error
+                raise CheckpointError(f"{self.run.where()}: another rank could not read its part of the exact "
+                                      f"window at step {manifest.step} (see its error)")
         if replay is None:
             return 0
-        self.run.run_id = (memory[-1]["run"] if replay.source == "memory" else manifest.meta.get("run_id")) \
+        self.run.run_id = (chosen["run"] if replay.source == "memory" else manifest.meta.get("run_id")) \
             or self.run.run_id
         self._apply_start(replay)
         self.replays += 1
+        self.last_replay = {"start": replay.start, "end": replay.end, "source": replay.source}
         replay.next = replay.start + 1
         self.expected = replay.start + 1
+        self.next_open = replay.end + 1
+        self.opened, self.completed, self.due = None, None, None
         if replay.end == replay.start:
             self._end_replay(replay)
         else:
@@ -503,8 +681,14 @@ class ExactCheckpointer:
                  replay.start, replay.start, replay.end, replay.source, replay.start + 1, replay.end)
         return replay.start + 1
 
-    def _window_steps(self, ex: Mapping[str, Any], trees: Mapping[tuple[str, int, str], Any]) -> dict[int, Any]:
-        start, w, slots = int(ex["start"]), int(ex["window"]), ex["slots"]
+    def _drop(self, r: _Replay) -> None:
+        r.steps.clear()
+        if r.lease is not None:
+            self.pool.release(r.lease)
+
+    def _window_steps(self, ex: Mapping[str, Any], slots: Mapping[str, int],
+                      trees: Mapping[tuple[str, int, str], Any]) -> dict[int, Any]:
+        start, w = int(ex["start"]), int(ex["window"])
         steps: dict[int, dict[str, Any]] = {}
         for i in range(w):
             t = start + i
@@ -531,7 +715,7 @@ class ExactCheckpointer:
                 trees[(p["what"], int(p["step"]), p["unit"])] = decode_tree(
                     p["skeleton"], [TensorMeta.from_json(m) for m in p["tensors"]], data)
             ex = header["exact"]
-            steps = self._window_steps(ex, trees)
+            steps = self._window_steps(ex, ex["slots"], trees)
         except BaseException:
             self.pool.release(buf)
             raise
@@ -541,25 +725,11 @@ class ExactCheckpointer:
                        source="memory", lease=buf)
 
     def _from_storage(self, manifest) -> _Replay:
+        mine, trees = read_part(self.store, manifest, self.run.rank, self.comm.world, self.layout.units, self.shared)
         ex = manifest.meta["exact"]
-        loaded = self.store.load(manifest.step)
-        trees: dict[tuple[str, int, str], Any] = {}
-        prefix_w, prefix_x = "exact/weights/", "exact/extra/"
-        for name, tree in loaded.units.items():
-            rec = manifest.units[name]
-            if name.startswith(prefix_w):
-                t, unit = name[len(prefix_w):].split("/", 1)
-                trees[("weights", int(t), unit)] = tree
-            elif name.startswith(prefix_x):
-                trees[("extra", rec.step, name)] = tree
-            else:
-                trees[("full", rec.step, name)] = tree
-        missing = set(self.layout.units) - set(ex["slots"])
-        if missing:
-            raise CheckpointError(f"the exact window at step {manifest.step} lacks units {sorted(missing)[:4]} "
-                                  "of this model")
-        return _Replay(start=int(ex["start"]), end=manifest.step, steps=self._window_steps(ex, trees),
-                       grad=ex.get("grad"), source="storage")
+        slots = {u: int(s) for u, s in mine["slots"].items() if u in self.layout.units}
+        return _Replay(start=int(ex["start"]), end=manifest.step, steps=self._window_steps(ex, slots, trees),
+                       grad=mine.get("grad"), source="storage")
 
     def _restore_extra(self, tree: Mapping[str, Any], *, user: bool) -> None:
         extra = tree["extra"]
@@ -604,9 +774,7 @@ class ExactCheckpointer:
 
     def _end_replay(self, r: _Replay) -> None:
         self.replay = None
-        r.steps.clear()
-        if r.lease is not None:
-            self.pool.release(r.lease)
+        self._drop(r)
         log.info("rank %d step %d: exact replay done: the state equals the uninterrupted run's", self.run.rank, r.end)
 
     # -- reporting -------------------------------------------------------------------------
@@ -622,10 +790,11 @@ class ExactCheckpointer:
             "window_open": None if w is None else {"start": w.start, "end": w.end, "steps_captured": len(w.step_bytes)},
             "last_window": self.last_window, "last_step_bytes": self.last_step_bytes,
             "windows_started": self.windows_started, "windows_complete": self.windows_complete,
+            "windows_counted": self.windows_counted, "rounds": self.rounds,
             "windows_persisted": self.windows_persisted, "windows_skipped": self.windows_skipped,
             "windows_failed": self.windows_failed, "last_persisted_step": self.last_persisted_step,
             "persist_failures": self.persist_failures,
             "replaying": None if r is None else {"start": r.start, "end": r.end, "next": r.next, "source": r.source},
-            "replays": self.replays, "replayed_steps": self.replayed_steps,
+            "replays": self.replays, "replayed_steps": self.replayed_steps, "last_replay": self.last_replay,
             "stall_seconds_last": self.stall_last, "stall_seconds_total": self.stall_total,
         }

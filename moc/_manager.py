@@ -46,7 +46,6 @@ from ._coordination import Agreement, Ballot, Coordinator
 from ._dist import Comm
 from ._errors import CheckpointError
 from ._exact import ExactCheckpointer
-from ._layouts import is_dtensor
 from ._persister import Persister
 from ._plan_cache import UnitPlans
 from ._plt import PLTTracker
@@ -185,17 +184,12 @@ class CheckpointManager:
             self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _exact_mode(self, store: CheckpointStore, pool: BufferPool) -> ExactCheckpointer:
-        """``cfg.exact``: the exact-mode protocol (single process for now: refused otherwise)."""
-        if self.world != 1:
-            raise ValueError(f"MoCConfig(exact=True) supports a single process for now; this process group has "
-                             f"{self.world} ranks (use exact=False for several ranks)")
-        sharded = [n for n, p in self.model.named_parameters() if is_dtensor(p)]
-        if sharded:
-            raise ValueError(f"MoCConfig(exact=True) does not support DTensor (FSDP2) parameters yet, e.g. "
-                             f"{sharded[0]!r} (use exact=False)")
+        """``cfg.exact``: the exact-mode protocol; every rank captures and replays its own
+        pieces (DTensor shards included); units several ranks hold are stored per holder."""
+        shared = {u for u in self.inventory.layout.units if len(self.inventory.holders.get(u, ())) > 1}
         return ExactCheckpointer(self.cfg, model=self.model, optimizer=self.optimizer, layout=self.inventory.layout,
-                                 plans=self.plans, pool=pool, store=store, run=self.run,
-                                 extra_tree=self._extra_tree, extra_state=self.extra_state)
+                                 plans=self.plans, pool=pool, store=store, run=self.run, comm=self.comm,
+                                 shared=shared, extra_tree=self._extra_tree, extra_state=self.extra_state)
 
     # -- the parts' public faces -----------------------------------------------------------
     @property
@@ -297,9 +291,11 @@ class CheckpointManager:
             raise RuntimeError("CheckpointManager is closed")
         self.run.last_step = step
         if self.exact is not None:
-            if self._sigterm:
+            # One process flushes at once; several agree on it at the next window's round.
+            if self._sigterm and not self.comm.distributed:
                 self._flush_and_exit()
-            self.exact.step(step)
+            if self.exact.step(step, sigterm=self._sigterm):
+                self._flush_and_exit()
             return
         self.policy.observe_step()
         due = self.policy.due(step)

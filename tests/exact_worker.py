@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> dict:
                 train_step(args.model, model, opt, step, args.data_seed)
                 ckpt.step(step)
                 if step == args.kill_at:
-                    ckpt.wait(flush=False)      # the persist already under way lands (storage tests)
+                    ckpt.wait()                 # the newest complete window is in storage (storage tests)
                     os.kill(os.getpid(), signal.SIGKILL)
             status = ckpt.status()["exact"]
             plt = ckpt.plt()
