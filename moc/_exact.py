@@ -54,6 +54,7 @@ from ._buffers import FREE, PERSIST, READY, BufferPool, SnapshotBuffer, read_hea
 from ._ckpt_store import CheckpointStore
 from ._codec import TensorMeta, TreePlan, decode_tree, plan_tree
 from ._config import MoCConfig
+from ._daemon import DaemonExecutor
 from ._dist import Comm
 from ._errors import CheckpointError
 from ._exact_schedule import ExactSchedule, plan_schedule
@@ -62,6 +63,7 @@ from ._format import UnitRecord
 from ._layouts import UnitLayout, local_tensor
 from ._plan_cache import UnitPlans
 from ._run_state import RunState
+from ._together import tick_seconds, wait_together
 from ._units import _clone_all, apply_partial, apply_units, restore_rng
 
 __all__ = ["ExactCheckpointer", "grad_digest", "weights_name", "extra_name"]
@@ -168,7 +170,9 @@ class ExactCheckpointer:
         self.extra_tree = extra_tree
         self.extra_state = extra_state
         self._capture = ThreadPoolExecutor(1, thread_name_prefix=f"moc-exact-r{run.rank}")
-        self._persist = ThreadPoolExecutor(1, thread_name_prefix=f"moc-exact-persist-r{run.rank}")
+        # Daemon threads: a persist stuck on storage never holds up the process's exit.
+        self._persist = DaemonExecutor(f"moc-exact-persist-r{run.rank}")
+        self._io = DaemonExecutor(f"moc-exact-io-r{run.rank}")
         self.in_flight: Future | None = None
         self.persist_in_flight: Future | None = None
         self.window: _Window | None = None
@@ -313,7 +317,8 @@ class ExactCheckpointer:
         v = torch.zeros(_FIXED + world, dtype=torch.int64)
         v[_NO_BUFFER], v[_PREV_FAILED], v[_SIGTERM], v[_FATAL] = int(no_buffer), int(prev_failed), int(sigterm), \
             int(fatal)
-        v[_BUSY] = int(self.persist_in_flight is not None and not self.persist_in_flight.done())
+        v[_BUSY] = int((self.persist_in_flight is not None and not self.persist_in_flight.done())
+                       or not self._io.idle)
         v[_FIXED + rank] = -1 if candidate is None else candidate
         self.comm.sum_int64(v)
         self.rounds += 1
@@ -503,32 +508,32 @@ class ExactCheckpointer:
 
     def _write(self, buf: SnapshotBuffer) -> None:
         """This rank's part to storage; the ranks' records to rank 0, which commits and tells
-        every rank the outcome (the gathers run whatever failed, so no rank is left waiting)."""
+        every rank the outcome (the gathers run whatever failed, so no rank is left waiting).
+        The storage I/O runs on the I/O thread while the persist threads meet every tick
+        (:func:`moc._together.wait_together`): no collective ever waits on storage."""
         try:
             header = buf.header
             step = int(header["step"])
-            error, records = None, []
-            try:
-                records = write_part(self.store, buf, header, self.run.rank, self.shared)
-            except Exception as exc:  # noqa: BLE001 - reported to rank 0, which commits nothing
-                error = f"rank {self.run.rank}: {type(exc).__name__}: {exc}"
+            tick = tick_seconds(self.cfg.coordination_timeout)
+            io = self._io.submit(self._write_part_io, buf, header)
+            wait_together(self.comm, io, tick=tick, rank=self.run.rank, step=step, doing="writing its part")
+            error, records = io.result()
             mine = {"step": step, "error": error, "meta": rank_meta(header),
                     "records": {r.name: r.to_json() for r in records}}
             parts = self.comm.gather_json(mine, persist=True)
-            outcome = None
+            commit: Future = Future()
             if self.run.rank == 0:
                 errors = [p["error"] for p in parts if p["error"]]
                 if {p["step"] for p in parts} != {step}:
                     errors.append(f"the ranks wrote different windows: {[p['step'] for p in parts]}")
-                if not errors:
-                    try:
-                        recs = [UnitRecord.from_json(n, d) for p in parts for n, d in p["records"].items()]
-                        self.store.commit(step, recs, meta={"run_id": header["run"], "world": self.comm.world,
-                                                            "exact": window_meta(header, [p["meta"] for p in parts])})
-                    except Exception as exc:  # noqa: BLE001 - told to every rank
-                        errors.append(f"commit: {type(exc).__name__}: {exc}")
-                outcome = "; ".join(errors) or None
-            outcome = self.comm.broadcast_json(outcome, persist=True)
+                if errors:
+                    commit.set_result("; ".join(errors))
+                else:
+                    commit = self._io.submit(self._commit_io, step, header, parts)
+            else:
+                commit.set_result(None)
+            wait_together(self.comm, commit, tick=tick, rank=self.run.rank, step=step, doing="committing")
+            outcome = self.comm.broadcast_json(commit.result(), persist=True)
             if outcome:
                 raise CheckpointError(f"the exact window ending at step {step} was not committed: {outcome}")
             with self.run.lock:
@@ -540,6 +545,24 @@ class ExactCheckpointer:
                 if buf.state == PERSIST:
                     buf.state = READY
                 buf.users = max(0, buf.users - 1)
+
+    def _write_part_io(self, buf: SnapshotBuffer, header: dict[str, Any]) -> tuple[str | None, list[UnitRecord]]:
+        """I/O thread: this rank's part, under its own lease on ``buf``."""
+        with self.pool.lease(buf):
+            try:
+                return None, write_part(self.store, buf, header, self.run.rank, self.shared)
+            except Exception as exc:  # noqa: BLE001 - reported to rank 0, which commits nothing
+                return f"rank {self.run.rank}: {type(exc).__name__}: {exc}", []
+
+    def _commit_io(self, step: int, header: dict[str, Any], parts: list[dict[str, Any]]) -> str | None:
+        """I/O thread, rank 0: one manifest for the window; the error, if any."""
+        try:
+            recs = [UnitRecord.from_json(n, d) for p in parts for n, d in p["records"].items()]
+            self.store.commit(step, recs, meta={"run_id": header["run"], "world": self.comm.world,
+                                                "exact": window_meta(header, [p["meta"] for p in parts])})
+            return None
+        except Exception as exc:  # noqa: BLE001 - told to every rank
+            return f"commit: {type(exc).__name__}: {exc}"
 
     def wait(self, *, flush: bool = True, timeout: float | None = None) -> None:
         """Wait for the capture and persist in flight (local); ``flush``: also write the
@@ -576,7 +599,8 @@ class ExactCheckpointer:
 
     def shutdown(self, *, wait: bool = True) -> None:
         self._capture.shutdown(wait=wait)
-        self._persist.shutdown(wait=wait)
+        self._persist.shutdown(wait=wait, timeout=30.0)
+        self._io.shutdown(wait=wait, timeout=30.0)
         r, self.replay = self.replay, None
         if r is not None and r.lease is not None:
             self.pool.release(r.lease)

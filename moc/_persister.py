@@ -24,6 +24,7 @@ from ._format import ChunkRecord, Manifest, UnitRecord
 from ._plt import PLTTracker
 from ._policy import CheckpointPolicy
 from ._run_state import RunState
+from ._together import tick_seconds, wait_together
 
 __all__ = ["Persister"]
 
@@ -197,32 +198,12 @@ class Persister:
                     buf.users = max(0, buf.users - 1)
 
     def _wait_together(self, fut: Future, step: int, doing: str) -> None:
-        """Meet the other ranks every :attr:`tick` seconds until ``fut`` is done on every
-        rank (collective, persist group). Logs who is still waiting on storage every
-        minute: a slow store is visible, never silent."""
-        tick = self.tick
-        started = last_log = time.monotonic()
-        while True:
-            try:
-                fut.result(timeout=tick)
-            except FuturesTimeout:
-                pass
-            except Exception:  # noqa: BLE001 - the I/O jobs report errors in their result
-                pass
-            done = self.comm.gather_json(fut.done(), persist=True)
-            if all(done):
-                return
-            now = time.monotonic()
-            if now - last_log >= 60.0:
-                last_log = now
-                waiting = [i for i, d in enumerate(done) if not d]
-                log.warning("rank %d step %d: persist %s for %.0f s; storage still busy on rank(s) %s",
-                            self.run.rank, step, doing, now - started, waiting)
+        wait_together(self.comm, fut, tick=self.tick, rank=self.run.rank, step=step, doing=doing)
 
     @property
     def tick(self) -> float:
         """Seconds between the persist threads' meetings: well inside the group's timeout."""
-        return max(0.05, min(1.0, self.cfg.coordination_timeout.total_seconds() / 10))
+        return tick_seconds(self.cfg.coordination_timeout)
 
     def _write_io(self, snap: Future | None, step: int, hand: "_Handoff") -> tuple[dict[str, Any], None]:
         """I/O thread: find the snapshot of ``step``, lease it (one lease for this job, one
