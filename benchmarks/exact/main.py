@@ -283,6 +283,10 @@ def run(p: dict[str, Any], out: Path, log) -> dict[str, Any]:
     t_all = time.perf_counter()
     load0 = loadavg()
     torch.set_num_threads(p.get("threads") or torch.get_num_threads())
+    # Bit-identical replay needs deterministic kernels: with 2 intra-op threads this model's
+    # backward (fused experts) gives other float sums on every run, and the replay's check
+    # of the window's second step would stop the recovery ("replay diverged").
+    torch.use_deterministic_algorithms(True)
     tr = HFTrainer(p)
     state = (tr.P_ne + tr.P_e) * 12
     block(tr, 2)
