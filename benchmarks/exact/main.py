@@ -65,9 +65,11 @@ from moc._plt import PLTTracker  # noqa: E402
 
 W_TARGET = 8                         # the issue's window
 PEC_INTERVAL = 50                    # PEC K=1 every 50 steps
-FULL = dict(HF_FULL, k_snapshot=HF_FULL["experts"] // W_TARGET, warm_windows=1, windows=2)
+# warm_windows=3: each of the three shared-memory buffers is first used (its pages
+# allocated: posix_fallocate in the window's first step()) before the measured windows
+FULL = dict(HF_FULL, k_snapshot=HF_FULL["experts"] // W_TARGET, warm_windows=3, windows=2)
 # --quick: small enough for a couple of minutes, big enough that a step is not all overhead
-QUICK = dict(HF_QUICK, dim=256, experts=16, moe_hidden=256, tokens=512, seq=256, warm_windows=1, windows=2)
+QUICK = dict(HF_QUICK, dim=256, experts=16, moe_hidden=256, tokens=512, seq=256, warm_windows=3, windows=2)
 QUICK["k_snapshot"] = QUICK["experts"] // W_TARGET
 CRASH_AFTER = 3                      # steps into the next window when the process "dies"
 
@@ -182,7 +184,7 @@ def run_exact(tr: HFTrainer, p: dict[str, Any], root: Path, shm: Path, log) -> d
     ckpt = CheckpointManager(cfg, model=tr.model, optimizer=tr.opt)
     sched = ckpt.exact.schedule()
     w = sched.window
-    block(tr, w * p["warm_windows"], ckpt)                   # buffer allocation, first persist
+    warm = block(tr, w * p["warm_windows"], ckpt)            # buffers' first use, first persist
     m = measured(tr, ckpt, w * p["windows"])
     end = tr.step_no                                          # a window ended here
     ref = snapshot_state(tr)
@@ -204,13 +206,13 @@ def run_exact(tr: HFTrainer, p: dict[str, Any], root: Path, shm: Path, log) -> d
             "window_bytes": lw["bytes"], "formula_step_bytes": formula, "state_bytes_units": sum(f_bytes.values()),
             "weights_bytes_units": sum(w_bytes.values()), "persisted_window": persisted,
             "windows_complete": st["windows_complete"], "windows_skipped": st["windows_skipped"],
-            "windows_persisted": st["windows_persisted"], "recovery": rec}
+            "windows_persisted": st["windows_persisted"], "recovery": rec, "warm_calls": warm["call"]}
 
 
 def run_full(tr: HFTrainer, p: dict[str, Any], root: Path, shm: Path, window: int, log) -> dict[str, Any]:
     cfg = make_cfg("full", p, root, shm, window)
     ckpt = CheckpointManager(cfg, model=tr.model, optimizer=tr.opt)
-    block(tr, window * p["warm_windows"], ckpt)
+    warm = block(tr, window * p["warm_windows"], ckpt)
     m = measured(tr, ckpt, window * p["windows"])
     end = tr.step_no
     ckpt.wait()                                               # the newest snapshot persisted too
@@ -223,7 +225,7 @@ def run_full(tr: HFTrainer, p: dict[str, Any], root: Path, shm: Path, window: in
     rec = [recover(tr, cfg, src, ref, end, log) for src in ("memory", "storage")]
     shutil.rmtree(root / "full", ignore_errors=True)
     return {**m, "size": size, "snapshots_skipped": st["snapshots_skipped"], "persists_skipped": st["persists_skipped"],
-            "recovery": rec}
+            "recovery": rec, "warm_calls": warm["call"]}
 
 
 def run_pec(tr: HFTrainer, p: dict[str, Any], root: Path, shm: Path, window: int, log) -> dict[str, Any]:
@@ -443,6 +445,13 @@ def render(r: dict[str, Any], quick: bool) -> str:
              f"checkpoint): each expert comes back from its own version, on average {pp['lost_steps']:,.0f} "
              f"steps old weighted by its tokens ({pp['lost_tokens_per_layer']:,.0f} tokens per layer). Not trained: "
              f"it is accounting, as the simulator's.")
+    wc = ex.get("warm_calls") or []
+    if wc:
+        firsts = [wc[i] for i in range(0, len(wc), w)]
+        L.append(f"- Not in the figures above: the first window into each of the three buffers "
+                 f"({p['warm_windows']} warm-up windows before the measured ones): `step()` at those windows' first "
+                 f"step took {', '.join(f'{x:.2f}' for x in firsts)} s, where the buffer's pages for a whole window "
+                 f"are allocated (`posix_fallocate`); a buffer is reused after that.")
     L.append(f"- Full checkpoints every step: snapshots skipped {fu['snapshots_skipped']}, persists skipped "
              f"{fu['persists_skipped']}. Exact: windows complete {ex['windows_complete']}, skipped "
              f"{ex['windows_skipped']}, persisted {ex['windows_persisted']}.")
