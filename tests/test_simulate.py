@@ -137,7 +137,7 @@ def test_idle_until_a_join_then_resume() -> None:
     assert out["steps"] == pytest.approx(30 - 24 - 1)  # 6 s of steps incl. one 1 s checkpoint
 
 
-@pytest.mark.parametrize("mode", ["full", "pec", "two-level"])
+@pytest.mark.parametrize("mode", ["full", "pec", "two-level", "exact"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_buckets_cover_time_exactly_under_churn(mode: str, seed: int) -> None:
     model, perf = preset("gpt-l")
