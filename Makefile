@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 # `titan` extra brings what its modules do import (einops, tyro, torchdata, spmd_types, triton...).
 TORCHTITAN_PIN ?= torchtitan==0.3.0
 
-.PHONY: test test-gpu demo demo-moc docs-heatmap bench bench-store bench-placement bench-node-gpus bench-dispatch bench-hf bench-moc bench-simulate bench-runtime bench-peers bench-gpu soak soak-matrix install check-install clean
+.PHONY: test test-gpu demo demo-moc docs-heatmap bench bench-store bench-placement bench-node-gpus bench-dispatch bench-hf bench-moc bench-simulate bench-runtime bench-peers bench-exact bench-gpu soak soak-matrix install check-install clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -76,6 +76,14 @@ bench-simulate: $(STAMP)
 # (not part of `make bench`: about 6 minutes; QUICK=1 for the under-3-minutes form).
 bench-peers: $(STAMP)
 	$(VPY) benchmarks/peers/main.py $(if $(QUICK),--quick)
+
+# Exact mode (MoCConfig(exact=True)) vs full checkpoints every step vs PEC K=1 every 50 steps on
+# benchmarks/moc_hf's 1.3 GB Qwen3-MoE, then ETTR against MTBF from `lazarus simulate` (not part
+# of `make bench`: ~15 min on 2 loaded cores; QUICK=1: a small model, ~2 min).
+bench-exact: $(STAMP)
+	$(VPY) -m pip install --quiet -e ".[dev,bench]"
+	$(VPY) benchmarks/exact/main.py $(if $(QUICK),--quick --out runs/bench-exact-quick)
+	$(VPY) benchmarks/exact/ettr.py $(if $(QUICK),--quick --out runs/bench-exact-quick)
 
 # Chaos soak of a live job (not part of `make test`): MINUTES of seeded random faults,
 # LOAD CPU-bound busy processes beside it.

@@ -137,7 +137,7 @@ def test_idle_until_a_join_then_resume() -> None:
     assert out["steps"] == pytest.approx(30 - 24 - 1)  # 6 s of steps incl. one 1 s checkpoint
 
 
-@pytest.mark.parametrize("mode", ["full", "pec", "two-level"])
+@pytest.mark.parametrize("mode", ["full", "pec", "two-level", "exact"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_buckets_cover_time_exactly_under_churn(mode: str, seed: int) -> None:
     model, perf = preset("gpt-l")
@@ -308,3 +308,87 @@ def test_cli_seeded_and_reproducible(cli, capsys) -> None:
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1]
     assert outs[0] != outs[2]
+
+
+# ----------------------------------------------------------------------------- exact mode
+# W = 2; bytes per step (docs/exact.md): P/W * (B + (W-1-i) * B_w) = 0.5e9 * (1 + 0.5), 0.5e9 * 1:
+# 0.75 GB and 0.5 GB, a window 1.25 GB; copies of 0.19 GB per node hide in a 1 s step.
+EXACT = PERF.with_overrides({"exact_window_steps": 2, "exact_weight_bytes": 0.5, "persist_every": 1})
+
+
+def _run_exact(system: str, events: list[Event], perf: PerfParams = EXACT, duration: float = 40.0) -> dict:
+    cfg = SimConfig(model=TINY, nodes=4, perf=perf, systems=(system,), checkpoint="exact",
+                    duration_s=duration, skew=FLAT)
+    out = simulate(cfg, Scenario(tuple(f"n{i}" for i in range(4)), events)).to_dict()["systems"][system]
+    assert math.isclose(sum(out["breakdown"].values()), out["sim_time_s"], abs_tol=0.01)
+    return out
+
+
+def _near(got: dict, want: dict) -> None:
+    """``_close`` at the 3 decimals ``result()`` rounds to."""
+    assert got == pytest.approx({b: 0.0 for b in BUCKETS} | want, abs=1e-3)
+
+
+def test_exact_step_bytes_formula() -> None:
+    assert TINY.exact_step_bytes(2, 0.5) == pytest.approx([0.75e9, 0.5e9])
+    m, _ = preset("deepseek-16b")
+    per_step = m.exact_step_bytes(8, 4.0)
+    # mean per step = full / W + weights * (W - 1) / (2 W): 12.5% + 4/14 * 7/16 = 25.0% of a full checkpoint
+    assert sum(per_step) / 8 / m.state_bytes() == pytest.approx(1 / 8 + 4 / 14 * 7 / 16)
+    assert per_step[0] > per_step[-1] == pytest.approx(m.state_bytes() / 8)
+
+
+def test_exact_ds_restart_rolls_back_to_the_window_start_and_replays() -> None:
+    # windows end at steps 2, 4, ..., 14 (no stall: the copies hide in the step). n0 dies at
+    # 14.5 s: the newest window (13-14) is loaded, 3/4 of it from memory on the 2 nodes DS
+    # keeps, 1/4 from storage: 0.75 * 1.25 / 2 + 0.25 * 1.25 = 0.78125 s; progress goes back
+    # to step 13 (1.5 s lost: half a step + the step replayed), restart 2 + 10 + 0.78125 s.
+    out = _run_exact("ds", [Event(14.5, "remove", ("n0",))])
+    _near(out["breakdown"], {"compute": 40 - 1.5 - 12.78125, "restart": 12.78125, "lost": 1.5})
+    assert out["steps"] == pytest.approx(13 + 40 - 14.5 - 12.78125, abs=1e-3)
+    assert out["plt"] == 0.0 and out["counts"]["restarts"] == 1
+    assert out["ettr"] == pytest.approx((40 - 1.5 - 12.78125) / 40, abs=1e-6)
+    # windows 2-14 before the failure; after it step 14 is replayed (no capture), then
+    # windows end at 16, ..., 24
+    assert out["counts"]["checkpoints"] == 7 + 5
+
+
+def test_exact_stall_when_the_copy_outgrows_the_step() -> None:
+    # snapshot copies at 0.1 GB/s: 0.75 / 4 / 0.1 = 1.875 s and 1.25 s per step, 1 s of
+    # each hidden by the step: 0.875 + 0.25 = 1.125 s per window of 2 steps
+    slow = EXACT.with_overrides({"snapshot_gbps": 0.1})
+    out = _run_exact("ds", [], perf=slow, duration=3.125 * 4)
+    _near(out["breakdown"], {"compute": 8.0, "checkpoint": 4 * 1.125})
+
+
+def test_exact_lazarus_fallback_replays_instead_of_booking_plt() -> None:
+    holders = _holders_of_expert0(4)
+    ev = [Event(14.5, "remove", holders)]
+    out = _run_exact("lazarus", ev)
+    # reconfigure (2 + 3 s), then load the window 13-14 (half from memory on 2 nodes, half
+    # from storage: 0.3125 + 0.625 s) and replay from step 13: 1.5 s lost, no PLT
+    assert out["counts"]["fallbacks"] == 1 and out["counts"]["restarts"] == 0
+    assert out["breakdown"]["reconfiguration"] == pytest.approx(5.0, abs=1e-6)
+    assert out["breakdown"]["restart"] == pytest.approx(0.9375, abs=1e-3)
+    assert out["breakdown"]["lost"] == pytest.approx(1.5)
+    assert out["plt"] == 0.0
+    pec = _run("lazarus", ev, checkpoint="pec")
+    assert pec["plt"] > 0 and pec["breakdown"]["lost"] == pytest.approx(0.5)
+
+
+def test_cli_exact_replace_reports_ettr(cli, capsys) -> None:
+    argv = ["simulate", "--model", "deepseek-16b", "--nodes", "8", "--duration", "2h", "--fail-every", "10m",
+            "--replace", "--systems", "ds", "--zipf", "0", "--json"]
+    ettr = {}
+    for mode in ("full", "exact"):
+        assert cli(argv + ["--checkpoint", mode]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["scenario"]["name"] == "fail-every-600s-replaced" and out["scenario"]["max_nodes"] == 8
+        r = out["systems"]["ds"]
+        assert r["counts"]["restarts"] == 11            # one failure every 10 min, each replaced
+        assert r["ettr"] == pytest.approx(r["breakdown"]["compute"] / 7200, abs=1e-5)
+        ettr[mode] = r["ettr"]
+    assert r["plt"] == 0.0
+    assert ettr["exact"] > ettr["full"]                 # no 23 s blocking saves, less rolled back
+    assert cli(["simulate", "--replace"]) == 2
+    assert "--replace needs --fail-every" in capsys.readouterr().err

@@ -37,13 +37,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--trace", default=None, help="CSV (ms,num_nodes or seconds,num_nodes) or JSON-lines trace")
     src.add_argument("--preempt-prob", type=float, default=None, help="per-node preemption probability per hour")
     p.add_argument("--alloc-prob", type=float, default=None, help="per-missing-node allocation probability per hour (with --preempt-prob; default 0.5)")
+    p.add_argument("--replace", action="store_true",
+                   help="with --fail-every: a spare replaces each failed node at once (the MTBF setting of ETTR)")
     p.add_argument("--min-alive", type=int, default=None, help="with --fail-every: stop failing at this many nodes (default half)")
     p.add_argument("--trace-start", default="0", help="trace segment start (e.g. 50m; default 0)")
     p.add_argument("--trace-minutes", type=float, default=None, help="trace segment length in minutes (default: to the end)")
     p.add_argument("--trace-cap", type=int, default=None, help="use at most this many of the trace's nodes")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of ds,dsft,lazarus (default all)")
     p.add_argument("--checkpoint", default="full", choices=CHECKPOINT_MODES,
-                   help="full checkpoints, MoC partial (pec) or MoC two-level (default full)")
+                   help="full checkpoints, MoC partial (pec), MoC two-level, or MoC exact mode (a scheduled "
+                        "part of the state every step, replay of the window on recovery, no PLT) (default full)")
     p.add_argument("--zipf", type=float, default=1.0, help="synthetic routing skew exponent (default 1.0)")
     p.add_argument("--drift", type=float, default=0.3, help="log-normal drift of loads per epoch (default 0.3)")
     p.add_argument("--routing-trace", default=None, help="JSON lines {step, layer, counts} instead of Zipf")
@@ -78,6 +81,8 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Scenario]:
         raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
     if args.alloc_prob is not None and args.preempt_prob is None:
         raise ValueError("--alloc-prob needs --preempt-prob")
+    if args.replace and not args.fail_every:
+        raise ValueError("--replace needs --fail-every")
     systems = _systems(args.systems)
     nodes = args.nodes or 10
     duration = None
@@ -98,7 +103,7 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Scenario]:
         nodes = args.nodes or max(1, scenario.max_nodes())
     elif args.fail_every:
         every = parse_duration(args.fail_every, "--fail-every")
-        scenario = fail_every(nodes, every, span, min_alive=args.min_alive, seed=args.seed)
+        scenario = fail_every(nodes, every, span, min_alive=args.min_alive, seed=args.seed, replace=args.replace)
     elif args.preempt_prob is not None:
         alloc = 0.5 if args.alloc_prob is None else args.alloc_prob
         scenario = bamboo(nodes, args.preempt_prob, alloc, span, seed=args.seed)
@@ -114,14 +119,14 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Scenario]:
 def _table(out: dict[str, Any]) -> str:
     rows = [f"model {out['model']}, checkpoints {out['checkpoint']}, scenario {out['scenario']['name']} "
             f"({out['scenario']['initial_nodes']} nodes at start, {out['scenario']['events']} events)"]
-    head = ["system", "samples", "jct_s", "compute", "checkpoint", "restart", "reconfig", "lost", "idle"]
+    head = ["system", "samples", "jct_s", "compute", "checkpoint", "restart", "reconfig", "lost", "idle", "ettr"]
     rows.append("  ".join(f"{h:>10}" for h in head))
     base = out["systems"].get("ds", {}).get("samples")
     for name, r in out["systems"].items():
         b = r["breakdown"]
         jct = "-" if r["jct_s"] is None else f"{r['jct_s']:.0f}"
         cells = [name, f"{r['samples']:.0f}", jct] + [f"{b[k]:.0f}" for k in
-                 ("compute", "checkpoint", "restart", "reconfiguration", "lost", "idle")]
+                 ("compute", "checkpoint", "restart", "reconfiguration", "lost", "idle")] + [f"{r['ettr']:.3f}"]
         line = "  ".join(f"{c:>10}" for c in cells)
         if base:
             line += f"   {r['samples'] / base:.2f}x DS"

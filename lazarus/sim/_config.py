@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 SYSTEMS = ("ds", "dsft", "lazarus")
-CHECKPOINT_MODES = ("full", "pec", "two-level")
+CHECKPOINT_MODES = ("full", "pec", "two-level", "exact")
 
 
 def _positive(obj: object, *names: str, allow_zero: bool = False) -> None:
@@ -80,6 +80,15 @@ class ModelSpec:
         p_e = self.expert_params * self.num_experts * self.moe_layers
         return (self.non_expert_params + p_e * k / self.num_experts) * self.bytes_per_param
 
+    def exact_step_bytes(self, window: int, weight_bytes: float) -> list[float]:
+        """Bytes exact mode (``MoCConfig(exact=True)``) captures at each step of a window of
+        ``window`` steps (docs/exact.md): at step i the full state (``bytes_per_param``) of
+        the units of slot i and the compute weights (``weight_bytes`` per parameter) of the
+        units of the later slots; every slot holds 1/W of the experts of each layer and of
+        the non-expert parameters: ``P/W * (B + (W - 1 - i) * B_w)``."""
+        p = self.non_expert_params + self.expert_params * self.num_experts * self.moe_layers
+        return [p / window * (self.bytes_per_param + (window - 1 - i) * weight_bytes) for i in range(window)]
+
 
 @dataclass(frozen=True)
 class PerfParams:
@@ -109,15 +118,17 @@ class PerfParams:
     persist_every: int = 4
     plt_threshold: float = 0.0375
     dynamic_k: bool = True
+    exact_window_steps: int = 8
+    exact_weight_bytes: float = 4.0
 
     def __post_init__(self) -> None:
         _positive(self, "transfer_gbps", "storage_write_gbps", "storage_read_gbps",
-                  "memory_read_gbps", "snapshot_gbps")
+                  "memory_read_gbps", "snapshot_gbps", "exact_weight_bytes")
         _positive(self, "detect_s", "restart_s", "reconfig_s", "rebalance_s", "ckpt_call_s",
                   "dispatch_overhead", "join_window_s", "plt_threshold", allow_zero=True)
         for name in ("ds_interval_steps", "ft_interval_steps", "lazarus_interval_steps",
                      "moc_interval_divisor", "rebalance_every_steps", "skew_epoch_steps",
-                     "min_replicas", "k_persist", "persist_every"):
+                     "min_replicas", "k_persist", "persist_every", "exact_window_steps"):
             _integer(self, name, 1)
         if not 0.0 <= self.fb_fraction <= 1.0:
             raise ValueError(f"PerfParams.fb_fraction must be in [0, 1], got {self.fb_fraction!r}")
@@ -177,6 +188,10 @@ class SimConfig:
                 _positive(self, name)
         if self.perf.min_replicas > self.nodes:
             raise ValueError(f"PerfParams.min_replicas must be <= nodes ({self.nodes}), got {self.perf.min_replicas}")
+        if self.checkpoint == "exact" and self.perf.exact_weight_bytes > self.model.bytes_per_param:
+            raise ValueError(f"PerfParams.exact_weight_bytes must be <= ModelSpec.bytes_per_param "
+                             f"({self.model.bytes_per_param}: weights are part of the full state), "
+                             f"got {self.perf.exact_weight_bytes}")
         if self.perf.k_persist > self.model.num_experts:
             raise ValueError(f"PerfParams.k_persist must be in [1, {self.model.num_experts}] (num_experts), got {self.perf.k_persist}")
 

@@ -54,6 +54,12 @@ class SystemRun:
                        "rebalances": 0, "checkpoints": 0, "idle_periods": 0}
         base = system.interval_steps()
         self.interval = base if self.mode == "full" else max(1, base // self.p.moc_interval_divisor)
+        self.replay_until = -1  # exact: the window being replayed ends here (no capture before)
+        self.windows = 0        # exact: complete windows
+        if self.mode == "exact":
+            # exact mode captures every step; a window of W steps is booked at its end
+            self.interval = self.p.exact_window_steps
+            self.exact_bytes = self.m.exact_step_bytes(self.interval, self.p.exact_weight_bytes)
 
     # ------------------------------------------------------------------ bookkeeping
     def _add(self, bucket: str, dt: float, **kw: float) -> None:
@@ -106,7 +112,34 @@ class SystemRun:
         n = len(self.sys.active)
         return step_seconds(self.m, self.p, n, self.sys.imbalance(int(self.step)), self.sys.dispatcher)
 
+    def _exact_window(self, s: int) -> None:
+        """The window ending at step ``s``: every step's capture (snapshot copy beyond what
+        the step's forward + backward hides, + the call), booked at the window's end; the
+        window is persisted if due (the first, then every ``persist_every``-th) and no
+        persist is still writing (moc skips it then, it does not wait)."""
+        if s <= self.replay_until:
+            return  # replayed steps capture nothing; the window in memory still holds them
+        n = len(self.sys.active)
+        tau = self._tau()
+        stall = sum(self.p.ckpt_call_s + max(0.0, b / n / (self.p.snapshot_gbps * 1e9) - self.p.fb_fraction * tau)
+                    for b in self.exact_bytes)
+        self.counts["checkpoints"] += 1
+        window = sum(self.exact_bytes)
+        due = self.windows % self.p.persist_every == 0
+        free = max(done for _, done in self.persists) <= self.t + stall + _EPS
+
+        def done() -> None:
+            self.windows += 1
+            self.snap_step = s
+            if due and free:
+                self.persists.append((s, self.t + window / (self.p.storage_write_gbps * 1e9)))
+
+        self.queue.append(["checkpoint", stall, done])
+
     def _checkpoint(self, s: int) -> None:
+        if self.mode == "exact":
+            self._exact_window(s)
+            return
         n = len(self.sys.active)
         wb = self.p.storage_write_gbps * 1e9
         self.counts["checkpoints"] += 1
@@ -140,6 +173,8 @@ class SystemRun:
         """(step to roll back to, seconds to load it) for a checkpoint restart."""
         full = self.m.state_bytes()
         rb = self.p.storage_read_gbps * 1e9
+        if self.mode == "exact":
+            return self._restore_window(failed_frac)
         if self.mode == "two-level" and failed_frac < 1.0 and self.snap_step > 0:
             to = self.snap_step
             n = max(1, len(self.sys.active))
@@ -152,6 +187,26 @@ class SystemRun:
                 self._plt(1.0, to)
         self.persists = [(s, d) for s, d in self.persists if d <= self.t + _EPS]
         self.snap_step = to
+        return to, secs
+
+    def _restore_window(self, failed_frac: float) -> tuple[int, float]:
+        """Exact mode: load the newest complete window (survivors from memory, the failed
+        nodes' share from storage; all from storage when every node failed) and roll back to
+        its first step; its other W - 1 steps are trained again (the replay). No PLT."""
+        w = self.p.exact_window_steps
+        window = sum(self.exact_bytes)
+        rb = self.p.storage_read_gbps * 1e9
+        if failed_frac < 1.0 and self.snap_step > 0:
+            end = self.snap_step
+            n = max(1, len(self.sys.active))
+            secs = (1 - failed_frac) * window / n / (self.p.memory_read_gbps * 1e9) + failed_frac * window / rb
+        else:
+            end = self.durable_step()
+            secs = window / rb if end > 0 else 0.0
+        to = max(0, end - w + 1) if end > 0 else 0
+        self.persists = [(s, d) for s, d in self.persists if d <= self.t + _EPS]
+        self.snap_step = end
+        self.replay_until = end
         return to, secs
 
     def _plt(self, share: float, at_step: int) -> None:
@@ -178,6 +233,14 @@ class SystemRun:
             self.sys.configure(alive, int(self.step))
             d = Decision("restart" if self.sys.active else "idle")
         self.queue = []
+        if d.kind == "fallback" and self.mode == "exact":
+            # every replica of some expert is gone: reconfigure, then every node rolls back to
+            # the window's first step and replays it (no stale expert, no PLT)
+            self.counts["fallbacks"] += 1
+            to, secs = self._restore(failed)
+            self._rollback(to)
+            self.queue += [["reconfiguration", self.p.detect_s + d.seconds, None], ["restart", secs, None]]
+            return
         if d.kind in ("restart", "idle"):
             to, secs = self._restore(failed)
             self._rollback(to)
@@ -209,7 +272,7 @@ class SystemRun:
             self.pending_restore = 0.0
         elif d.kind == "scale":
             full, n = self.m.state_bytes(), len(self.sys.active)
-            if self.mode == "two-level":
+            if self.mode in ("two-level", "exact"):
                 save = self.p.ckpt_call_s + full / n / (self.p.snapshot_gbps * 1e9)
                 load = full / n / (self.p.memory_read_gbps * 1e9)
             else:
@@ -331,6 +394,8 @@ class SystemRun:
             "sim_time_s": round(elapsed, 3),
             "breakdown": {b: round(v, 3) for b, v in total.items()},
             "mean_nodes_computing": round(node_s / comp, 3) if comp else 0.0,
+            # effective training time ratio: time spent on steps that count / simulated time
+            "ettr": round(total["compute"] / elapsed, 6) if elapsed > 0 else 0.0,
             "counts": dict(self.counts),
         }
         if self.mode != "full":

@@ -86,7 +86,26 @@ DEEPSEEK_V3 = ModelSpec(
     sim_layers=8,  # placement/skew simulated on 8 representative layers, costs scaled to 58
 )
 
-PRESETS: dict[str, ModelSpec] = {m.name: m for m in (GPT_S, GPT_M, GPT_L, DEEPSEEK_V3)}
+# DeepSeekMoE 16B (DeepSeekMoE paper, arXiv 2401.06066): the model of MoEvement's ETTR
+# figure (arXiv 2412.15411: ETTR >= 0.94 at an MTBF of 10 minutes). Cluster and step assumed.
+DEEPSEEK_16B = ModelSpec(
+    name="deepseek-16b",
+    num_experts=64,  # DeepSeekMoE 16B: 64 routed experts per MoE layer (2 shared: counted below)
+    moe_layers=27,  # 28 layers, the first dense
+    expert_params=3 * 2048 * 1408,  # SwiGLU expert, hidden 2048, expert dim 1408
+    non_expert_params=16.4e9 - 27 * 64 * 3 * 2048 * 1408,  # 16.4 B total minus the routed experts
+    bytes_per_param=_B,
+    gpus_per_node=8,  # assumed: 8 nodes of 8 GPUs
+    slots_per_node=16,  # assumed: 2 expert replicas per GPU (f = 2 fits on 8 nodes)
+    samples_per_node_step=128,  # assumed: 8 x 128 sequences of 4,096 tokens = 4.2 M tokens per step
+    step_s=3.0,  # assumed: 6 x 2.8 B active params x 4.2 M tokens at ~400 TFLOP/s per GPU on 64 GPUs
+    ref_nodes=8,
+    expert_fraction=0.5,  # assumed, as DeepSeek-V3
+    top_k=6,
+    sim_layers=4,  # placement/skew simulated on 4 representative layers, costs scaled to 27
+)
+
+PRESETS: dict[str, ModelSpec] = {m.name: m for m in (GPT_S, GPT_M, GPT_L, DEEPSEEK_V3, DEEPSEEK_16B)}
 
 DEFAULT_PERF = PerfParams(
     detect_s=15.0,  # paper 6.3: 10-20 s for enqueued NCCL kernels to time out
@@ -115,6 +134,9 @@ DEFAULT_PERF = PerfParams(
     persist_every=4,  # bench: "2 levels" rows persist every 4th snapshot
     plt_threshold=0.0375,  # MoC 4.2: PLT below 3.75% keeps accuracy
     dynamic_k=True,  # MoC 5.3: double K when PLT crosses the threshold
+    exact_window_steps=8,  # issue 22 / benchmarks/exact: W = 8 (k_snapshot = E / 8)
+    exact_weight_bytes=4.0,  # moc exact mode captures the state_dict tensors: fp32 parameters
+    # (FSDP2 mixed precision keeps fp32 parameters; MoEvement captures 2-byte compute weights)
 )
 
 # DeepSeek-V3-like cluster (paper 6.7: 8 x H200 and 8 x 400 Gbps NICs per node).
@@ -128,7 +150,16 @@ DEEPSEEK_PERF = DEFAULT_PERF.with_overrides({
     "snapshot_gbps": 100.0,  # assumed: 8 GPUs x PCIe 5 copies per node
 })
 
-PRESET_PERF: dict[str, PerfParams] = {"deepseek-v3": DEEPSEEK_PERF}
+# The 8-node DeepSeekMoE 16B cluster: a parallel file system and per-node copies as above.
+DEEPSEEK_16B_PERF = DEFAULT_PERF.with_overrides({
+    "storage_write_gbps": 10.0,  # assumed: a parallel file system's share for an 8-node job
+    "storage_read_gbps": 20.0,  # assumed: reads twice as fast as writes
+    "memory_read_gbps": 20.0,  # assumed: host memory -> GPU per node (as DeepSeek-V3)
+    "snapshot_gbps": 100.0,  # assumed: 8 GPUs x PCIe 5 copies per node (as DeepSeek-V3)
+    "transfer_gbps": 400.0,  # assumed: 8 x 400 Gbps NICs per node (as DeepSeek-V3)
+})
+
+PRESET_PERF: dict[str, PerfParams] = {"deepseek-v3": DEEPSEEK_PERF, "deepseek-16b": DEEPSEEK_16B_PERF}
 
 
 def preset(name: str) -> tuple[ModelSpec, PerfParams]:
