@@ -48,6 +48,7 @@ _SIZES: dict[str, Any] = {
     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 0,
     "tie_word_embeddings": False, "use_cache": False,
     "first_k_dense_replace": 0, "moe_layer_start_index": 0, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "zero_expert_num": 2, "encoder_ffn_dim": 48, "decoder_ffn_dim": 48, "ffn_hidden_size": 48,
     "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 1,
 }
 # Fields a default config may leave None on purpose (feature off): only shrunk when set.
