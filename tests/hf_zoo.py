@@ -17,7 +17,10 @@ is unusual.
 from __future__ import annotations
 
 import functools
+import glob
 import importlib
+import importlib.util
+import os
 import warnings
 from typing import Any, Callable
 
@@ -96,6 +99,23 @@ def _model_class_name(model_type: str) -> tuple[str, str] | None:
     return None
 
 
+def _config_source_mentions_experts(model_type: str) -> bool:
+    """Does the package's configuration source of ``model_type`` name an experts-count
+    field? (Read as text: importing and instantiating every config costs most of the
+    enumeration.) True when the source cannot be found, so nothing is skipped unread."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    spec = importlib.util.find_spec(f"transformers.models.{model_type_to_module_name(model_type)}")
+    if spec is None or not spec.submodule_search_locations:
+        return True
+    folder = spec.submodule_search_locations[0]
+    files = glob.glob(os.path.join(folder, "configuration_*.py"))
+    if not files:
+        return True
+    text = "".join(open(f, encoding="utf-8").read() for f in files)
+    return any(k in text for k in EXPERT_KEYS)
+
+
 @functools.lru_cache(maxsize=1)
 def architectures() -> tuple[str, ...]:
     """Model types of the installed transformers whose config declares experts and that
@@ -105,6 +125,8 @@ def architectures() -> tuple[str, ...]:
     seen: set[str] = set()
     out = []
     for model_type in sorted(CONFIG_MAPPING_NAMES):
+        if not _config_source_mentions_experts(model_type):
+            continue     # cheap: no config of this type can declare experts (most of the ~800)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
