@@ -51,6 +51,10 @@ _SIZES: dict[str, Any] = {
     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 0,
     "tie_word_embeddings": False, "use_cache": False,
     "first_k_dense_replace": 0, "moe_layer_start_index": 0, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8,     # Gemma 4 (134M params else)
+    "unpadded_vocab_size": VOCAB, "swa_head_dim": 8, "linear_head_dim": 8, "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "index_n_heads": 4, "index_head_dim": 16, "index_topk": 16,
     "zero_expert_num": 2, "encoder_ffn_dim": 48, "decoder_ffn_dim": 48, "ffn_hidden_size": 48,
     "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 1,
 }
@@ -183,6 +187,9 @@ _FIRST_LAYERS = {"qwen4_exp_text"}
 _FIELDS: dict[str, dict[str, Any]] = {
     "zaya": {"num_experts_per_tok": 1},
     "gemma4_text": {"enable_moe_block": True},
+    # its sliding-attention layers have sizes of their own (else 37M parameters)
+    "dots3_note_text": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_q_lora_rank": 16,
+                        "swa_kv_lora_rank": 16, "swa_head_dim": 16, "swa_qk_nope_head_dim": 8, "swa_v_head_dim": 8},
 }
 
 
