@@ -109,10 +109,9 @@ def _counts(out: Any, num_experts: int, top_k: int, width: int | None = None, *,
             continue
         if t.dim() >= 2 and t.shape[-1] == num_experts and num_experts != top_k:
             return _Reading(t.reshape(-1, num_experts).sum(0, dtype=torch.int64))
-        ids = t.reshape(-1).long()
-        ids = ids[ids >= 0]
-        binned = torch.bincount(torch.clamp(ids, max=width), minlength=width + 1)
-        return _Reading(binned[:num_experts], 0, binned[width:].sum())
+        ids = t.reshape(-1).long()      # bins: ids, then width = beyond the range, width + 1 = dropped (< 0)
+        binned = torch.bincount(torch.where(ids < 0, width + 1, torch.clamp(ids, max=width)), minlength=width + 2)
+        return _Reading(binned[:num_experts], 0, binned[width])
     if exact_only:
         return None
     for t in tensors:
