@@ -13,7 +13,21 @@ people train is where its tensors live:
 * ``torchtitan``: ``GroupedExperts``, ``...experts.w1`` / ``w2`` / ``w3`` with or without
   a shape suffix (``w1_EFD``), or ``w13``; torchtitan 0.3's
   ``<layer>.routed_experts.inner_experts.w1_EFD`` too;
+* ``flattened``: DBRX, a layer's experts stacked *and flattened* in ``...experts.mlp.w1`` /
+  ``v1`` / ``w2`` [E * F, D]; E is the experts module's ``num_experts``, expert ``e`` is
+  rows ``e*F .. (e+1)*F - 1``;
+* ``parallel_experts``: JetMoE (and ScatterMoE-style) ``ParallelExperts`` modules,
+  ``...input_linear.weight`` / ``output_linear.weight`` [E, ...] whose module declares
+  ``num_experts`` = E (JetMoE's attention experts are a second MoE layer of each block);
+* ``embedding_experts``: product-key retrieval experts (Doge's CDMoE), expert ``e`` is row
+  ``e`` of ``...down_embed.weight`` and ``up_embed.weight`` [E, D], E the module's
+  ``num_experts``;
 * ``fused``: an explicit :class:`ExpertLayout` (a parameter regex plus the expert dim).
+
+A fused tensor may hold more rows than the layer has experts when its module declares
+fewer (LongCat-Flash: ``gate_up_proj`` has E + Z rows for Z zero-compute "identity"
+experts, ``down_proj`` E): rows ``E ..`` are no expert's, they are saved with the module
+like any non-expert tensor, and router ids ``>= E`` select a zero-compute expert.
 
 For Megatron and TE the index in the name is local to the expert-parallel rank; the
 module's ``local_expert_indices`` (Megatron's own attribute) maps it to the global id.
@@ -56,12 +70,18 @@ __all__ = [
 ]
 
 DEFAULT_EXPERT_PATTERN = r"(?P<layer>.+)\.experts\.(?:expert_)?(?P<expert>\d+)\."
-LAYOUT_NAMES = ("auto", "per_expert", "megatron", "te_grouped", "hf_fused", "torchtitan")
+LAYOUT_NAMES = ("auto", "per_expert", "megatron", "te_grouped", "hf_fused", "torchtitan", "flattened",
+                "parallel_experts", "embedding_experts")
 
 _MEGATRON = r"(?P<layer>.+)\.experts\.local_experts\.(?P<expert>\d+)\."
 _TE_GROUPED = r"(?P<layer>.+)\.experts\.linear_fc[12]\.(?:weight|bias)(?P<expert>\d+)$"
 _HF_FUSED = r"(?P<layer>.+)\.experts\.(?:gate_up_proj|down_proj|gate_proj|up_proj)(?:_bias)?$"
 _TORCHTITAN = r"(?P<layer>.+)\.(?:routed_)?experts(?:\.inner_experts)?\.w(?:1|2|3|13)(?:_[A-Z]+)?$"
+_FLATTENED = r"(?P<layer>.+)\.experts\.mlp\.(?:w1|v1|w2)$"
+_PARALLEL = r"(?P<layer>.+)\.(?:input_linear|output_linear)\.weight$"
+_EMBEDDING = r"(?P<layer>.+)\.(?:down_embed|up_embed)\.weight$"
+# Attributes by which a module declares how many (routed, non zero-compute) experts it has.
+_COUNT_ATTRS = ("num_routed_experts", "num_experts", "moe_num_experts", "n_routed_experts")
 
 _DESCRIPTIONS = {
     "per_expert": "per-expert modules",
@@ -69,6 +89,9 @@ _DESCRIPTIONS = {
     "te_grouped": "Transformer Engine GroupedMLP (experts.linear_fc1.weight<i>)",
     "hf_fused": "transformers fused experts (experts.gate_up_proj / down_proj [E, ...])",
     "torchtitan": "torchtitan GroupedExperts (experts.w1 / w2 / w3 [E, ...])",
+    "flattened": "flattened experts (experts.mlp.w1 / v1 / w2 [E*F, D], DBRX)",
+    "parallel_experts": "parallel experts (input_linear / output_linear [E, ...], JetMoE)",
+    "embedding_experts": "product-key retrieval experts (down_embed / up_embed rows, Doge)",
     "fused": "fused experts (explicit layout)",
 }
 
@@ -80,11 +103,14 @@ class ExpertLayout:
     ``pattern`` is a regex over ``model.state_dict()`` keys with a named group ``layer``.
     Per-expert tensors: the pattern also has a group ``expert`` (global expert id) and
     ``expert_dim`` is None. Fused tensors: no ``expert`` group, and ``expert_dim`` is the
-    dimension indexing the experts (0 for every known library).
+    dimension indexing the experts (0 for every known library). ``num_experts`` (fused
+    only) says the expert dim is *flattened*: it holds ``num_experts * n`` rows, expert
+    ``e`` the ``n`` consecutive rows from ``e * n`` (DBRX's ``[E * F, D]``).
     """
 
     pattern: str
     expert_dim: int | None = None
+    num_experts: int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -101,6 +127,11 @@ class ExpertLayout:
                 raise ValueError("ExpertLayout: a fused layout (expert_dim set) must not have an 'expert' group")
             if isinstance(self.expert_dim, bool) or not isinstance(self.expert_dim, int) or self.expert_dim < 0:
                 raise ValueError(f"ExpertLayout.expert_dim must be an integer >= 0 or None, got {self.expert_dim!r}")
+        if self.num_experts is not None:
+            if self.expert_dim is None:
+                raise ValueError("ExpertLayout.num_experts (a flattened expert dim) needs expert_dim=")
+            if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int) or self.num_experts < 1:
+                raise ValueError(f"ExpertLayout.num_experts must be an integer >= 1 or None, got {self.num_experts!r}")
 
 
 LayoutSpec = Union[str, ExpertLayout]
@@ -112,7 +143,9 @@ class TensorRef:
     along ``expert_dim`` of the local tensor holding this expert.
 
     ``offset``/``global_shape`` place the saved piece in the global tensor (the expert
-    dim included, at the expert's index); None for a whole, unsharded tensor.
+    dim included, at the expert's index); None for a whole, unsharded tensor. ``span``
+    ``(dim, start, length)``: the unit holds that slice of the local tensor (the rows of
+    one expert of a flattened tensor, the rows of a fused tensor that are no expert's).
     """
 
     key: str
@@ -120,6 +153,16 @@ class TensorRef:
     row: int | None = None
     offset: tuple[int, ...] | None = None
     global_shape: tuple[int, ...] | None = None
+    span: tuple[int, int, int] | None = None
+
+    def numel_of(self, t: torch.Tensor) -> int:
+        """Elements of the local tensor ``t`` this reference covers."""
+        if self.span is not None:
+            d, _, n = self.span
+            return t.numel() // max(1, t.shape[d]) * n
+        if self.expert_dim is not None:
+            return t.numel() // max(1, t.shape[self.expert_dim])
+        return t.numel()
 
     def place(self) -> dict[str, Any] | None:
         if self.offset is None:
@@ -152,6 +195,8 @@ class UnitLayout:
     layers: dict[str, list[int]] = field(default_factory=dict)  # layer -> expert ids held here
     kinds: dict[str, str] = field(default_factory=dict)         # layer -> layout kind
     experts_per_layer: dict[str, int] = field(default_factory=dict)  # global E where known
+    # layer -> ids its router may select when more than E: ids E .. n-1 are zero-compute experts
+    routed_ids: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._by_expert = {(u.layer, u.expert): u for u in self.units.values() if u.kind == "expert"}
@@ -247,6 +292,9 @@ class _Rule:
     regex: re.Pattern
     expert_dim: int | None     # None: per-expert tensors (the regex names the expert)
     local_ids: bool = False    # the expert number in the name is local to the EP rank
+    declared: bool = False     # only where a module declares exactly that many experts
+    flat: bool = False         # the expert dim is flattened: E * n rows, E declared (or `num`)
+    num: int | None = None     # E of a flattened explicit layout
 
 
 def _rules(layout: LayoutSpec, expert_pattern: str) -> list[_Rule]:
@@ -257,15 +305,34 @@ def _rules(layout: LayoutSpec, expert_pattern: str) -> list[_Rule]:
         "te_grouped": [_Rule("te_grouped", re.compile(_TE_GROUPED), None, True)],
         "hf_fused": [_Rule("hf_fused", re.compile(_HF_FUSED), 0)],
         "torchtitan": [_Rule("torchtitan", re.compile(_TORCHTITAN), 0)],
+        "flattened": [_Rule("flattened", re.compile(_FLATTENED), 0, flat=True)],
+        "parallel_experts": [_Rule("parallel_experts", re.compile(_PARALLEL), 0, declared=True)],
+        "embedding_experts": [_Rule("embedding_experts", re.compile(_EMBEDDING), 0, declared=True)],
     }
     if isinstance(layout, ExpertLayout):
         kind = "per_expert" if layout.expert_dim is None else "fused"
-        return [_Rule(kind, re.compile(layout.pattern), layout.expert_dim)]
+        return [_Rule(kind, re.compile(layout.pattern), layout.expert_dim, flat=layout.num_experts is not None,
+                      num=layout.num_experts)]
     if layout == "auto":
-        return table["megatron"] + table["te_grouped"] + [per_expert] + table["hf_fused"] + table["torchtitan"]
+        return (table["megatron"] + table["te_grouped"] + [per_expert] + table["hf_fused"] + table["torchtitan"]
+                + table["flattened"] + table["parallel_experts"] + table["embedding_experts"])
     if layout not in table:
         raise ValueError(f"expert_layout must be one of {LAYOUT_NAMES} or an ExpertLayout, got {layout!r}")
     return table[layout]
+
+
+def _declared_count(model: torch.nn.Module, paths: tuple[str, ...]) -> int | None:
+    """The number of experts the first of ``paths`` that exists declares (see _COUNT_ATTRS)."""
+    for path in paths:
+        try:
+            mod = model.get_submodule(path)
+        except AttributeError:
+            continue
+        for attr in _COUNT_ATTRS:
+            n = getattr(mod, attr, None)
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                return n
+    return None
 
 
 def _local_index_map(model: torch.nn.Module, layer: str) -> list[int] | None:
@@ -361,6 +428,8 @@ def discover_units(model: torch.nn.Module, expert_pattern: str | None = None, *,
     module_keys: dict[str, list[str]] = {}
     local_maps: dict[str, list[int] | None] = {}
     full: dict[str, bool] = {}
+    extra_refs: dict[str, TensorRef] = {}   # fused rows that are no expert's: saved with their module
+    routed: dict[str, int] = {}             # layer -> ids its router selects, zero-compute ones included
     for key, value in state.items():
         if not isinstance(value, torch.Tensor):
             module_keys.setdefault(key.rsplit(".", 1)[0] if "." in key else "", []).append(key)
@@ -370,6 +439,9 @@ def discover_units(model: torch.nn.Module, expert_pattern: str | None = None, *,
         for rule in rules:
             m = rule.regex.match(key)
             if m and (rule.expert_dim is None or value.dim() > rule.expert_dim):
+                if rule.declared and _declared_count(model, (key.rsplit(".", 1)[0], m.group("layer"))) \
+                        != gshape[rule.expert_dim]:
+                    continue     # a module that does not say it holds that many experts
                 matched = (rule, m)
                 break
         if matched is None:
@@ -402,12 +474,36 @@ def discover_units(model: torch.nn.Module, expert_pattern: str | None = None, *,
             ids, num = rows
             gshape = tuple(num if i == d else n for i, n in enumerate(gshape))
         num = gshape[d]
+        owner = key.rsplit(".", 1)[0] if "." in key else ""
+        per = 0          # rows per expert of a flattened tensor
+        if rule.flat:
+            declared = rule.num or _declared_count(model, (f"{layer}.experts", owner, layer))
+            if declared is None or num % declared:
+                raise ValueError(f"{key!r}: a flattened expert tensor ({num} rows along dim {d}) needs the number "
+                                 f"of experts dividing it: {layer}.experts declares {declared} (num_experts); pass "
+                                 "ExpertLayout(pattern, expert_dim, num_experts=E)")
+            if is_dtensor(value) or rows is not None:
+                raise ValueError(f"{key!r}: a flattened expert tensor must be a whole, unsharded tensor")
+            per, num = num // declared, declared
+        elif rows is None and not is_dtensor(value):
+            declared = _declared_count(model, (owner,))
+            if declared is not None and declared < num:     # rows beyond E: no expert's (zero-compute)
+                extra_refs[key] = TensorRef(key, None, None, tuple(declared if i == d else 0 for i in range(len(gshape))),
+                                            gshape, (d, declared, num - declared))
+                module_keys.setdefault(owner, []).append(key)
+                routed[layer] = max(routed.get(layer, 0), num)
+                num = declared
         if fused_e.setdefault(layer, {}).setdefault("E", num) != num:
             raise ValueError(f"MoE layer {layer!r}: fused expert tensors disagree on the number of experts "
                              f"({fused_e[layer]['E']} vs {num} in {key!r}, dim {d})")
         rest_full = all(lshape[i] == gshape[i] for i in range(len(gshape)) if i != d)
         full[key] = rest_full
-        for row in range(lshape[d]):
+        if per:
+            for e in range(num):
+                off = tuple(e * per if i == d else 0 for i in range(len(gshape)))
+                expert_refs.setdefault((layer, e), []).append(TensorRef(key, None, None, off, gshape, (d, e * per, per)))
+            continue
+        for row in range(min(lshape[d], num) if rows is None and goff[d] == 0 else lshape[d]):
             e = goff[d] + row if rows is None else rows[0][row]
             off = tuple(e if i == d else goff[i] for i in range(len(gshape)))
             expert_refs.setdefault((layer, e), []).append(TensorRef(key, d, row, off, gshape))
@@ -433,8 +529,7 @@ def discover_units(model: torch.nn.Module, expert_pattern: str | None = None, *,
         nbytes = 0
         for r in refs:
             t = local_tensor(state[r.key])
-            n = t.numel() // (t.shape[r.expert_dim] if r.expert_dim is not None else 1)
-            nbytes += n * t.element_size()
+            nbytes += r.numel_of(t) * t.element_size()
         units[name] = UnitSpec(name, "expert", keys, layer, e, nbytes, refs)
         layers.setdefault(layer, set()).add(e)
     for module, keys in module_keys.items():
@@ -442,7 +537,10 @@ def discover_units(model: torch.nn.Module, expert_pattern: str | None = None, *,
         nbytes = 0
         for k in keys:
             v = state[k]
-            if isinstance(v, torch.Tensor):
+            if k in extra_refs:
+                refs.append(extra_refs[k])
+                nbytes += extra_refs[k].numel_of(v) * v.element_size()
+            elif isinstance(v, torch.Tensor):
                 gshape, goff, lshape = boxes[k]
                 refs.append(TensorRef(k) if gshape == lshape else TensorRef(k, None, None, goff, gshape))
                 nbytes += local_tensor(v).numel() * v.element_size()
@@ -461,4 +559,5 @@ def discover_units(model: torch.nn.Module, expert_pattern: str | None = None, *,
             if ids is not None:
                 per_layer[layer] = max(per_layer[layer], max(ids) + 1)
     return UnitLayout(units, {k: sorted(v) for k, v in sorted(layers.items())},
-                      {k: kinds[k] for k in sorted(layers)}, dict(sorted(per_layer.items())))
+                      {k: kinds[k] for k in sorted(layers)}, dict(sorted(per_layer.items())),
+                      {k: n for k, n in sorted(routed.items()) if n > per_layer.get(k, n)})

@@ -278,7 +278,14 @@ class CheckpointManager:
             if name in self.num_experts:
                 layer.routing_hook = (lambda counts, _n=name: self.policy.record_routing(_n, counts, scope="global"))
                 lazarus_layers.add(name)
-        self._taps = RouterTaps(self.model, self.num_experts, skip=lazarus_layers, top_k=self.cfg.top_k)
+        owners = {}
+        for layer in self.layout.layers:
+            units = self.layout.experts(layer)
+            if units and units[0].refs:
+                key = units[0].refs[0].key
+                owners[layer] = key.rsplit(".", 1)[0] if "." in key else ""
+        self._taps = RouterTaps(self.model, self.num_experts, skip=lazarus_layers, top_k=self.cfg.top_k,
+                                widths=self.layout.routed_ids, owners=owners)
         if self._taps.tapped and self.rank == 0:
             log.info("rank %d step -: routing counted from %d routers", self.rank, self._taps.tapped)
 

@@ -308,6 +308,10 @@ def _overlaps(meta: dict[str, Any], spec: Any, state: dict[str, Any]) -> bool:
             off = list(ref.offset) if ref.offset is not None else [o + (ref.row if i == ref.expert_dim else 0)
                                                                     for i, o in enumerate(off)]
             local[ref.expert_dim] = 1
+        elif ref.span is not None:
+            d, start, n = ref.span
+            off[d] += start
+            local[d] = n
         if all(max(o, so) < min(o + n, so + sn) for o, n, so, sn in zip(off, local, box[0], box[1])):
             return True
     return False

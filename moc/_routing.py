@@ -7,7 +7,14 @@ the submodule ``L.gate`` (transformers' Mixtral, Qwen-MoE, OLMoE, DeepSeek-V3) o
 * an integer tensor ``[tokens, top_k]`` of expert ids (transformers, torchtitan),
 * a boolean routing map ``[tokens, E]`` (Megatron-core) or an integer 0/1 one (Switch
   Transformers), or
-* dense weights ``[tokens, E]``, 0 where an expert is not selected (Llama 4).
+* dense weights ``[tokens, E]``, 0 where an expert is not selected (Llama 4),
+* tokens per expert, a list of E ints (JetMoE).
+
+Where the router's output holds none of these exactly (DBRX returns float logits; Doge
+has no router module), the module the experts are called through is read too: its
+integer arguments are the ids (``<layer>.experts(hidden, top_k_index, top_k_weights)``,
+Doge's ``down_embed(indices)``). Router ids ``>= E`` are zero-compute experts where the
+layer declares them (LongCat-Flash), and an error otherwise.
 
 Every call of a router counts (a layer run twice per forward routes twice the slots). A
 router whose output holds none of these is an error at the next checkpoint, naming it,
@@ -52,99 +59,199 @@ def _recomputing() -> bool:
     return task_id is not None and task_id() != -1
 
 
-def _counts(out: Any, num_experts: int, top_k: int) -> tuple[torch.Tensor, int] | None:
-    """Expert slots in a router's output, read for what they are: ``(counts, rows)``.
+class _Reading:
+    """Expert slots read from one call: ``counts`` [E]; ``rows`` the tokens of a dense
+    float reading (0 for an exact one), checked at drain; ``overflow`` ids beyond the
+    layer's range (a tensor, not read until drain: no host sync per step)."""
 
+    __slots__ = ("counts", "rows", "overflow")
+
+    def __init__(self, counts: torch.Tensor, rows: int = 0, overflow: torch.Tensor | None = None) -> None:
+        self.counts, self.rows, self.overflow = counts, rows, overflow
+
+    def add(self, other: "_Reading") -> "_Reading":
+        over = self.overflow if other.overflow is None else (
+            other.overflow if self.overflow is None else self.overflow + other.overflow)
+        return _Reading(self.counts + other.counts, self.rows + other.rows, over)
+
+
+def _counts(out: Any, num_experts: int, top_k: int, width: int | None = None, *,
+            exact_only: bool = False) -> _Reading | None:
+    """Expert slots in a router's output (or in the arguments an experts module is called
+    with), read for what they are:
+
+    * a list of E integers: tokens per expert (JetMoE's ``expert_size``; its integer
+      tensors are a slot permutation and token indices, not expert ids);
     * a boolean routing map ``[..., E]`` (Megatron-core);
     * an integer tensor ``[..., E]`` of 0/1 (a one-hot dispatch mask: Switch Transformers),
       when E differs from ``top_k`` (then ids and a mask cannot be told apart by shape,
       and both count the same: every expert once per token);
-    * an integer tensor ``[..., k]`` of expert ids (transformers, torchtitan);
-    * failing those, a float tensor ``[..., E]`` whose unselected entries are exactly 0
-      (Llama 4's dense scores): ``rows`` lets :meth:`RouterTaps.drain` check that it holds
-      at most ``top_k`` slots per token (logits do not), else the router is unreadable.
+    * an integer tensor ``[..., k]`` of expert ids (transformers, torchtitan): ids in
+      ``[E, width)`` select zero-compute experts (LongCat-Flash) and count for none; ids
+      ``>= width`` mean the tensor was not ids after all (the drain refuses it); negative
+      ids are dropped slots;
+    * failing those (unless ``exact_only``), a float tensor ``[..., E]`` whose unselected
+      entries are exactly 0 (Llama 4's dense scores): ``rows`` lets :meth:`RouterTaps.drain`
+      check that it holds at most ``top_k`` slots per token (logits do not).
 
-    ``rows`` is 0 when the reading needs no check. None: nothing readable."""
+    None: nothing readable."""
+    width = max(num_experts, width or num_experts)
     items = out if isinstance(out, (tuple, list)) else (out,)
+    for t in items:
+        if (isinstance(t, (list, tuple)) and len(t) == num_experts and t
+                and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in t)):
+            return _Reading(torch.tensor(t, dtype=torch.int64))
     tensors = [t for t in items if isinstance(t, torch.Tensor) and t.dim() >= 1]
     for t in tensors:
         if t.dtype == torch.bool and t.shape[-1] == num_experts:
-            return t.reshape(-1, num_experts).sum(0, dtype=torch.int64), 0
+            return _Reading(t.reshape(-1, num_experts).sum(0, dtype=torch.int64))
         if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             continue
         if t.dim() >= 2 and t.shape[-1] == num_experts and num_experts != top_k:
-            return t.reshape(-1, num_experts).sum(0, dtype=torch.int64), 0
-        return torch.bincount(t.reshape(-1).long(), minlength=num_experts)[:num_experts], 0
+            return _Reading(t.reshape(-1, num_experts).sum(0, dtype=torch.int64))
+        ids = t.reshape(-1).long()      # bins: ids, then width = beyond the range, width + 1 = dropped (< 0)
+        binned = torch.bincount(torch.where(ids < 0, width + 1, torch.clamp(ids, max=width)), minlength=width + 2)
+        return _Reading(binned[:num_experts], 0, binned[width])
+    if exact_only:
+        return None
     for t in tensors:
         if t.is_floating_point() and t.dim() >= 2 and t.shape[-1] == num_experts:
             flat = t.detach().reshape(-1, num_experts)
-            return (flat != 0).sum(0, dtype=torch.int64), flat.shape[0]
+            return _Reading((flat != 0).sum(0, dtype=torch.int64), flat.shape[0])
+    return None
+
+
+def _kinds(out: Any) -> str:
+    items = out if isinstance(out, (tuple, list)) else (out,)
+    kinds = [f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__ for t in items]
+    return f"{kinds}"
+
+
+def _experts_module(model: torch.nn.Module, layer: str, owner: str | None) -> tuple[str, torch.nn.Module] | None:
+    """The module called with the layer's routing: ``<layer>.experts`` (transformers calls it
+    with ``(hidden, top_k_index, top_k_weights)``), else the module owning its expert tensors
+    (Doge's ``down_embed``, called with the ids; JetMoE's ``input_linear``, with the counts)."""
+    for path in (f"{layer}.experts", owner):
+        if not path:
+            continue
+        try:
+            return path, model.get_submodule(path)
+        except AttributeError:
+            continue
     return None
 
 
 class RouterTaps:
-    """Forward hooks on every recognised router; :meth:`drain` hands over the counts."""
+    """Forward hooks on every recognised router, and on the module its layer's experts are
+    called through; :meth:`drain` hands over the counts.
+
+    Per layer, the router's output is read first. Where it holds no exact reading (float
+    logits, DBRX; no router module at all, Doge), the experts module's inputs are read
+    too, in the same forward, and used when the router's reading does not hold up."""
 
     def __init__(self, model: torch.nn.Module, layers: dict[str, int], *, skip: set[str] | None = None,
-                 top_k: int = 1) -> None:
+                 top_k: int = 1, widths: dict[str, int] | None = None,
+                 owners: dict[str, str] | None = None) -> None:
         self.layers = dict(layers)
         self.top_k = int(top_k)
-        self._pending: dict[str, torch.Tensor] = {}
-        self._rows: dict[str, int] = {}
+        self.widths = dict(widths or {})
+        self._pending: dict[tuple[str, str], _Reading] = {}
         self._handles = []
-        self._names: dict[str, str] = {}
-        self.unreadable: dict[str, str] = {}    # layer -> why its router's output was not read
+        self._names: dict[tuple[str, str], str] = {}
+        self._armed: dict[str, bool] = {}
+        self.unreadable: dict[str, str] = {}    # layer -> why no output of it was read
+        self._why: dict[tuple[str, str], str] = {}
         paths = {id(m): n for n, m in model.named_modules()}
         for layer, num in layers.items():
             if skip and layer in skip:
                 continue
             router = find_router(model, layer)
-            if router is None:
-                continue
-            self._names[layer] = f"{paths.get(id(router), layer)} ({type(router).__name__})"
-            self._handles.append(router.register_forward_hook(self._hook(layer, num)))
-        self.tapped = len(self._handles)
+            if router is not None:
+                self._names[(layer, "router")] = f"{paths.get(id(router), layer)} ({type(router).__name__})"
+                self._handles.append(router.register_forward_hook(self._hook(layer, num)))
+            found = _experts_module(model, layer, (owners or {}).get(layer))
+            if found is not None and found[1] is not router:
+                path, mod = found
+                self._names[(layer, "experts")] = f"{path} ({type(mod).__name__})"
+                self._handles.append(mod.register_forward_pre_hook(self._input_hook(layer, num)))
+            self._armed[layer] = router is None
+        self.tapped = len({l for l, _ in self._names})
+
+    def _add(self, layer: str, source: str, reading: _Reading) -> None:
+        key = (layer, source)
+        prev = self._pending.get(key)
+        self._pending[key] = reading if prev is None else prev.add(reading)
 
     def _hook(self, layer: str, num: int) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
             if not module.training or _recomputing():
                 return
             with torch.no_grad():
-                found = _counts(out, num, self.top_k)
+                found = _counts(out, num, self.top_k, self.widths.get(layer))
+            # the experts' inputs are read in this forward too unless this reading is exact
+            self._armed[layer] = found is None or found.rows > 0
             if found is None:
-                kinds = [f"{t.dtype} {tuple(t.shape)}" for t in (out if isinstance(out, (tuple, list)) else (out,))
-                         if isinstance(t, torch.Tensor)]
-                self.unreadable.setdefault(layer, f"it returned {kinds or type(out).__name__}")
+                self._why.setdefault((layer, "router"), f"it returned {_kinds(out)}")
                 return
-            counts, rows = found
-            prev = self._pending.get(layer)
-            self._pending[layer] = counts if prev is None else prev + counts
-            if rows:
-                self._rows[layer] = self._rows.get(layer, 0) + rows
+            self._add(layer, "router", found)
         return hook
+
+    def _input_hook(self, layer: str, num: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            if not module.training or _recomputing() or not self._armed.get(layer):
+                return
+            with torch.no_grad():
+                found = _counts(tuple(args[1:]) if len(args) > 1 else tuple(args), num, self.top_k,
+                                self.widths.get(layer), exact_only=True)
+            if found is None:
+                self._why.setdefault((layer, "experts"), f"it was called with {_kinds(args)}")
+                return
+            self._add(layer, "experts", found)
+        return hook
+
+    def _pick(self, layer: str) -> torch.Tensor | None:
+        """The layer's counts from the first reading that holds up; None (and a reason in
+        ``unreadable``) when none does."""
+        why = []
+        for source in ("router", "experts"):
+            r = self._pending.get((layer, source))
+            name = self._names.get((layer, source), layer)
+            if r is None:
+                if (layer, source) in self._why:
+                    why.append(f"{name}: {self._why[(layer, source)]}")
+                continue
+            if r.overflow is not None and int(r.overflow) > 0:
+                why.append(f"{name}: its integer output holds values >= {self.widths.get(layer, self.layers[layer])}"
+                           " (not expert ids)")
+                continue
+            if r.rows and int(r.counts.sum()) > r.rows * self.top_k:
+                why.append(f"{name}: its float output [tokens, E] selects more than top_k = {self.top_k} experts "
+                           "per token (logits, not routing)")
+                continue
+            return r.counts
+        if why:
+            self.unreadable.setdefault(layer, "; ".join(why))
+        return None
 
     def drain(self, record: Callable[[str, torch.Tensor], None],
               fed: Callable[[str], bool] = lambda layer: False) -> None:
         """Hand the counts to ``record``. Raises ``ValueError`` naming the router of every
-        layer whose output held no readable expert slots (``fed(layer)``: the user feeds
+        layer whose outputs held no readable expert slots (``fed(layer)``: the user feeds
         that layer with ``record_routing``, so its router needs no reading)."""
-        pending, self._pending = self._pending, {}
-        rows, self._rows = self._rows, {}
-        for layer, n in rows.items():
-            if layer in pending and int(pending[layer].sum()) > n * self.top_k:
-                self.unreadable.setdefault(layer, "its float output [tokens, E] selects more than top_k = "
-                                                  f"{self.top_k} experts per token (logits, not routing)")
-                pending.pop(layer)
+        layers = list(dict.fromkeys([l for l, _ in self._pending] + [l for l, _ in self._why]))
+        picked = {l: self._pick(l) for l in layers}
+        self._pending, self._why = {}, {}
         bad = {l: why for l, why in self.unreadable.items() if not fed(l)}
         if bad:
             layer, why = next(iter(bad.items()))
-            raise ValueError(f"MoE layer {layer!r}: moc cannot read the expert slots its router "
-                             f"{self._names.get(layer, layer)} selects ({why}); expected expert ids [tokens, k], "
-                             "a boolean or 0/1 mask [tokens, E], or dense weights [tokens, E] that are 0 where "
-                             f"an expert is not selected. Call ckpt.record_routing({layer!r}, tokens_per_expert) "
+            raise ValueError(f"MoE layer {layer!r}: moc cannot read the expert slots its router selects ({why}); "
+                             "expected expert ids [tokens, k], a boolean or 0/1 mask [tokens, E], tokens per "
+                             "expert (a list of E ints), or dense weights [tokens, E] that are 0 where an expert "
+                             f"is not selected. Call ckpt.record_routing({layer!r}, tokens_per_expert) "
                              "each step instead" + (f" (also {sorted(bad)[1:4]})" if len(bad) > 1 else ""))
-        for layer, counts in pending.items():
-            record(layer, counts)
+        for layer, counts in picked.items():
+            if counts is not None:
+                record(layer, counts)
 
     def remove(self) -> None:
         for h in self._handles:

@@ -152,7 +152,9 @@ def _take(t: torch.Tensor, ref: TensorRef) -> torch.Tensor:
     """This rank's part of ``t`` for one unit: the local shard, and for a fused tensor
     the expert's row of it (a view: rows of a contiguous tensor are contiguous)."""
     x = local_tensor(t.detach())
-    if ref.expert_dim is not None:
+    if ref.span is not None:
+        x = x.narrow(*ref.span)
+    elif ref.expert_dim is not None:
         x = x.select(ref.expert_dim, ref.row)
     return x
 

@@ -17,7 +17,10 @@ is unusual.
 from __future__ import annotations
 
 import functools
+import glob
 import importlib
+import importlib.util
+import os
 import warnings
 from typing import Any, Callable
 
@@ -48,6 +51,11 @@ _SIZES: dict[str, Any] = {
     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 0,
     "tie_word_embeddings": False, "use_cache": False,
     "first_k_dense_replace": 0, "moe_layer_start_index": 0, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8,     # Gemma 4 (134M params else)
+    "unpadded_vocab_size": VOCAB, "swa_head_dim": 8, "linear_head_dim": 8, "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "index_n_heads": 4, "index_head_dim": 16, "index_topk": 16,
+    "zero_expert_num": 2, "encoder_ffn_dim": 48, "decoder_ffn_dim": 48, "ffn_hidden_size": 48,
     "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 1,
 }
 # Fields a default config may leave None on purpose (feature off): only shrunk when set.
@@ -95,6 +103,23 @@ def _model_class_name(model_type: str) -> tuple[str, str] | None:
     return None
 
 
+def _config_source_mentions_experts(model_type: str) -> bool:
+    """Does the package's configuration source of ``model_type`` name an experts-count
+    field? (Read as text: importing and instantiating every config costs most of the
+    enumeration.) True when the source cannot be found, so nothing is skipped unread."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    spec = importlib.util.find_spec(f"transformers.models.{model_type_to_module_name(model_type)}")
+    if spec is None or not spec.submodule_search_locations:
+        return True
+    folder = spec.submodule_search_locations[0]
+    files = glob.glob(os.path.join(folder, "configuration_*.py"))
+    if not files:
+        return True
+    text = "".join(open(f, encoding="utf-8").read() for f in files)
+    return any(k in text for k in EXPERT_KEYS)
+
+
 @functools.lru_cache(maxsize=1)
 def architectures() -> tuple[str, ...]:
     """Model types of the installed transformers whose config declares experts and that
@@ -104,6 +129,8 @@ def architectures() -> tuple[str, ...]:
     seen: set[str] = set()
     out = []
     for model_type in sorted(CONFIG_MAPPING_NAMES):
+        if not _config_source_mentions_experts(model_type):
+            continue     # cheap: no config of this type can declare experts (most of the ~800)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -160,6 +187,9 @@ _FIRST_LAYERS = {"qwen4_exp_text"}
 _FIELDS: dict[str, dict[str, Any]] = {
     "zaya": {"num_experts_per_tok": 1},
     "gemma4_text": {"enable_moe_block": True},
+    # its sliding-attention layers have sizes of their own (else 37M parameters)
+    "dots3_note_text": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_q_lora_rank": 16,
+                        "swa_kv_lora_rank": 16, "swa_head_dim": 16, "swa_qk_nope_head_dim": 8, "swa_v_head_dim": 8},
 }
 
 

@@ -30,21 +30,50 @@ import hf_zoo as zoo  # noqa: E402
 from moc import CheckpointManager, MoCConfig  # noqa: E402
 
 
+def _num(mod: torch.nn.Module) -> int | None:
+    for attr in ("num_routed_experts", "num_experts"):      # LongCat: routed, not zero-compute
+        n = getattr(mod, attr, None)
+        if isinstance(n, int):
+            return n
+    return None
+
+
 def expert_counters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """layer -> slots per expert, filled by hooks on each experts module: the expert ids it
-    is called with (every call of the layer), read independently of moc."""
+    """layer -> slots per expert, filled by hooks on the modules that run the experts: the
+    expert ids (or counts) they are called with, every call of the layer, read
+    independently of moc:
+
+    * ``<layer>.experts(hidden, ids | mask, weights)`` (transformers), or one dense
+      pre-scaled input (Llama 4);
+    * JetMoE's ``<layer>.input_linear(inputs, tokens_per_expert)``;
+    * Doge's ``<layer>.down_embed(ids)`` (row e of the embedding is expert e).
+    """
     counts: dict[str, torch.Tensor] = {}
-    for name, mod in model.named_modules():
-        if not name.endswith(".experts"):
+    modules = dict(model.named_modules())
+    for name, mod in modules.items():
+        leaf = name.rsplit(".", 1)[-1]
+        parent = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
+        if leaf == "experts" and _num(mod) is not None:
+            kind = "experts"
+        elif leaf == "input_linear" and _num(mod) is not None:
+            kind = "counts"
+        elif leaf == "down_embed" and parent is not None and _num(parent) == getattr(mod, "num_embeddings", None):
+            kind = "ids"
+        else:
             continue
-        num = getattr(mod, "num_experts", None)
-        if not isinstance(num, int):
-            continue
-        layer = name[: -len(".experts")]
+        num = _num(mod) if kind != "ids" else _num(parent)
+        layer = name.rsplit(".", 1)[0]
         counts[layer] = torch.zeros(num, dtype=torch.int64)
 
-        def hook(mod, args, layer=layer, num=num):
+        def hook(mod, args, layer=layer, num=num, kind=kind):
             if not mod.training:
+                return
+            if kind == "counts":
+                counts[layer] += torch.tensor(list(args[1]), dtype=torch.int64)
+                return
+            if kind == "ids":
+                ids = args[0].reshape(-1).long()
+                counts[layer] += torch.bincount(ids, minlength=num)
                 return
             if len(args) == 1:          # Llama 4: [E * tokens, D], rows of unselected experts are 0
                 x = args[0].detach().reshape(num, -1, args[0].shape[-1])
@@ -54,7 +83,7 @@ def expert_counters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             if sel.dim() >= 2 and sel.shape[-1] == num and num != zoo.TOP_K:   # a 0/1 dispatch mask
                 counts[layer] += sel.reshape(-1, num).sum(0).long()
                 return
-            ids = sel.reshape(-1).long()
+            ids = sel.reshape(-1).long()      # ids >= num: LongCat's zero-compute experts
             counts[layer] += torch.bincount(ids[(ids >= 0) & (ids < num)], minlength=num)
 
         mod.register_forward_pre_hook(hook)

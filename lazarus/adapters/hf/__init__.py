@@ -33,7 +33,8 @@ from torch import nn
 from lazarus.moe import layer_placements
 from lazarus.planning import Placement
 
-from ._block import ElasticHFBlock, is_hf_moe_block, router_of
+from ._block import ElasticHFBlock, is_hf_moe_block, router_of, top_k_of
+from ._diagnose import why_not_elastic
 from ._experts import HFExperts
 
 __all__ = ["ElasticHFBlock", "HFExperts", "elastic_layout", "make_elastic", "moe_blocks"]
@@ -58,7 +59,7 @@ def elastic_layout(model: nn.Module) -> dict[str, Any]:
             layers[name], top_k = m.num_experts, m.top_k
         elif is_hf_moe_block(m):
             layers[name] = int(m.experts.num_experts)
-            top_k = int(router_of(m)[1].top_k)  # type: ignore[index]
+            top_k = top_k_of(router_of(m)[1])  # type: ignore[index]
     if not layers:
         raise ValueError(f"{type(model).__name__} has no transformers MoE block")
     return {"layers": layers, "top_k": top_k}
@@ -85,8 +86,10 @@ def make_elastic(model: nn.Module, placements: Mapping[str, Placement] | Placeme
     if not blocks:
         already = [n for n, m in model.named_modules() if isinstance(m, ElasticHFBlock)]
         hint = f" (already elastic: {already[:3]})" if already else ""
+        why = why_not_elastic(model) if not already else None
+        hint += f": {why}" if why else ""
         raise ValueError(f"{type(model).__name__} has no transformers MoE block (a module with fused `experts` "
-                         f"and a `gate`/`router`){hint}")
+                         f"and a `gate`/`router` with a top-k){hint}")
     plans = layer_placements({n: int(b.experts.num_experts) for n, b in blocks.items()}, placements, group)
     for name, block in blocks.items():
         parent_name, _, child = name.rpartition(".")

@@ -26,17 +26,31 @@ from lazarus.planning import Placement
 
 from ._experts import HFExperts, is_hf_experts
 
-__all__ = ["ElasticHFBlock", "ROUTER_NAMES", "is_hf_moe_block", "router_of"]
+__all__ = ["ElasticHFBlock", "ROUTER_NAMES", "is_hf_moe_block", "router_of", "top_k_of"]
 
 ROUTER_NAMES = ("gate", "router")
 
 
+def top_k_of(router: nn.Module) -> int | None:
+    """A router's top-k: its ``top_k`` attribute, else its config's ``top_k_experts`` /
+    ``num_experts_per_tok`` (Gemma 4's router reads ``config.top_k_experts``)."""
+    k = getattr(router, "top_k", None)
+    if isinstance(k, int) and not isinstance(k, bool):
+        return k
+    cfg = getattr(router, "config", None)
+    for field in ("top_k_experts", "num_experts_per_tok"):
+        k = getattr(cfg, field, None)
+        if isinstance(k, int) and not isinstance(k, bool):
+            return k
+    return None
+
+
 def router_of(block: nn.Module) -> tuple[str, nn.Module] | None:
     """``(name, router)`` of a transformers MoE block: its ``gate`` or ``router`` child
-    with a ``top_k`` attribute."""
+    with a top-k (see :func:`top_k_of`)."""
     for name in ROUTER_NAMES:
         mod = getattr(block, name, None)
-        if isinstance(mod, nn.Module) and isinstance(getattr(mod, "top_k", None), int):
+        if isinstance(mod, nn.Module) and top_k_of(mod) is not None:
             return name, mod
     return None
 
@@ -89,7 +103,7 @@ class ElasticHFBlock(ElasticMoE):
         super().__init__(int(experts.num_experts), group=group, grad_reduction=grad_reduction)
         self.block_class = type(block)
         self.router_name, router = router_of(block)  # type: ignore[misc]
-        self.top_k = int(router.top_k)
+        self.top_k = int(top_k_of(router))  # type: ignore[arg-type]
         slots = self._check_placement(placement)
         mine = sorted(set(slots[self.rank]))
         for name, child in block.named_children():   # the block's order, so state_dict keys keep it
@@ -104,6 +118,15 @@ class ElasticHFBlock(ElasticMoE):
         for key, value in vars(block).items():
             if not key.startswith("_") and key != "training" and key not in self.__dict__:
                 self.__dict__[key] = value
+        # Class-level settings the block's forward reads (a GradientCheckpointingLayer's
+        # ``gradient_checkpointing``: Gemma 4's MoE block is its whole decoder layer).
+        for klass in reversed(type(block).__mro__[:-1]):
+            if klass in nn.Module.__mro__:
+                continue
+            for key, value in vars(klass).items():
+                if (not key.startswith("_") and isinstance(value, (bool, int, float, str)) and key not in self.__dict__
+                        and not hasattr(type(self), key)):
+                    self.__dict__[key] = value
         self.experts.bind(self)
         self._init_placement(placement)
         self.train(block.training)
