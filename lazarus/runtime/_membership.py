@@ -152,9 +152,14 @@ class Membership(ABC):
         pids = _req(msg, "pids", list, optional=True)   # every local rank's, with --nproc-per-node > 1
         if pids is not None and not all(isinstance(p, int) and not isinstance(p, bool) for p in pids):
             raise MalformedMessageError("worker_ready: field 'pids' must be a list of integers")
+        startup = _req(msg, "startup", dict, optional=True)   # the worker's start-up phases (epoch s)
+        if startup is not None and not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                            for v in startup.values()):
+            raise MalformedMessageError("worker_ready: field 'startup' must map phases to times")
         self._forget_holdings(node.node_id)
         self._event("worker_ready", node=node.node_id, incarnation=inc, pid=node.worker_pid,
-                    **({"pids": pids} if pids is not None else {}))
+                    **({"pids": pids} if pids is not None else {}),
+                    **({"startup": startup} if startup else {}))
         if self._finished:
             return
         if not self._members and not self._stalled:
