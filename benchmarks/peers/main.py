@@ -274,8 +274,9 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="benchmarks/peers/main.py", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer steps (under 3 minutes for all four systems)")
-    p.add_argument("--steps", type=int, default=None, help="steps per system (default 300, 150 with --quick)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer steps (120: about 2 minutes for the four systems on 2 quiet cores)")
+    p.add_argument("--steps", type=int, default=None, help="steps per system (default 300, 120 with --quick)")
     p.add_argument("--systems", default=",".join(SYSTEMS[:4]),
                    help=f"comma-separated subset of {','.join(SYSTEMS)} (default: the first four; lazarus-cold "
                         f"starts the joiner's agent at the join instead of calling in a hot spare)")
@@ -289,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for s in systems:
         if s not in SYSTEMS:
             p.error(f"--systems: {s!r} is not one of {', '.join(SYSTEMS)}")
-    steps = args.steps or (150 if args.quick else 300)
+    steps = args.steps or (120 if args.quick else 300)
     if steps < 20:
         p.error("--steps must be >= 20 (three events are staged along the run)")
     faults = [f for f in args.faults.split(",") if f]
@@ -301,7 +302,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for s in systems:
             log(f"{s}: {steps} steps, faults {faults}")
+            t_sys = time.time()
             results.append(run_system(s, work / s, spec, steps, faults, log=log))
+            results[-1]["wall_s"] = round(time.time() - t_sys, 1)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -320,7 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     notes = [f"{steps} steps per system, global batch {spec.batch_size} x {spec.seq_len} tokens, "
              f"{spec.layers} MoE layers of {spec.experts} experts (d_model {spec.d_model}); "
              f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end; "
-             f"Python {platform.python_version()}; {elapsed:.0f} s in all."]
+             f"Python {platform.python_version()}; {elapsed:.0f} s in all ("
+             + ", ".join(f"{r['system']} {r['wall_s']:.0f} s" for r in results) + ")."]
     if ck:
         iv = ck["interval"]
         notes.append(f"checkpoint-restart: Young/Daly N = {iv['every']} steps (DCP save {iv['save_s']:.3f} s, "

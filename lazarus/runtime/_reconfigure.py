@@ -368,18 +368,23 @@ class Reconfigurer:
         """Form the new moc manager's three gloo groups in a thread while this one moves
         and installs the state: forming a group waits on every peer's connections (tens of
         ms each on loaded cores), time the members would otherwise spend idle before the
-        next step. Only this thread calls ``new_group`` meanwhile, in the same order on
+        next step (torch without ``_set_pg_timeout``: formed afterwards, as before). Only this thread calls ``new_group`` meanwhile, in the same order on
         every rank; its sockets are this plan's (a newer plan shuts them, see
         :meth:`_interruptible`) and are tracked as the group's."""
-        if self.t.config.moc is None or not dist.is_initialized():
+        if self.t.config.moc is None or not dist.is_initialized() or not Comm.can_form_with_another_timeout():
             return
         timeout = self._moc_timeout()
+        # Peers reach this point at different times (a joiner, or every rank on a fresh
+        # start, builds its model meanwhile; a rank's store client is held by the members'
+        # barrier): connecting waits as long as the rendezvous may; the groups' collectives
+        # then run under moc's own timeout.
+        form_timeout = max(timeout, self.t.config.rendezvous_timeout)
         box: dict[str, Any] = {}
 
         def form() -> None:
             try:
                 with self.sockets.track():
-                    box["comm"] = Comm.create(None, timeout)
+                    box["comm"] = Comm.create(None, timeout, form_timeout=form_timeout)
             except BaseException as exc:  # noqa: BLE001 - re-raised by _take_moc_comm
                 box["error"] = exc
 

@@ -486,14 +486,14 @@ class ElasticTrainer:
 
 
 def _process_start_time() -> float | None:
-    """When this process started (epoch seconds, 10 ms ticks), from /proc; None elsewhere."""
+    """When this process started (epoch seconds, to a clock tick), from /proc; None elsewhere."""
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return None
 
 
