@@ -288,6 +288,7 @@ class Reconfigurer:
         t = self.t
         t0 = time.time()
         timings: dict[str, float] = {}
+        self._moc_groups_wait = None
         members = list(plan["members"])
         leaving = list(plan.get("leaving", []))
         in_old = (plan.get("mode") == "between_steps" and dist.is_initialized()
@@ -332,6 +333,10 @@ class Reconfigurer:
         self._install(plan, received, newest)
         timings["install"] = time.time() - t1
         if self._joiners:
+            # moc's groups first: they connect through this process's store client, which the
+            # barrier's wait would hold until every rank arrived (a rank whose groups wait on
+            # ours, and ours on its barrier: a cycle until the groups' timeout)
+            self._await_moc_comm()
             t1 = time.time()
             self._store_barrier(plan, "installed")
             timings["joiners"] = time.time() - t1
@@ -366,7 +371,8 @@ class Reconfigurer:
 
     def _start_moc_comm(self) -> None:
         """Form the new moc manager's three gloo groups in a thread while this one moves
-        and installs the state: forming a group waits on every peer's connections (tens of
+        and installs the state (this thread uses the store client only once they are
+        formed, see the joiners' barrier in :meth:`_apply`): forming a group waits on every peer's connections (tens of
         ms each on loaded cores), time the members would otherwise spend idle before the
         next step (torch without ``_set_pg_timeout``: formed afterwards, as before). Only this thread calls ``new_group`` meanwhile, in the same order on
         every rank; its sockets are this plan's (a newer plan shuts them, see
@@ -389,19 +395,25 @@ class Reconfigurer:
                 box["error"] = exc
 
         th = threading.Thread(target=form, name=f"lazarus-moc-groups-{self.t.generation}", daemon=True)
+        self._moc_groups_wait = 0.0
         th.start()
         self._moc_comm = (th, box)
 
+    def _await_moc_comm(self) -> None:
+        """Wait for the groups' thread (no-op without one); :meth:`_take_moc_comm` has them."""
+        if self._moc_comm is None or not self._moc_comm[0].is_alive():
+            return
+        t0 = time.time()
+        self._moc_comm[0].join()
+        self._moc_groups_wait = time.time() - t0
+
     def _take_moc_comm(self) -> Any:
         """The groups :meth:`_start_moc_comm` formed (None: none started)."""
+        self._await_moc_comm()
         pending, self._moc_comm = self._moc_comm, None
-        self._moc_groups_wait = None
         if pending is None:
             return None
-        th, box = pending
-        t0 = time.time()
-        th.join()
-        self._moc_groups_wait = time.time() - t0
+        box = pending[1]
         if "error" in box:
             raise box["error"]
         return box["comm"]
