@@ -371,12 +371,14 @@ class Reconfigurer:
 
     def _start_moc_comm(self) -> None:
         """Form the new moc manager's three gloo groups in a thread while this one moves
-        and installs the state (this thread uses the store client only once they are
-        formed, see the joiners' barrier in :meth:`_apply`): forming a group waits on every peer's connections (tens of
+        and installs the state: forming a group waits on every peer's connections (tens of
         ms each on loaded cores), time the members would otherwise spend idle before the
-        next step (torch without ``_set_pg_timeout``: formed afterwards, as before). Only this thread calls ``new_group`` meanwhile, in the same order on
-        every rank; its sockets are this plan's (a newer plan shuts them, see
-        :meth:`_interruptible`) and are tracked as the group's."""
+        next step. Only that thread calls ``new_group`` meanwhile, in the same order on
+        every rank, and this one does not use the store client until the groups are formed
+        (see the joiners' barrier in :meth:`_apply`); their sockets are this plan's (a newer
+        plan shuts them, see :meth:`_interruptible`) and are tracked as the group's. With a
+        torch that cannot change a group's timeout (no ``_set_pg_timeout``) the groups are
+        formed afterwards, as before."""
         if self.t.config.moc is None or not dist.is_initialized() or not Comm.can_form_with_another_timeout():
             return
         timeout = self._moc_timeout()
