@@ -28,16 +28,31 @@ class Comm:
     snapshot_group: Any = None  # remote snapshot copies from the snapshot thread
 
     @staticmethod
-    def create(process_group: Any, timeout: timedelta) -> "Comm":
+    def can_form_with_another_timeout() -> bool:
+        """Can :meth:`create` form the groups under one timeout and run them under another
+        (torch's ``_set_pg_timeout``)?"""
+        return callable(getattr(dist.distributed_c10d, "_set_pg_timeout", None))
+
+    @staticmethod
+    def create(process_group: Any, timeout: timedelta, form_timeout: timedelta | None = None) -> "Comm":
+        """The manager's groups on ``process_group`` (default: the world). ``timeout``
+        bounds their collectives; ``form_timeout`` (when torch can change a group's timeout,
+        :meth:`can_form_with_another_timeout`) bounds waiting for every rank to connect,
+        for a caller that forms them while other ranks may still be busy elsewhere."""
         if not (dist.is_available() and dist.is_initialized()):
             return Comm()
         pg = process_group if process_group is not None else dist.group.WORLD
         ranks = dist.get_process_group_ranks(pg)
+        set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+        first = form_timeout if form_timeout is not None and callable(set_timeout) else timeout
         # Private gloo groups, one per thread that talks (training thread, persist thread,
         # snapshot thread), so their collectives never interleave on one group.
-        group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
-        persist_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
-        snapshot_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        group = dist.new_group(ranks=ranks, backend="gloo", timeout=first)
+        persist_group = dist.new_group(ranks=ranks, backend="gloo", timeout=first)
+        snapshot_group = dist.new_group(ranks=ranks, backend="gloo", timeout=first)
+        if first != timeout:
+            for g in (group, persist_group, snapshot_group):
+                set_timeout(timeout, g)
         return Comm(rank=dist.get_rank(pg), world=len(ranks), group=group, persist_group=persist_group,
                     snapshot_group=snapshot_group)
 

@@ -119,12 +119,15 @@ class CheckpointManager:
             process, new process group after a reconfiguration): its buffers are kept and
             the bookkeeping (run id, counters, PLT, K) continues. Ranks without one (a
             joining process) take the bookkeeping from the lowest rank that has one.
+        comm: the manager's process groups, made beforehand with
+            :meth:`moc._dist.Comm.create` on ``process_group`` (an elastic runtime forms
+            them while it moves state after a reconfiguration); default: made here.
     """
 
     def __init__(self, cfg: MoCConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  process_group: Any = None, expert_pattern: str | None = None,
                  extra_state: Mapping[str, Any] | None = None, memory_key: str | None = None,
-                 handover: "Handover | None" = None, node: str | None = None) -> None:
+                 handover: "Handover | None" = None, node: str | None = None, comm: Comm | None = None) -> None:
         if not isinstance(cfg, MoCConfig):
             raise TypeError(f"cfg must be a MoCConfig, got {type(cfg).__name__}")
         self.cfg = cfg
@@ -139,10 +142,18 @@ class CheckpointManager:
         if node is not None:
             check_node(node)
         layout = discover_units(model, expert_pattern or cfg.expert_pattern, layout=cfg.expert_layout)
-        self.comm = Comm.create(process_group, cfg.coordination_timeout)
+        if comm is not None and not isinstance(comm, Comm):
+            raise TypeError(f"comm must be a moc._dist.Comm, got {type(comm).__name__}")
+        self.comm = comm if comm is not None else Comm.create(process_group, cfg.coordination_timeout)
         self.rank, self.world = self.comm.rank, self.comm.world
         self.node = node if node is not None else default_node(self.rank)
-        self.inventory = Inventory.gather(model, layout, self.comm, self.node)
+        # One collective for everything the ranks tell each other at start: their units and
+        # nodes (the inventory), a run id (rank 0's wins) and the replaced manager's
+        # bookkeeping (each collective round costs every rank a wait for the slowest).
+        told = self.comm.gather_json({**Inventory.describe_rank(layout, self.comm, self.node),
+                                      "run_id": uuid.uuid4().hex[:16],
+                                      "handover": handover.state if handover is not None else None})
+        self.inventory = Inventory.from_gathered(model, layout, told)
         if self.rank == 0:
             log.info("rank %d step -: expert layout %s", self.rank, self.inventory.info["description"])
         if handover is not None and handover.store is not None and handover.storage == str(cfg.storage):
@@ -163,7 +174,7 @@ class CheckpointManager:
         self.policy = CheckpointPolicy(cfg, num_experts=self.inventory.num_experts, run=self.run, comm=self.comm)
         self.plans = UnitPlans(model, optimizer, layout)
         self.coordinator = Coordinator(self.comm, self.policy.routing_len)
-        self.run.run_id = self.comm.broadcast_json(uuid.uuid4().hex[:16])  # one id for the whole job
+        self.run.run_id = told[0]["run_id"]  # one id for the whole job
         self.engine = SnapshotEngine(cfg, pool=pool, comm=self.comm, run=self.run)
         self.persister = Persister(cfg, store=store, pool=pool, comm=self.comm, run=self.run, policy=self.policy)
         self.recovery = Recovery(cfg, model=model, optimizer=optimizer, inventory=self.inventory, comm=self.comm,
@@ -173,7 +184,7 @@ class CheckpointManager:
         self._step_call_total = 0.0
         self._closed = False
         self._sigterm = False
-        self._adopt(handover)
+        self._adopt([t["handover"] for t in told])
         self.exact = self._exact_mode(store, pool) if cfg.exact else None
 
         self._attach_routing()
@@ -460,9 +471,9 @@ class CheckpointManager:
                     "last_snapshot_step": self.engine.last_snapshot_step,
                     "persist_failures": self.persister.failures}
 
-    def _adopt(self, handover: "Handover | None") -> None:
-        """Continue the bookkeeping of the manager(s) this one replaces (collective)."""
-        states = self.comm.gather_json(handover.state if handover is not None else None)
+    def _adopt(self, states: list[dict[str, Any] | None]) -> None:
+        """Continue the bookkeeping of the manager(s) this one replaces: ``states`` holds
+        every rank's handover state (None: a rank without one), in rank order."""
         state = next((s for s in states if s is not None), None)
         if state is None:
             return

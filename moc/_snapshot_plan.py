@@ -61,22 +61,32 @@ class Inventory:
     info: dict[str, Any] = field(default_factory=dict)
     nodes: list[str] = field(default_factory=list)
 
+    @staticmethod
+    def describe_rank(layout: UnitLayout, comm: Comm, node: str | None = None) -> dict[str, Any]:
+        """This rank's part of :meth:`gather` (JSON), for a caller that gathers it along
+        with its own fields in one collective (:meth:`from_gathered`)."""
+        return {"units": sorted(layout.units), "node": node if node is not None else f"rank{comm.rank}",
+                "experts_per_layer": dict(layout.experts_per_layer)}
+
     @classmethod
     def gather(cls, model: torch.nn.Module, layout: UnitLayout, comm: Comm, node: str | None = None) -> "Inventory":
         """Collective: every rank's units and node (``None``: ``rank<r>``, its own)."""
+        return cls.from_gathered(model, layout, comm.gather_json(cls.describe_rank(layout, comm, node)))
+
+    @classmethod
+    def from_gathered(cls, model: torch.nn.Module, layout: UnitLayout, ranks: list[dict[str, Any]]) -> "Inventory":
+        """The inventory from every rank's :meth:`describe_rank`, in rank order."""
         params = {n for n, _ in model.named_parameters()}
         with_buffers = {spec.name for spec in layout.modules() if any(k not in params for k in spec.keys)}
         holders: dict[str, list[int]] = {}
         nodes: list[str] = []
-        for r, mine in enumerate(comm.gather_json({"units": sorted(layout.units),
-                                                    "node": node if node is not None else f"rank{comm.rank}"})):
+        for r, mine in enumerate(ranks):
             nodes.append(str(mine["node"]))
             for name in mine["units"]:
                 holders.setdefault(name, []).append(r)
-        for r in range(comm.world):
+        for r in range(len(ranks)):
             holders[f"extra/rank{r}"] = [r]
-        known = comm.gather_json(layout.experts_per_layer)
-        num_experts = _expert_count(list(holders), {l: n for d in known for l, n in d.items()})
+        num_experts = _expert_count(list(holders), {l: n for d in ranks for l, n in d["experts_per_layer"].items()})
         if not num_experts:
             raise ValueError("no MoE layer found on any rank")
         layout.experts_per_layer = dict(num_experts)

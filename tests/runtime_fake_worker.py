@@ -1,7 +1,8 @@
 """A stand-in worker for control-plane tests: it obeys plans and reports, it does not train.
 
 Started by ``lazarus agent ... -- python tests/runtime_fake_worker.py``. It says hello with
-a small model (``FAKE_LAYERS`` layers x ``FAKE_EXPERTS`` experts), then every
+a small model (``FAKE_LAYERS`` layers x ``FAKE_EXPERTS`` experts; once the file
+``FAKE_HELLO_WHEN`` exists when set: a worker slow to start), then every
 ``FAKE_STEP_S`` seconds counts a step and reports ``progress`` (rank 0 also ``routing``).
 On a new plan it replies ``reconfigured``; if it is in the plan's ``leaving`` list it reports
 ``left`` and exits 0 (held up at exit for ``FAKE_LEFT_STUCK_S`` seconds by a non-daemon
@@ -42,6 +43,9 @@ def main() -> int:
     if crash_rank is not None and crash_rank != os.environ.get("LOCAL_RANK", "0"):
         crash_at = 0
     names = [f"layers.{i}.moe" for i in range(layers)]
+    hello_when = os.environ.get("FAKE_HELLO_WHEN")   # a worker slow to import and build
+    while hello_when and not os.path.exists(hello_when):
+        time.sleep(0.02)
     ch.hello({"layers": {n: experts for n in names}, "top_k": 2})
     gen, step, done_sent = 0, 0, False
     while not ch.stop_requested:

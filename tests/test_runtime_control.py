@@ -367,9 +367,37 @@ def test_worker_killed_gives_failure_plan_then_respawned_worker_rejoins(
     join = c.wait_plan(5, reason="join")
     assert join["mode"] == "between_steps" and join["joined"] == ["b"]
     assert join["members"] == ["a", "c", "b"]  # survivors keep their order, joiners after
-    assert join["t"] - respawned["t"] >= 0.45  # batched over the join window
+    # nobody else on the way: planned as soon as it is ready, not after the 500 ms window
+    assert c.events("join", node="b")[0]["waiting_for"] == []
+    assert join["t"] - respawned["t"] < 0.45
     check_layers(join)
     assert c.agents["b"].poll() is None  # the agent itself stayed up
+
+
+@pytest.mark.timeout(60)
+def test_join_window_waits_only_for_nodes_warming_up(cluster_factory: Callable[..., Cluster],
+                                                     tmp_path: Path) -> None:
+    """Node d registers but its worker says hello only when the test lets it; c is ready
+    at once. c's join waits for d (one plan for both), and the window closes as soon as d
+    is ready, long before its 10 s."""
+    c = cluster_factory("--expected-nodes", "2", "--join-window", "10s", nodes=("a", "b"))
+    started(c, ["a", "b"])
+    go = tmp_path / "d-hello"
+    c.add_agent("d", "--env", f"FAKE_HELLO_WHEN={go}")
+    c.wait_event("node_registered", 10, node="d")
+    c.add_agent("c")
+    c_ready = c.wait_event("worker_ready", 10, node="c")
+    assert c.wait_event("join", 5, node="c")["waiting_for"] == ["d"]
+    time.sleep(0.5)
+    assert not c.events("plan", reason="join")          # c is held for d
+    go.touch()
+    d_ready = c.wait_event("worker_ready", 10, node="d")
+    join = c.wait_plan(5, reason="join")
+    assert join["joined"] == ["c", "d"] and join["members"] == ["a", "b", "c", "d"]
+    assert join["t"] - d_ready["t"] < 1.0               # until d was ready, not for the 10 s window
+    assert join["t"] - c_ready["t"] < 9.0
+    assert len(c.events("plan", reason="join")) == 1
+    check_layers(join)
 
 
 @pytest.mark.timeout(60)

@@ -133,6 +133,18 @@ def test_a_hot_spare_registers_only_when_called_in_and_joins_warm(tmp_path: Path
         ready = next(e for e in c.events() if e.get("event") == "worker_ready" and e["node"] == "n3")
         # the worker that warmed up on standby is the one that joined (not a new start)
         assert t <= registered["t"] <= ready["t"] and ready["pid"] == warm[0] and ready["incarnation"] == 1
+        # its start-up phases, in order, reported with its readiness
+        s = ready["startup"]
+        assert s["spawned"] - 0.05 <= s["process"] <= s["imported"] <= s["warm"] <= s["probed"] <= ready["t"], s
+        # every member says how long the join kept it from training, and why
+        def pauses_() -> list[dict]:   # written after each member's first step on the new group
+            return [m for m in c.metrics() if m.get("kind") == "member_pause" and m["generation"] == join["generation"]]
+
+        pauses = c.wait_for(lambda: len(pauses_()) >= 3 and pauses_(), 60, "the members' pause records")
+        assert sorted(m["node"] for m in pauses) == NODES[:3] and {m["reason"] for m in pauses} == {"join"}
+        for m in pauses:
+            assert 0 < m["reconfigure_s"] < m["gap_s"] and m["typical_step_s"] > 0
+            assert abs(m["stall_s"] - max(0.0, m["gap_s"] - m["typical_step_s"])) < 3e-4
         assert not _failure_reconfigs(c)
         _finish(c, tmp_path, NODES, steps=steps)
         _survivors_not_restarted(c, NODES[:3])

@@ -148,15 +148,27 @@ def _join_detail(arm: Any, f: Fault, first: float | None) -> dict[str, Any]:
         def at(pred: Callable[[dict], bool]) -> float | None:
             return next((e["t"] - f.t for e in ev if pred(e) and e.get("t", 0) >= f.t), None)
 
-        out["registered_s"] = at(lambda e: e.get("event") in ("node_registered", "register", "registered")
-                                 and e.get("node") == node)
-        out["worker_ready_s"] = at(lambda e: e.get("event") == "worker_ready" and e.get("node") == node)
-        out["plan_s"] = at(lambda e: e.get("event") == "plan" and node in (e.get("joined") or []))
+        ready = next((e for e in ev if e.get("event") == "worker_ready" and e.get("node") == node
+                      and e.get("t", 0) >= f.t), None)
+        # the joiner's start-up phases (negative: done before a hot spare was called in)
+        for phase, t in ((ready or {}).get("startup") or {}).items():
+            out[f"worker_{phase}_s"] = round(t - f.t, 3)
+        out["registered_s"] = _r(at(lambda e: e.get("event") == "node_registered" and e.get("node") == node))
+        out["worker_ready_s"] = _r(at(lambda e: e.get("event") == "worker_ready" and e.get("node") == node))
+        out["plan_s"] = _r(at(lambda e: e.get("event") == "plan" and node in (e.get("joined") or [])))
         rec = next((m for m in arm.cluster.metrics() if m.get("kind") == "reconfigured" and m.get("reason") == "join"
                     and m["t_resumed"] >= f.t), None)
         if rec:
             out["resumed_s"] = round(rec["t_resumed"] - f.t, 3)
             out["reconfigure_timings"] = {k: round(v, 3) for k, v in rec.get("timings", {}).items()}
+            # each member's own account of the join (its lost time, less its typical step)
+            pauses = [m for m in arm.cluster.metrics() if m.get("kind") == "member_pause"
+                      and m.get("generation") == rec["generation"] and m.get("node") != node]
+            if pauses:
+                out["member_stall_s"] = {m["node"]: m["stall_s"] for m in sorted(pauses, key=lambda m: m["node"])}
+                out["member_stall_max_s"] = max(m["stall_s"] for m in pauses)
+                out["member_typical_step_s"] = max(m["typical_step_s"] for m in pauses)
+                out["member_reconfigure_s"] = max(m["reconfigure_s"] for m in pauses)
     else:
         start = next((r for r in arm.records() if r.get("kind") == "start" and r["t"] >= f.t), None)
         ready = next((r for r in arm.records() if r.get("kind") == "ready" and r["t"] >= f.t), None)
@@ -165,6 +177,40 @@ def _join_detail(arm: Any, f: Fault, first: float | None) -> dict[str, Any]:
         if ready:
             out["built_s"] = round(ready["t"] - f.t, 3)
     return out
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+#: A join's phases in time order: (label, key of the join's figures).
+JOIN_PHASES = (("agent started (cold) / called in (hot spare)", None),
+               ("worker process spawned by the agent", "worker_spawned_s"),
+               ("worker process running", "worker_process_s"),
+               ("imports done (torch, lazarus, the example)", "worker_imported_s"),
+               ("warm-up done (torch.optim's dynamo import, gc freeze)", "worker_warm_s"),
+               ("storage probed, hello sent", "worker_probed_s"),
+               ("node registered at the controller", "registered_s"),
+               ("worker ready at the controller", "worker_ready_s"),
+               ("join plan issued", "plan_s"),
+               ("reconfigured (joiner built, state from peers, moc manager)", "resumed_s"),
+               ("first step trained by the joiner's world", "join_to_train_s"))
+
+
+def phase_table(results: list[dict[str, Any]]) -> str:
+    """Where each Lazarus arm's join went, seconds since the agent started (cold) or the
+    spare was called in (hot); negative: done before."""
+    laz = [r for r in results if r["system"].startswith("lazarus") and r.get("join")]
+    if not laz:
+        return ""
+    lines = ["| join phase | " + " | ".join(r["system"] for r in laz) + " |", "|---|" + "---:|" * len(laz)]
+    for label, key in JOIN_PHASES:
+        cells = ["0.00" if key is None else _f(r["join"].get(key)) for r in laz]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    for key in ("retire", "rendezvous", "migrate", "install", "joiners", "moc"):
+        cells = [_f((r["join"].get("reconfigure_timings") or {}).get(key), 3) for r in laz]
+        lines.append(f"| reconfiguration: {key} (rank 0) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 # -- output ---------------------------------------------------------------------------------
@@ -228,8 +274,9 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="benchmarks/peers/main.py", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer steps (under 3 minutes for all four systems)")
-    p.add_argument("--steps", type=int, default=None, help="steps per system (default 300, 150 with --quick)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer steps (120: about 2 minutes for the four systems on 2 quiet cores)")
+    p.add_argument("--steps", type=int, default=None, help="steps per system (default 300, 120 with --quick)")
     p.add_argument("--systems", default=",".join(SYSTEMS[:4]),
                    help=f"comma-separated subset of {','.join(SYSTEMS)} (default: the first four; lazarus-cold "
                         f"starts the joiner's agent at the join instead of calling in a hot spare)")
@@ -243,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for s in systems:
         if s not in SYSTEMS:
             p.error(f"--systems: {s!r} is not one of {', '.join(SYSTEMS)}")
-    steps = args.steps or (150 if args.quick else 300)
+    steps = args.steps or (120 if args.quick else 300)
     if steps < 20:
         p.error("--steps must be >= 20 (three events are staged along the run)")
     faults = [f for f in args.faults.split(",") if f]
@@ -255,7 +302,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for s in systems:
             log(f"{s}: {steps} steps, faults {faults}")
+            t_sys = time.time()
             results.append(run_system(s, work / s, spec, steps, faults, log=log))
+            results[-1]["wall_s"] = round(time.time() - t_sys, 1)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -267,11 +316,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     md = table(results)
+    phases = phase_table(results)
+    if phases:
+        md += "\n\n" + phases
     ck = next((r for r in results if r.get("interval")), None)
     notes = [f"{steps} steps per system, global batch {spec.batch_size} x {spec.seq_len} tokens, "
              f"{spec.layers} MoE layers of {spec.experts} experts (d_model {spec.d_model}); "
              f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end; "
-             f"Python {platform.python_version()}; {elapsed:.0f} s in all."]
+             f"Python {platform.python_version()}; {elapsed:.0f} s in all ("
+             + ", ".join(f"{r['system']} {r['wall_s']:.0f} s" for r in results) + ")."]
     if ck:
         iv = ck["interval"]
         notes.append(f"checkpoint-restart: Young/Daly N = {iv['every']} steps (DCP save {iv['save_s']:.3f} s, "

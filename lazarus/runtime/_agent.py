@@ -9,8 +9,9 @@ restarted as one new incarnation, as torchrun restarts a node's workers; the cra
 cap counts group restarts. The agent
 
 
-* connects to the controller (retrying with backoff up to ``connect_timeout``), registers,
-  and sends a heartbeat every ``heartbeat_interval``;
+* starts its workers first (their imports, seconds, overlap what follows), then connects to
+  the controller (retrying with backoff up to ``connect_timeout``), registers, and sends a
+  heartbeat every ``heartbeat_interval``;
 * starts the worker command G times, each with one end of a socketpair (``LAZARUS_AGENT_FD``)
   and relays in both directions: once every worker said ``hello`` the node is
   ``worker_ready``; the workers' other messages go up wrapped as ``{"type": "worker", ...}``
@@ -179,6 +180,13 @@ class Agent:
                 return self._exit.result()
             self._queued.clear()            # worker exits while on standby are no one's business
             self._queued_latest.clear()
+        else:
+            # The worker's imports (seconds) overlap the connection and registration: it is
+            # started first and reported ready whenever it says hello.
+            os.makedirs(cfg.snapshot_dir, exist_ok=True)
+            await self._start_worker()
+            if self._exiting:   # the worker command cannot be started
+                return self._exit.result()
         try:
             reader, self._cw = await self._connect(cfg.connect_timeout.total_seconds())
         except OSError as exc:
@@ -195,10 +203,11 @@ class Agent:
             grp = self._worker
             if grp is None:
                 await self._start_worker()
-            elif grp.healthy and grp.ready:   # warmed up on standby: ready with the registration
+            elif grp.healthy and grp.ready:   # said hello before the registration (or warmed up on standby)
                 grp.ready_sent = True
                 self._to_controller({"type": "worker_ready", "node": self.node_id, "incarnation": grp.incarnation,
-                                     "model": grp.model, "pid": grp.pid, "pids": grp.pids})
+                                     "model": grp.model, "pid": grp.pid, "pids": grp.pids,
+                                     "startup": grp.startup})
             rc = await self._exit
         finally:
             for t in list(self._tasks):
@@ -279,7 +288,10 @@ class Agent:
     def _register(self, resume: bool = False) -> None:
         wk = self._worker
         msg: dict[str, Any] = {"type": "register", "node": self.node_id, "slots": self.config.slots,
-                               "incarnation": self.incarnation + (0 if resume and wk is not None else 1),
+                               # a worker already running (started before the registration) is
+                               # this incarnation; otherwise the next one starts after it
+                               "incarnation": (wk.incarnation if wk is not None and (resume or wk.alive)
+                                               else self.incarnation + 1),
                                "pid": os.getpid(), "nproc": self.config.nproc_per_node}
         if resume:
             msg["resume"] = {
@@ -548,12 +560,16 @@ class Agent:
                 if kind == "hello":
                     wk.ready = True
                     wk.model = msg.get("model") if isinstance(msg.get("model"), dict) else {}
+                    startup = msg.get("startup")
+                    if isinstance(startup, dict):
+                        wk.startup = {k: v for k, v in startup.items() if isinstance(k, str)
+                                      and isinstance(v, (int, float)) and not isinstance(v, bool)}
                     if grp.ready and not grp.ready_sent and not self._on_standby:
                         grp.ready_sent = True               # the node is ready when all its workers are
                         # not queued: a reconnect's resume record says the worker is ready
                         self._to_controller({"type": "worker_ready", "node": self.node_id,
                                              "incarnation": grp.incarnation, "model": grp.model, "pid": grp.pid,
-                                             "pids": grp.pids})
+                                             "pids": grp.pids, "startup": grp.startup})
                     continue
                 if kind == "progress" and isinstance(msg.get("step"), int):
                     wk.step = msg["step"]

@@ -76,6 +76,8 @@ class WorkerProcess:
         self.proc = proc
         self.writer = writer
         self.started = time.monotonic()
+        self.spawned = time.time()          # when the agent started the process
+        self.startup: dict[str, float] = {}  # the worker's start-up phases, from its hello
         self.ready = False                  # said hello
         self.model: dict[str, Any] = {}     # from its hello
         self.step: int | None = None        # last progress report
@@ -209,6 +211,13 @@ class WorkerGroup:
     @property
     def model(self) -> dict[str, Any]:
         return self.workers[0].model
+
+    @property
+    def startup(self) -> dict[str, float]:
+        """Local rank 0's start-up phases (epoch seconds): ``spawned`` by the agent, then
+        the ones its hello reported (``process``, ``imported``, ``warm``, ``probed``)."""
+        w = self.workers[0]
+        return {"spawned": round(w.spawned, 4), **w.startup}
 
     @property
     def pid(self) -> int:

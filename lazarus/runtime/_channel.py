@@ -123,10 +123,15 @@ class AgentChannel:
             except OSError as exc:
                 raise ConnectionError(f"agent channel: send failed: {exc}") from None
 
-    def hello(self, model_info: dict[str, Any]) -> None:
-        """Announce the worker; ``model_info`` = ``{"layers": {name: E}, "top_k": k}``."""
-        self.send({"type": "hello", "model": model_info, "pid": os.getpid(),
-                   "incarnation": self.incarnation, "local_rank": self.local_rank})
+    def hello(self, model_info: dict[str, Any], startup: dict[str, float] | None = None) -> None:
+        """Announce the worker; ``model_info`` = ``{"layers": {name: E}, "top_k": k}``;
+        ``startup``: when (epoch seconds) its start-up phases ended (``process``,
+        ``imported``, ``warm``, ``probed``), relayed to the controller's events."""
+        msg = {"type": "hello", "model": model_info, "pid": os.getpid(), "incarnation": self.incarnation,
+               "local_rank": self.local_rank}
+        if startup:
+            msg["startup"] = {k: round(float(v), 4) for k, v in startup.items()}
+        self.send(msg)
 
     # ------------------------------------------------------------------ plans
     def latest_plan(self) -> dict[str, Any] | None:

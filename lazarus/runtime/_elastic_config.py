@@ -32,7 +32,8 @@ class ElasticConfig:
             ``None``: ``worker<LOCAL_RANK>`` (``worker0`` with one worker per node); a name
             given here gets ``-<LOCAL_RANK>`` appended when the node runs several workers.
         metrics_path: JSON-lines file where rank 0 appends one record per step and one per
-            reconfiguration (``None``: off).
+            reconfiguration, and every rank one ``member_pause`` record per between-steps
+            plan it applied (how long it did not train for it; ``None``: off).
         grad_clip: max global gradient norm (``None``: no clipping).
         device: where the trainer computes: ``"auto"`` (``cuda:<LOCAL_RANK>`` when CUDA is
             available, else ``cpu``), ``"cpu"``, ``"cuda"`` or ``"cuda:<index>"``. The model

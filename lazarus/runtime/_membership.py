@@ -2,7 +2,9 @@
 
 Everything here runs on the controller's event loop thread and never blocks: message
 handlers update the view of the cluster, timers coalesce failures (``failure_grace``) and
-batch joins (``join_window``), and :meth:`Membership._issue` computes and sends plans.
+batch joins (``join_window``, which closes as soon as no other registered node is still
+warming up: a lone joiner is planned at once), and :meth:`Membership._issue` computes and
+sends plans.
 
 Plan ordering rules:
 
@@ -150,9 +152,14 @@ class Membership(ABC):
         pids = _req(msg, "pids", list, optional=True)   # every local rank's, with --nproc-per-node > 1
         if pids is not None and not all(isinstance(p, int) and not isinstance(p, bool) for p in pids):
             raise MalformedMessageError("worker_ready: field 'pids' must be a list of integers")
+        startup = _req(msg, "startup", dict, optional=True)   # the worker's start-up phases (epoch s)
+        if startup is not None and not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                            for v in startup.values()):
+            raise MalformedMessageError("worker_ready: field 'startup' must map phases to times")
         self._forget_holdings(node.node_id)
         self._event("worker_ready", node=node.node_id, incarnation=inc, pid=node.worker_pid,
-                    **({"pids": pids} if pids is not None else {}))
+                    **({"pids": pids} if pids is not None else {}),
+                    **({"startup": startup} if startup else {}))
         if self._finished:
             return
         if not self._members and not self._stalled:
@@ -393,11 +400,27 @@ class Membership(ABC):
         self._pending_joins.clear()
         self._issue("start", "immediate", ready, joined=ready)
 
+    def _warming_up(self) -> list[str]:
+        """Registered nodes on their way to join: alive, not members, not leaving, whose
+        workers have not said hello yet (a join window waits for these only)."""
+        return sorted(n for n, node in self._nodes.items()
+                      if n not in self._members and not node.dead and not node.ready and not node.leaving
+                      and n not in self._left and n not in self._done)
+
     def _add_join(self, node_id: str) -> None:
         if node_id in self._pending_joins:
             return
         self._pending_joins.add(node_id)
-        self._event("join", node=node_id, generation=self.generation)
+        warming = self._warming_up()
+        self._event("join", node=node_id, generation=self.generation, waiting_for=warming)
+        if not warming:
+            # Nobody else is on the way: the window would batch nothing, so the plan goes
+            # now (a lone joiner trains a window sooner and nobody waits on a timer).
+            if self._join_timer is not None:
+                self._join_timer.cancel()
+            self._join_timer = None
+            self._maybe_between_steps()
+            return
         if self._join_timer is None:
             self._join_deadline = time.monotonic() + self.config.join_window.total_seconds()
             self._join_timer = self._loop.call_later(self.config.join_window.total_seconds(),

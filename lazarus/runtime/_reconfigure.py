@@ -46,6 +46,7 @@ from lazarus.moe._placement import rank_slots
 from lazarus.planning import Placement
 from moc import CheckpointManager
 from storage_backends import open_store
+from moc._dist import Comm
 from moc._units import apply_partial, capture_unit, discover_units
 
 from ._abort import GroupAborter, SocketTracker, nccl_errors, reset_group_names
@@ -103,6 +104,8 @@ class Reconfigurer:
         self.aborter = GroupAborter(trainer.backend.backend)
         self.sockets = self.aborter.sockets    # gloo connections opened by our groups
         self._store_sockets = SocketTracker()
+        self._moc_comm: tuple[threading.Thread, dict[str, Any]] | None = None   # see _start_moc_comm
+        self._moc_groups_wait: float | None = None
 
     # -- groups ----------------------------------------------------------------------------
     def retire_group(self, planned: bool = False) -> None:
@@ -275,6 +278,7 @@ class Reconfigurer:
             try:
                 self._apply(plan, t_error)
             except Exception:
+                self._drop_moc_comm()   # (its wait is interrupted with the plan's connections)
                 if interrupted:
                     raise Superseded() from None
                 raise
@@ -285,6 +289,7 @@ class Reconfigurer:
         t = self.t
         t0 = time.time()
         timings: dict[str, float] = {}
+        self._moc_groups_wait = None
         members = list(plan["members"])
         leaving = list(plan.get("leaving", []))
         in_old = (plan.get("mode") == "between_steps" and dist.is_initialized()
@@ -313,6 +318,7 @@ class Reconfigurer:
                 self.handover = t.ckpt.detach()
                 t.ckpt = None
             t.generation = int(plan["generation"])
+            self._start_moc_comm()
         else:
             t1 = time.time()
             self.retire_group(planned=plan.get("mode") == "between_steps")
@@ -320,6 +326,7 @@ class Reconfigurer:
             t1 = time.time()
             self._rendezvous(plan)
             timings["rendezvous"] = time.time() - t1
+            self._start_moc_comm()
             t1 = time.time()
             received, lost, newest, stats = self._migrate(plan, members)
             timings["migrate"] = time.time() - t1
@@ -327,12 +334,18 @@ class Reconfigurer:
         self._install(plan, received, newest)
         timings["install"] = time.time() - t1
         if self._joiners:
+            # moc's groups first: they connect through this process's store client, which the
+            # barrier's wait would hold until every rank arrived (a rank whose groups wait on
+            # ours, and ours on its barrier: a cycle until the groups' timeout)
+            self._await_moc_comm()
             t1 = time.time()
             self._store_barrier(plan, "installed")
             timings["joiners"] = time.time() - t1
         t1 = time.time()
         sources = self._moc(lost, fresh_start=newest < 0)
         timings["moc"] = time.time() - t1
+        if self._moc_groups_wait is not None:   # part of "moc": waiting for its groups
+            timings["moc_groups_wait"] = self._moc_groups_wait
         stats["sources"] = dict(stats["sources"], **sources)
         t_resumed = time.time()
         record = {"kind": "reconfigured", "type": "reconfigured", "generation": t.generation,
@@ -349,6 +362,71 @@ class Reconfigurer:
         log.info("node %s rank %d/%d gen %d (%s): resumed at step %d in %.3f s; %d experts moved, sources %s",
                  t.where, t.rank, t.world, t.generation, plan.get("reason"), t.step, t_resumed - t0,
                  stats["moved"], stats["sources"])
+
+    # -- moc's process groups, formed while the state moves ------------------------------------
+    def _moc_timeout(self) -> Any:
+        cfg = self.t.config.moc
+        if cfg.coordination_timeout > self.t.config.collective_timeout:
+            cfg.coordination_timeout = self.t.config.collective_timeout
+        return cfg.coordination_timeout
+
+    def _start_moc_comm(self) -> None:
+        """Form the new moc manager's three gloo groups in a thread while this one moves
+        and installs the state: forming a group waits on every peer's connections (tens of
+        ms each on loaded cores), time the members would otherwise spend idle before the
+        next step. Only that thread calls ``new_group`` meanwhile, in the same order on
+        every rank, and this one does not use the store client until the groups are formed
+        (see the joiners' barrier in :meth:`_apply`); their sockets are this plan's (a newer
+        plan shuts them, see :meth:`_interruptible`) and are tracked as the group's. With a
+        torch that cannot change a group's timeout (no ``_set_pg_timeout``) the groups are
+        formed afterwards, as before."""
+        if self.t.config.moc is None or not dist.is_initialized() or not Comm.can_form_with_another_timeout():
+            return
+        timeout = self._moc_timeout()
+        # Peers reach this point at different times (a joiner, or every rank on a fresh
+        # start, builds its model meanwhile; a rank's store client is held by the members'
+        # barrier): connecting waits as long as the rendezvous may; the groups' collectives
+        # then run under moc's own timeout.
+        form_timeout = max(timeout, self.t.config.rendezvous_timeout)
+        box: dict[str, Any] = {}
+
+        def form() -> None:
+            try:
+                with self.sockets.track():
+                    box["comm"] = Comm.create(None, timeout, form_timeout=form_timeout)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by _take_moc_comm
+                box["error"] = exc
+
+        th = threading.Thread(target=form, name=f"lazarus-moc-groups-{self.t.generation}", daemon=True)
+        self._moc_groups_wait = 0.0
+        th.start()
+        self._moc_comm = (th, box)
+
+    def _await_moc_comm(self) -> None:
+        """Wait for the groups' thread (no-op without one); :meth:`_take_moc_comm` has them."""
+        if self._moc_comm is None or not self._moc_comm[0].is_alive():
+            return
+        t0 = time.time()
+        self._moc_comm[0].join()
+        self._moc_groups_wait = time.time() - t0
+
+    def _take_moc_comm(self) -> Any:
+        """The groups :meth:`_start_moc_comm` formed (None: none started)."""
+        self._await_moc_comm()
+        pending, self._moc_comm = self._moc_comm, None
+        if pending is None:
+            return None
+        box = pending[1]
+        if "error" in box:
+            raise box["error"]
+        return box["comm"]
+
+    def _drop_moc_comm(self) -> None:
+        """A plan that failed: wait for the groups' thread (a broken peer fails its
+        connects; a newer plan shuts them) so no ``new_group`` runs into the next plan."""
+        pending, self._moc_comm = self._moc_comm, None
+        if pending is not None:
+            pending[0].join()
 
     # -- inventory and migration -------------------------------------------------------------
     def _held(self) -> dict[str, list[int]]:
@@ -516,11 +594,11 @@ class Reconfigurer:
         cfg_dir = os.environ.get("LAZARUS_SNAPSHOT_DIR") or getattr(t.channel, "snapshot_dir", None)
         if cfg_dir and cfg.snapshot_dir is None:
             cfg.snapshot_dir = cfg_dir
-        if cfg.coordination_timeout > t.config.collective_timeout:
-            cfg.coordination_timeout = t.config.collective_timeout
-        with self.sockets.track():   # moc's own gloo groups
+        self._moc_timeout()
+        comm = self._take_moc_comm()
+        with self.sockets.track():   # moc's own gloo groups (made here if not beforehand)
             t.ckpt = CheckpointManager(cfg, model=t.model, optimizer=t.optimizer, memory_key=t.memory_key,
-                                       handover=self.handover, node=t.node)
+                                       handover=self.handover, node=t.node, comm=comm)
         self.handover = None
         if fresh_start:
             t.step = t.ckpt.restore()

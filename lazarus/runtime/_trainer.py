@@ -24,6 +24,7 @@ import os
 import re
 import threading
 import time
+from collections import deque
 from typing import Any, Callable, Mapping
 
 import torch
@@ -82,6 +83,7 @@ class ElasticTrainer:
                  make_optimizer: MakeOptimizer, channel: Any = None) -> None:
         if not isinstance(config, ElasticConfig):
             raise ValueError(f"config must be an ElasticConfig, got {type(config).__name__}")
+        self._t_init = time.time()       # the worker's imports are done (start-up phases in its hello)
         layers = layout.get("layers") if isinstance(layout, Mapping) else None
         if not isinstance(layers, Mapping) or not layers:
             raise ValueError("layout must be {'layers': {moe_layer_name: num_experts}, 'top_k': k}")
@@ -124,6 +126,8 @@ class ElasticTrainer:
         self.losses: list[tuple[int, float]] = []
         self._routing: dict[str, torch.Tensor] = {}
         self._metrics = None
+        self._step_s: deque[float] = deque(maxlen=21)   # this rank's recent step times
+        self._paused: dict[str, Any] | None = None       # a between-steps plan applied after a step
         self._storage_failures = 0       # moc persist failures already reported
         self._storage_bad_since: int | None = None  # last persisted step when storage went bad
         self._left = False
@@ -143,9 +147,13 @@ class ElasticTrainer:
         life, across reconfigurations), then flush the last checkpoint and report done."""
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
             raise ValueError(f"total_steps must be an integer >= 1, got {total_steps!r}")
-        _warm_up()
+        t_warm = _warm_up()
         self.reconf.probe_storage()
-        self.channel.hello(self.layout)
+        startup = {"imported": self._t_init, "warm": t_warm, "probed": time.time()}
+        t_process = _process_start_time()
+        if t_process is not None:
+            startup = {"process": t_process, **startup}
+        self.channel.hello(self.layout, startup=startup)
         # a hot spare (``lazarus agent --standby``) waits, warm, for as long as it is not called in
         plan = self._wait_plan(-1, unbounded=os.environ.get("LAZARUS_STANDBY") == "1")
         self._reconfigure_loop(plan, error=None)
@@ -197,8 +205,13 @@ class ElasticTrainer:
         while self.step < total_steps and not self._left:
             failure = None
             try:
+                t0 = time.time()
                 loss = self._train_step(loss_fn)
-                self._after_step(loss)
+                t1 = time.time()
+                if self._paused is not None:
+                    self._report_pause(t1)
+                self._step_s.append(t1 - t0)
+                self._after_step(loss, t_end=t1)
             except Exception as exc:  # noqa: BLE001 - classified below
                 if not is_collective_error(exc):
                     raise
@@ -309,7 +322,22 @@ class ElasticTrainer:
             for g in grads:
                 g.mul_(coef)
 
-    def _after_step(self, loss: float) -> None:
+    def _report_pause(self, t_end: float) -> None:
+        """How long a between-steps plan kept this member from training: from the end of
+        its last step before the plan to the end of its first step after it, less its
+        typical (median) step. Every rank appends one ``member_pause`` metrics record."""
+        p, self._paused = self._paused, None
+        assert p is not None
+        steps = sorted(self._step_s)
+        typical = steps[len(steps) // 2] if steps else 0.0
+        gap = t_end - p["t_last"]
+        self._metric({"kind": "member_pause", "t": t_end, "node": self.where, "rank": self.rank,
+                      "generation": self.generation, "reason": p["reason"], "gap_s": round(gap, 4),
+                      "typical_step_s": round(typical, 4), "stall_s": round(max(0.0, gap - typical), 4),
+                      "agree_s": round(p["t_agreed"] - p["t_last"], 4),
+                      "reconfigure_s": round(p["t_resumed"] - p["t_agreed"], 4)})
+
+    def _after_step(self, loss: float, t_end: float | None = None) -> None:
         step = self.step - 1
         self.losses.append((step, loss))
         if self.rank == 0:
@@ -331,8 +359,12 @@ class ElasticTrainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         target = int(flag.item())
         if target > self.generation:
+            t_agreed = time.time()
             plan = self._wait_plan(self.generation, at_least=target)
             self._reconfigure_loop(plan, error=None)
+            if t_end is not None and not self._left:
+                self._paused = {"t_last": t_end, "t_agreed": t_agreed, "t_resumed": time.time(),
+                                "reason": plan.get("reason")}
 
     def _report_storage(self) -> None:
         """Tell the controller (its event log) when checkpoints stop reaching storage and
@@ -443,6 +475,7 @@ class ElasticTrainer:
 
     # -- metrics -----------------------------------------------------------------------------
     def _metric(self, record: dict[str, Any]) -> None:
+        """Append ``record`` to ``metrics_path`` (one line, written at once)."""
         path = self.config.metrics_path
         if not path:
             return
@@ -452,7 +485,19 @@ class ElasticTrainer:
         self._metrics.write(json.dumps(record) + "\n")
 
 
-def _warm_up() -> None:
+def _process_start_time() -> float | None:
+    """When this process started (epoch seconds, to a clock tick), from /proc; None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _warm_up() -> float:
     """One-time costs paid before this worker says it is ready, not during a
     reconfiguration where the other members wait for it: the first ``torch.optim``
     optimizer imports ``torch._dynamo`` (3-9 s on a loaded 2-core machine), the
@@ -466,3 +511,4 @@ def _warm_up() -> None:
     # import heap: ~1 s of the survivors' recovery on 2 loaded cores).
     gc.collect()
     gc.freeze()
+    return time.time()
