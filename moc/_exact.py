@@ -44,7 +44,6 @@ import logging
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
@@ -58,6 +57,7 @@ from ._daemon import DaemonExecutor
 from ._dist import Comm
 from ._errors import CheckpointError
 from ._exact_schedule import ExactSchedule, plan_schedule
+from ._exact_state import Replay as _Replay, Round as _Round, Window as _Window, grad_digest
 from ._exact_store import extra_name, rank_meta, read_part, weights_name, window_meta, write_part
 from ._format import UnitRecord
 from ._layouts import UnitLayout, local_tensor
@@ -75,69 +75,6 @@ FORMAT = 2
 # Slots of the window round's all-reduce (counts over ranks), then each rank's persist candidate.
 _NO_BUFFER, _PREV_FAILED, _SIGTERM, _BUSY, _FATAL = range(5)
 _FIXED = 5
-
-
-def grad_digest(model: torch.nn.Module) -> dict[str, Any]:
-    """xxh3 of every gradient's bytes (parameter order, names included; a DTensor's local
-    shard) and the norm of those bytes (this rank's part; float32 dot products: a hint for
-    the error message, only the hash is compared)."""
-    h = xxhash.xxh3_64()
-    sq = 0.0
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        g = local_tensor(p.grad).detach()
-        if g.device.type != "cpu":
-            g = g.cpu()
-        g = g.contiguous()
-        h.update(name.encode())
-        if g.numel():
-            h.update(memoryview(g.reshape(-1).view(torch.uint8).numpy()))
-            # not g.double().pow(2).sum(): that copies every gradient twice (~1.7 s per window
-            # on benchmarks/exact's 1.3 GB model, all of it in the optimizer step's pre-hook)
-            flat = g.reshape(-1)
-            flat = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
-            sq += float(torch.dot(flat, flat))
-    return {"xxh3": h.hexdigest(), "norm": sq ** 0.5}
-
-
-@dataclass
-class _Window:
-    start: int
-    schedule: ExactSchedule
-    buf: SnapshotBuffer
-    index: int                                  # windows started by this process
-    offset: int = 0
-    pieces: list[dict[str, Any]] = field(default_factory=list)
-    step_bytes: list[int] = field(default_factory=list)
-    grad: dict[str, Any] | None = None
-
-    @property
-    def end(self) -> int:
-        return self.start + self.schedule.window - 1
-
-
-@dataclass
-class _Replay:
-    start: int
-    end: int
-    steps: dict[int, dict[str, Any]]            # step -> {"full": [...], "weights": [...], "extra": tree}
-    grad: dict[str, Any] | None
-    source: str
-    lease: SnapshotBuffer | None = None
-    next: int = 0
-    checked: bool = False
-
-
-@dataclass
-class _Round:
-    """The outcome of a window round: the same on every rank."""
-
-    no_buffer: bool
-    prev_failed: bool
-    sigterm: bool
-    fatal: bool
-    persist: int | None                          # the window (its last step) to persist now
 
 
 class ExactCheckpointer:
