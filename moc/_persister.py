@@ -138,9 +138,8 @@ class Persister:
 
     def settle(self, seq: int) -> None:
         """Apply the outcomes of persist jobs up to number ``seq``: the newest job that every
-        rank has finished, agreed in a round. No rank waits for its own job here (one can
-        be stuck on storage: rank 0 commits between the persist round's two collectives,
-        and a hung endpoint holds it there long after the others gave up on it); every rank
+        rank has finished, agreed in a round. No rank waits for its own job here (it can be
+        stuck on storage for as long as the store takes); every rank
         calls this with the same ``seq``, so has_base and the PLT persist marks change at
         the same point everywhere, whatever moment each rank's persist thread finished at."""
         self.apply_outcomes(min(seq, self.finished_seq))
@@ -174,7 +173,7 @@ class Persister:
         try:
             io = self._io.submit(self._write_io, snap, step, hand)
             self._wait_together(io, step, "writing its share")
-            mine, _ = io.result()
+            mine = io.result()
             results = self.comm.gather_json(mine, persist=True)
             missing = not all(r["ok"] for r in results) and all(r["ok"] or r.get("missing") for r in results)
             error = mine["error"]
@@ -205,7 +204,7 @@ class Persister:
         """Seconds between the persist threads' meetings: well inside the group's timeout."""
         return tick_seconds(self.cfg.coordination_timeout)
 
-    def _write_io(self, snap: Future | None, step: int, hand: "_Handoff") -> tuple[dict[str, Any], None]:
+    def _write_io(self, snap: Future | None, step: int, hand: "_Handoff") -> dict[str, Any]:
         """I/O thread: find the snapshot of ``step``, lease it (one lease for this job, one
         handed to the persist thread for its bookkeeping) and write this rank's share."""
         buf = None
@@ -226,12 +225,12 @@ class Persister:
                 hand.buf = buf
         if buf is None:
             return {"ok": False, "error": f"snapshot of step {step} is not available", "units": {},
-                    "missing": True}, None
+                    "missing": True}
         try:
             units = self._write_share(buf)
-            return {"ok": True, "error": None, "units": units, "missing": False}, None
+            return {"ok": True, "error": None, "units": units, "missing": False}
         except Exception as exc:  # noqa: BLE001 - storage trouble never reaches training
-            return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "units": {}, "missing": False}, None
+            return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "units": {}, "missing": False}
         finally:
             self.pool.release(buf)
 
