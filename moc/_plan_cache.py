@@ -43,7 +43,6 @@ from ._units import capture_unit
 __all__ = ["UnitPlans"]
 
 _SCALARS = (int, float, bool, str, type(None))
-_DTENSOR = _dtensor_cls()
 
 
 class _Uncacheable:
@@ -59,7 +58,8 @@ class _Uncacheable:
 
 
 def _tensor_sig(t: torch.Tensor) -> tuple:
-    if _DTENSOR is not None and isinstance(t, _DTENSOR):
+    dtensor = _dtensor_cls()
+    if dtensor is not None and isinstance(t, dtensor):
         # ``to_local()`` is an autograd op (~50 us per call); the attribute is what it returns.
         loc = t._local_tensor
         return (loc.data_ptr(), loc.shape, loc.stride(), loc.dtype, loc.device, t.placements, t.shape)

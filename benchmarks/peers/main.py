@@ -65,6 +65,12 @@ def _wait(pred: Callable[[], Any], timeout: float, what: str, arm: Any) -> Any:
     raise TimeoutError(f"{arm.name}: timed out after {timeout:.0f} s waiting for {what}; see {arm.work}")
 
 
+def _world_now(arm: Any) -> int:
+    """The world size of the newest committed step (0 before any)."""
+    steps = [r for r in arm.records() if r.get("kind") == "step"]
+    return int(max(steps, key=lambda r: r["t"]).get("world", 0)) if steps else 0
+
+
 def _world_at_least(arm: Any, n: int, since: float) -> bool:
     return any(r.get("kind") == "step" and r["t"] >= since and int(r.get("world", 0)) >= n for r in arm.records())
 
@@ -93,6 +99,7 @@ def run_system(system: str, work: Path, spec: ModelSpec, steps: int, faults: Seq
     arm = make_arm(system, work, spec, steps, mtbf_steps=steps / n_faults)
     injected: list[Fault] = []
     joins: dict[str, Any] = {}
+    join_world: dict[float, int] = {}   # a join's time -> the world size that includes its node
     t0 = time.time()
     try:
         arm.start(nodes)
@@ -100,6 +107,7 @@ def run_system(system: str, work: Path, spec: ModelSpec, steps: int, faults: Seq
         for kind, node, at in plan:
             _wait(lambda: arm.step() >= min(at, steps - 1), step_timeout, f"step {at}", arm)
             cur = arm.step()
+            world_before = _world_now(arm)
             if cur >= steps - 1:
                 log(f"  {arm.name}: the run ended before {kind} {node} (step {at}) was due; not injected")
                 continue
@@ -108,7 +116,8 @@ def run_system(system: str, work: Path, spec: ModelSpec, steps: int, faults: Seq
             log(f"  {arm.name}: step {cur}: {kind} {node}")
             if kind == "join":
                 # the next fault waits until the joiner trains (never racing it), or the run ends
-                _wait(lambda: _world_at_least(arm, len(nodes), t) or arm.step() >= steps - 1, join_timeout,
+                join_world[t] = world_before + 1
+                _wait(lambda: _world_at_least(arm, world_before + 1, t) or arm.step() >= steps - 1, join_timeout,
                       f"node {node} training", arm)
         arm.finish(timeout=step_timeout * 2)
     finally:
@@ -119,7 +128,7 @@ def run_system(system: str, work: Path, spec: ModelSpec, steps: int, faults: Seq
     for f in injected:
         if f.kind == "join":
             first = min((r["t"] for r in records if r.get("kind") == "step" and r["t"] >= f.t
-                         and int(r.get("world", 0)) >= len(nodes)), default=None)
+                         and int(r.get("world", 0)) >= join_world[f.t]), default=None)
             joins = {"join_to_train_s": None if first is None else round(first - f.t, 3)}
             joins.update(_join_detail(arm, f, first))
     res["join"] = joins
