@@ -96,9 +96,10 @@ def test_sigkill_worker_then_respawned_worker_rejoins(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_joiner_slow_to_build_its_model_joins_without_a_collective_error(tmp_path: Path) -> None:
-    # The joiner sleeps 6 s in build_model, longer than collective_timeout (4 s): the
-    # members wait for it at the store barrier (rendezvous_timeout), not in a collective.
+def test_a_joiner_slow_to_build_its_model_builds_it_while_the_members_train(tmp_path: Path) -> None:
+    # The joiner sleeps 6 s in build_model, longer than collective_timeout (4 s). It builds
+    # before the plan's rendezvous (for the rank the plan gives it) while the members keep
+    # training on their group; they switch only once it is built, so none waits for the build.
     steps = 400
     with _cluster(tmp_path, steps=steps, extra_controller=("--expected-nodes", "3")) as c:
         c.start(NODES[:3])
@@ -107,7 +108,18 @@ def test_a_joiner_slow_to_build_its_model_joins_without_a_collective_error(tmp_p
         c.wait_for(lambda: [r for r in c.reconfigurations() if r["reason"] == "join"], 150, "the join")
         join = [r for r in c.reconfigurations() if r["reason"] == "join"][0]
         assert join["world_size"] == 4 and "n3" in join["members"]
-        assert join["timings"]["joiners"] >= 4.0, join["timings"]   # rank 0 waited out the build
+        plan = next(e for e in c.events() if e.get("event") == "plan" and "n3" in (e.get("joined") or []))
+        assert join["t_resumed"] - plan["t"] >= 6.0   # the build came between the plan and the switch
+        trained = [m for m in c.metrics() if m.get("kind") == "step" and plan["t"] <= m["t"] <= join["t_resumed"]
+                   and m["world"] == 3]
+        assert len(trained) >= 5, f"the members trained {len(trained)} steps while the joiner built"
+
+        def pauses_() -> list[dict]:   # written after each member's first step on the new group
+            return [m for m in c.metrics() if m.get("kind") == "member_pause" and m["generation"] == join["generation"]]
+
+        pauses = c.wait_for(lambda: len(pauses_()) >= 3 and pauses_(), 60, "the members' pause records")
+        assert sorted(m["node"] for m in pauses) == NODES[:3]
+        assert all(m["gap_s"] < 6.0 for m in pauses), pauses   # none waited out the build
         assert not _failure_reconfigs(c)
         _finish(c, tmp_path, NODES, steps=steps)
         _survivors_not_restarted(c, NODES[:3])

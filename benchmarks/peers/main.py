@@ -178,6 +178,10 @@ def _join_detail(arm: Any, f: Fault, first: float | None) -> dict[str, Any]:
                 out["member_stall_max_s"] = max(m["stall_s"] for m in pauses)
                 out["member_typical_step_s"] = max(m["typical_step_s"] for m in pauses)
                 out["member_reconfigure_s"] = max(m["reconfigure_s"] for m in pauses)
+                # the join's cost to the members in their own steps (target: at most 1)
+                out["member_stall_steps"] = round(max(m["stall_s"] / m["typical_step_s"] for m in pauses
+                                                      if m["typical_step_s"] > 0), 2) if any(
+                    m["typical_step_s"] > 0 for m in pauses) else None
     else:
         start = next((r for r in arm.records() if r.get("kind") == "start" and r["t"] >= f.t), None)
         ready = next((r for r in arm.records() if r.get("kind") == "ready" and r["t"] >= f.t), None)
@@ -237,12 +241,45 @@ def table(results: list[dict[str, Any]]) -> str:
                          f"{r['redone']} / {r['discarded']} | {_f(r['steps_per_s_before'], 1)} | "
                          f"{_f(r['steps_per_s_after'], 1)} |")
     lines += ["", "| system | goodput (tokens/s) | steps | seconds (first to last commit) | join: start -> "
-              "training (s) | members' longest stall while it joined (s) |", "|---|---:|---:|---:|---:|---:|"]
+              "training (s) | members' longest stall while it joined (s) | each member's own stall, in its steps |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
     for res in results:
         j = res.get("join") or {}
         lines.append(f"| {res['system']} | {_f(res['goodput'], 0)} | {res['steps']} | {_f(res['seconds'], 1)} | "
-                     f"{_f(j.get('join_to_train_s'))} | {_f(j.get('members_stall_s'))} |")
+                     f"{_f(j.get('join_to_train_s'))} | {_f(j.get('members_stall_s'))} | "
+                     f"{_f(j.get('member_stall_steps'))} |")
     return "\n".join(lines)
+
+
+def target_notes(results: list[dict[str, Any]]) -> list[str]:
+    """Issue 27's targets, as ratios of this run's figures: Lazarus's time lost per failure
+    against tuned torchft's (target <= 0.5), its goodput the highest, a cold join no slower
+    than torchft's rejoin, and the members' stall while a node joins (target <= 1 step)."""
+    by = {r["system"]: r for r in results}
+    out = []
+    laz, ft = by.get("lazarus"), by.get("torchft-tuned")
+    if laz and ft:
+        for fault in ("kill", "term"):
+            a = next((row["time_lost_s"] for row in laz["rows"] if row["fault"].startswith(fault)), None)
+            b = next((row["time_lost_s"] for row in ft["rows"] if row["fault"].startswith(fault)), None)
+            if a is not None and b:
+                out.append(f"target: {fault}: Lazarus loses {a:.2f} s, tuned torchft {b:.2f} s: ratio {a / b:.2f} "
+                           f"(target <= 0.5)")
+    if results:
+        best = max(results, key=lambda r: r["goodput"])
+        out.append(f"target: highest goodput: {best['system']} ({best['goodput']:,.0f} tokens/s)")
+    cold = (by.get("lazarus-cold") or {}).get("join") or {}
+    for name in ("torchft-tuned", "torchft-readme"):
+        other = (by.get(name) or {}).get("join") or {}
+        if cold.get("join_to_train_s") is not None and other.get("join_to_train_s") is not None:
+            out.append(f"target: cold join, agent start -> first step: {cold['join_to_train_s']:.2f} s against "
+                       f"{name}'s new replica group {other['join_to_train_s']:.2f} s (target: <= 3 s and no slower)")
+    for name in ("lazarus", "lazarus-cold"):
+        j = (by.get(name) or {}).get("join") or {}
+        if j.get("member_stall_steps") is not None:
+            out.append(f"target: {name}: members' longest own stall while the node joined {j['member_stall_max_s']:.3f} s "
+                       f"= {j['member_stall_steps']:.2f} of their steps (target <= 1)")
+    return out
 
 
 def json_rows(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -338,6 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         iv = ck["interval"]
         notes.append(f"checkpoint-restart: Young/Daly N = {iv['every']} steps (DCP save {iv['save_s']:.3f} s, "
                      f"step {iv['step_s']:.3f} s, MTBF {iv['mtbf_steps']:.0f} steps).")
+    notes += target_notes(results)
     for r in results:
         if r.get("join"):
             notes.append(f"{r['system']} join: " + ", ".join(f"{k} {v}" for k, v in r["join"].items()))

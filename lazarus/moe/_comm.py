@@ -7,16 +7,42 @@ backward is the same exchange with the split sizes swapped.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import contextvars
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
+#: (rank, size) a model is being built for before its process group exists (see building_for)
+_BUILDING_FOR: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("lazarus_building_for",
+                                                                                      default=None)
+
+
+@contextlib.contextmanager
+def building_for(rank: int, size: int) -> Iterator[None]:
+    """Build MoE layers for ``rank`` of ``size`` ranks before torch.distributed is
+    initialised: inside the block :func:`world` answers ``(rank, size)`` where it would
+    answer ``(0, 1)``, so a layer built here holds that rank's experts. Lazarus's joiner
+    builds its model this way while the members still train; the layers are used only
+    once the real group (of that size) exists. Bad input raises ``ValueError`` naming it."""
+    for name, v in (("rank", rank), ("size", size)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{name} must be an integer, got {v!r}")
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"rank must be in [0, size) and size >= 1, got rank={rank}, size={size}")
+    token = _BUILDING_FOR.set((rank, size))
+    try:
+        yield
+    finally:
+        _BUILDING_FOR.reset(token)
+
 
 def world(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """(rank, size) in ``group``; (0, 1) when torch.distributed is not initialised."""
+    """(rank, size) in ``group``; when torch.distributed is not initialised, (0, 1), or
+    what :func:`building_for` says inside its block."""
     if not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
+        return _BUILDING_FOR.get() or (0, 1)
     return dist.get_rank(group), dist.get_world_size(group)
 
 

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lazarus.moe import moe_layers
+from lazarus.moe._comm import building_for
 from lazarus.moe._placement import rank_slots
 from lazarus.planning import Placement
 from moc import CheckpointManager
@@ -106,6 +107,10 @@ class Reconfigurer:
         self._store_sockets = SocketTracker()
         self._moc_comm: tuple[threading.Thread, dict[str, Any]] | None = None   # see _start_moc_comm
         self._moc_groups_wait: float | None = None
+        # A joiner's model built before its group formed (see _prepare_join): it holds no
+        # trained state until the plan's transfer is installed.
+        self.stateless = False
+        self._gate: tuple[int, float] | None = None   # (generation, first seen) of a join plan held back
 
     # -- groups ----------------------------------------------------------------------------
     def retire_group(self, planned: bool = False) -> None:
@@ -290,6 +295,10 @@ class Reconfigurer:
         t0 = time.time()
         timings: dict[str, float] = {}
         self._moc_groups_wait = None
+        if self.is_prepared_join(plan) and t.node in plan.get("joined", []) and (t.model is None or self.stateless):
+            self._prepare_join(plan)
+            timings["prepare"] = time.time() - t0
+            t0 = time.time()
         members = list(plan["members"])
         leaving = list(plan.get("leaving", []))
         in_old = (plan.get("mode") == "between_steps" and dist.is_initialized()
@@ -363,6 +372,72 @@ class Reconfigurer:
                  t.where, t.rank, t.world, t.generation, plan.get("reason"), t.step, t_resumed - t0,
                  stats["moved"], stats["sources"])
 
+    # -- joins prepared while the members train -----------------------------------------------
+    @staticmethod
+    def is_prepared_join(plan: dict[str, Any]) -> bool:
+        """A between-steps plan that adds nodes: its joiners build their models first, and
+        the members switch to it only once every joiner has (:meth:`joiners_prepared`)."""
+        return plan.get("mode") == "between_steps" and bool(plan.get("joined"))
+
+    def _prepare_key(self, plan: dict[str, Any]) -> str:
+        return f"{plan['prefix']}/prepared"
+
+    def _prepare_join(self, plan: dict[str, Any]) -> None:
+        """A joiner, before the plan's rendezvous: build the model for its rank of the plan
+        (:func:`lazarus.moe._comm.building_for`: its MoE layers hold the experts the plan
+        gives it) while the members still train, then count itself prepared on the
+        controller's store. A ``build_model`` that cannot build before its process group
+        exists (it calls torch.distributed itself) is logged and built after the rendezvous,
+        as before; the joiner counts itself prepared either way."""
+        t = self.t
+        rank, world = plan_rank(plan, t.node, t.local_rank, t.local_world), plan_world(plan)
+        t0 = time.time()
+        if t.model is None:
+            try:
+                with building_for(rank, world):
+                    model = self.build_model(self._placements(plan))
+                t.model = model.to(t.device)
+                self.stateless = True
+            except Exception as exc:  # noqa: BLE001 - user code; the build after the rendezvous reports it
+                log.warning("node %s step -: build_model failed before the group formed (%s: %s); building it after "
+                            "the rendezvous", t.where, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc)
+                            else "")
+                t.model = None
+        epoch = int(plan["store"].get("epoch", 0))
+        store = self._store_client(plan["store"]["host"], int(plan["store"]["port"]), epoch)
+        store.add(self._prepare_key(plan), 1)
+        log.info("node %s rank %d/%d step - gen %d: prepared to join in %.3f s (model %s); the members switch at "
+                 "their next step", t.where, rank, world, plan["generation"], time.time() - t0,
+                 "built" if t.model is not None else "to build after the rendezvous")
+
+    def joiners_prepared(self, plan: dict[str, Any]) -> bool:
+        """A member, at a step boundary: may it switch to ``plan`` now? Yes unless it is a
+        join whose joiners are still building (then the member trains another step). A
+        joiner that never prepares holds the members back at most ``rendezvous_timeout``
+        from when this member first saw the plan; then they switch and wait for it as
+        before. A store that cannot be asked (a controller that went away) does not hold
+        the switch back either: the rendezvous reports it."""
+        if not self.is_prepared_join(plan):
+            return True
+        gen = int(plan["generation"])
+        now = time.monotonic()
+        if self._gate is None or self._gate[0] != gen:
+            self._gate = (gen, now)
+        if now - self._gate[1] > self.t.config.rendezvous_timeout.total_seconds():
+            log.warning("node %s step %d: the joiners %s of generation %d did not prepare within %s; switching anyway",
+                        self.t.where, self.t.step, plan["joined"], gen, self.t.config.rendezvous_timeout)
+            return True
+        try:
+            store = self._store_client(plan["store"]["host"], int(plan["store"]["port"]),
+                                       int(plan["store"].get("epoch", 0)))
+            done = store.add(self._prepare_key(plan), 0)
+        except Exception as exc:  # noqa: BLE001 - the rendezvous reports a dead store
+            log.warning("node %s step %d: cannot ask the store whether generation %d's joiners are prepared (%s)",
+                        self.t.where, self.t.step, gen, str(exc).splitlines()[0][:200] if str(exc) else exc)
+            self._store = None
+            return True
+        return done >= len(plan["joined"]) * int(plan.get("gpus_per_node", 1))
+
     # -- moc's process groups, formed while the state moves ------------------------------------
     def _moc_timeout(self) -> Any:
         cfg = self.t.config.moc
@@ -431,7 +506,7 @@ class Reconfigurer:
     # -- inventory and migration -------------------------------------------------------------
     def _held(self) -> dict[str, list[int]]:
         t = self.t
-        if t.model is None:
+        if t.model is None or self.stateless:
             return {}
         return {name: [e for e in layer.local_experts if f"expert/{name}/{e}" not in self.unrestored]
                 for name, layer in moe_layers(t.model)}
@@ -441,7 +516,7 @@ class Reconfigurer:
         Runs on the current group, whose ranks are ``group_members``."""
         t = self.t
         comm = world_comm()
-        has_state = t.model is not None
+        has_state = t.model is not None and not self.stateless
         modules = sorted(u.name for u in discover_units(t.model).modules()) if has_state else []
         inv = comm.gather_json({"node": t.node, "local": t.local_rank, "step": t.step if has_state else -1,
                                 "experts": self._held(), "modules": modules})
@@ -544,6 +619,7 @@ class Reconfigurer:
         self.unrestored |= {u for u in self._pending_lost_mine}
         if newest >= 0:
             t.step = newest
+            self.stateless = False   # a prepared joiner's model now holds the newest step
         self._dense = None
 
     def probe_storage(self) -> None:
@@ -603,6 +679,7 @@ class Reconfigurer:
         if fresh_start:
             t.step = t.ckpt.restore()
             self.unrestored.clear()
+            self.stateless = False
             return out
         if lost:
             result = t.ckpt.restore_units(lost)

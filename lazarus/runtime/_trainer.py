@@ -352,8 +352,12 @@ class ElasticTrainer:
             self._routing = {}
             self._report_storage()
         # Plan agreement: the newest generation any rank has heard of (between-steps plans).
+        # A join counts once its joiners have built their models (they do while we train):
+        # the members never wait for a joiner's build, only for the switch itself.
         latest = self.channel.latest_plan()
         pending = int(latest["generation"]) if latest and int(latest["generation"]) > self.generation else 0
+        if pending and not self.reconf.joiners_prepared(latest):
+            pending = 0
         flag = torch.tensor([pending], dtype=torch.int64)
         if self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
