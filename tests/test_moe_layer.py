@@ -234,3 +234,23 @@ def test_moc_discovers_expert_units() -> None:
     model.layers[0].moe = MoELayer(cfg, Placement([[2, 0, 1]]))
     layout = discover_units(model)
     assert sorted(layout.layers["layers.0.moe"]) == [0, 1, 2]  # global ids, moc's default pattern
+
+
+def test_building_for_a_rank_before_the_group_exists_holds_that_ranks_experts() -> None:
+    # Lazarus's joiner builds its model while the members still train: no process group yet.
+    from lazarus.moe._comm import building_for, world
+
+    assert not dist.is_initialized()
+    cfg = MoEConfig(d_model=8, d_hidden=16, num_experts=4, top_k=1)
+    placement = Placement([[0, 1], [2, 3], [1, 2]], num_experts=4)
+    with building_for(2, 3):
+        layer = MoELayer(cfg, placement)
+        assert layer.rank == 2 and layer.world_size == 3
+    assert layer.local_experts == [1, 2]
+    assert world(None) == (0, 1)   # outside the block: a single process again
+    with pytest.raises(ValueError, match="placement has 3 ranks"):
+        MoELayer(cfg, placement)
+    for rank, size, field in ((3, 3, "rank"), (0, 0, "size"), (True, 2, "rank"), (0, 2.0, "size")):
+        with pytest.raises(ValueError, match=field):
+            with building_for(rank, size):
+                pass

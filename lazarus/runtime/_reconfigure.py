@@ -11,11 +11,14 @@
    rank must hold under the new plan and lacks comes from a surviving holder, the fetches
    of one expert rotating over its holders; one all-to-all moves them all.
 4. Install: re-drive every MoE layer with its new placement, rebuild the optimizer (state
-   carried over by parameter), load the received units. A joiner builds its whole model
-   here, which takes seconds on a loaded machine while the others are done at once: when
-   the plan has joiners, every member then meets at a barrier on the controller's store,
-   bounded by ``rendezvous_timeout``, so that no survivor waits for a joiner's build in a
-   collective bounded by the much shorter ``collective_timeout``.
+   carried over by parameter), load the received units. A joiner of a between-steps join
+   built its model before step 2 (:meth:`Reconfigurer._prepare_join`: for the rank the
+   plan gives it, while the members kept training; they switch to the plan only once
+   every joiner counted itself prepared, :meth:`Reconfigurer.joiners_prepared`); any other
+   joiner builds it here, which takes seconds on a loaded machine. When the plan has
+   joiners, every member then meets at a barrier on the controller's store, bounded by
+   ``rendezvous_timeout``, so that no survivor waits for a joiner in a collective bounded
+   by the much shorter ``collective_timeout``.
 5. A new moc manager on the new group (it adopts the old one's buffers and counters);
    experts with no surviving replica come from moc: peer memory first, storage last, PLT
    booked.
@@ -97,7 +100,7 @@ class Reconfigurer:
         self.handover = None
         self.unrestored: set[str] = set()   # lost experts not yet restored from moc
         self._pending_lost_mine: set[str] = set()
-        self._joiners = 0   # members of the plan being applied that arrived without state
+        self._joiners = 0   # members of the plan being applied that arrive without a model (they build it)
         self._dense: list[nn.Parameter] | None = None
         self._store = None
         self._store_addr: tuple[str, int, int] | None = None
@@ -368,9 +371,9 @@ class Reconfigurer:
         if t.rank == 0:
             t.channel.send({k: v for k, v in record.items() if k != "kind"})
             t._metric(record)
-        log.info("node %s rank %d/%d gen %d (%s): resumed at step %d in %.3f s; %d experts moved, sources %s",
+        log.info("node %s rank %d/%d gen %d (%s): resumed at step %d in %.3f s; %d experts moved, sources %s; %s",
                  t.where, t.rank, t.world, t.generation, plan.get("reason"), t.step, t_resumed - t0,
-                 stats["moved"], stats["sources"])
+                 stats["moved"], stats["sources"], " ".join(f"{k} {v:.3f}" for k, v in timings.items()))
 
     # -- joins prepared while the members train -----------------------------------------------
     @staticmethod
@@ -519,9 +522,11 @@ class Reconfigurer:
         has_state = t.model is not None and not self.stateless
         modules = sorted(u.name for u in discover_units(t.model).modules()) if has_state else []
         inv = comm.gather_json({"node": t.node, "local": t.local_rank, "step": t.step if has_state else -1,
-                                "experts": self._held(), "modules": modules})
+                                "experts": self._held(), "modules": modules, "built": t.model is not None})
         newest = max(r["step"] for r in inv)
-        self._joiners = sum(1 for r in inv if r["step"] < 0)
+        # A joiner that built its model before the rendezvous (_prepare_join) installs the
+        # state at once: only one still to build is waited for at the store barrier.
+        self._joiners = sum(1 for r in inv if r["step"] < 0 and not r.get("built"))
         stats = {"moved": 0, "same_node_moved": 0, "dense_moves": 0, "sources": {"peer": 0}}
         self._pending_lost_mine = set()
         if newest < 0:

@@ -72,7 +72,11 @@ class ElasticTrainer:
             (the controller plans from it before any model exists).
         build_model: ``fn(placements) -> model`` building the model on the current process
             group with one :class:`lazarus.planning.Placement` per MoE layer name.
-            Non-expert weights must be initialised identically on every rank (seeded).
+            Non-expert weights must be initialised identically on every rank (seeded). A
+            node joining between steps calls it before its process group exists, while
+            the members train: :mod:`lazarus.moe` layers then hold the experts of the rank
+            the plan gives it (``building_for``); a ``build_model`` that needs the group
+            itself (it raises without one) is called again once the group has formed.
         make_optimizer: ``fn(model) -> optimizer``; called again after every
             reconfiguration (the expert parameters change), so build parameter groups from
             parameter names. Optimizer state is carried over by parameter.
