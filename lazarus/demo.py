@@ -165,6 +165,12 @@ def join_figures(t_called: float, node: str, events: list[dict], metrics: list[d
     line = f"join of {node} (called in at t=0): " + ", ".join(parts) if parts else f"join of {node}: not seen"
     if gaps:
         line += f"; members' longest step gap meanwhile {max(gaps):.2f} s (a step takes {typical:.2f} s)"
+    pauses = [m for m in metrics if m.get("kind") == "member_pause" and rec and m.get("generation") == rec["generation"]
+              and m.get("node") != node and m.get("typical_step_s", 0) > 0]
+    if pauses:   # each member's own account: its gap less its median step, in its steps
+        worst = max(pauses, key=lambda m: m["stall_s"] / m["typical_step_s"])
+        line += (f"; each member's own stall at most {worst['stall_s']:.2f} s = "
+                 f"{worst['stall_s'] / worst['typical_step_s']:.1f} of its steps")
     return line
 
 
