@@ -175,14 +175,17 @@ def test_k1_run_with_resizes_stays_pinned_and_never_registers_in_step(tmp_path, 
     settle(ckpt)
     assert len(fake.registered) == registered
 
-    blob.numel = 3 << 18                                        # +3 MB: every buffer grows
+    blob.numel = 3 << 18                                        # +3 MB: the buffers grow as they are used
     run(range(12, 16), one_by_one=True)
     settle(ckpt)
     assert_pinned_exactly(fake, ckpt)
     assert len(fake.registered) > registered                    # the grown buffers were page-locked again
     registered = len(fake.registered)
     in_step.clear()
-    assert run(range(16, 20)) == (4, 0)
+    # One snapshot at a time, the buffers are taken in the same turn as above (the ones
+    # just grown): all asynchronous. Overlapping snapshots may take a buffer that has not
+    # grown yet, by timing; its growing snapshot is then copied by the snapshot thread.
+    assert run(range(16, 20), one_by_one=True) == (4, 0)
     assert len(fake.registered) == registered and all(n == 0 for _, n in in_step), in_step
 
     assert not fake.errors, fake.errors                         # no 712, no unknown unregister

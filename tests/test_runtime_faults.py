@@ -292,3 +292,36 @@ def test_controller_sigkill_training_goes_on_restart_resumes_and_a_failure_while
         assert lost and lost[0]["cause"] == "not_back_after_restart"
         _finish(c, tmp_path, ["n0", "n1", "n3"], steps=steps)
         _survivors_not_restarted(c, ["n0", "n1", "n3"])
+
+
+@pytest.mark.timeout(300)
+def test_controller_killed_while_a_join_is_applied_the_join_completes_without_it(tmp_path: Path) -> None:
+    # The plan of a join reaches every member, then the controller dies (soak seeds 5 and 8:
+    # 7-10 s lost while every member waited for it). The generation's rendezvous store is
+    # hosted by a member's worker, not by the controller: the join completes, the job trains
+    # on 4 nodes while the controller is away, and its return changes nothing.
+    steps = 400
+    with _cluster(tmp_path, steps=steps, extra_controller=("--expected-nodes", "3", "--resume-grace", "4s")) as c:
+        c.start(NODES[:3])
+        c.add_node("n3", standby=True)
+        c.wait_step(30, timeout=180)
+        c.activate("n3")
+        plan = c.wait_for(lambda: [e for e in c.events() if e.get("event") == "plan" and e["reason"] == "join"],
+                          120, "the join plan")[0]
+        c.kill_controller()
+        assert plan["members"] == NODES and plan["mode"] == "between_steps"
+        join = c.wait_for(lambda: [r for r in c.reconfigurations() if r["generation"] == plan["generation"]],
+                          60, "the join applied while the controller is away")[0]
+        assert join["world_size"] == 4
+        c.wait_step(join["step"] + 10, timeout=60)   # and training goes on, on 4 nodes
+        assert all(s["world"] == 4 for s in c.steps() if s["step"] > join["step"])
+        pauses = c.wait_for(lambda: [m for m in c.metrics() if m.get("kind") == "member_pause"
+                                     and m["generation"] == plan["generation"]], 30, "the members' pauses")
+        c.restart_controller()
+        resumed = c.wait_for(lambda: [e for e in c.events() if e.get("event") == "resumed"], 30, "the resume")[0]
+        assert sorted(resumed["back"]) == NODES and resumed["lost"] == [] and not resumed["unapplied_plan"]
+        c.wait_step(c.current_step() + 10, timeout=60)
+        assert [r["reason"] for r in c.reconfigurations()] == ["start", "join"], c.reconfigurations()
+        assert max(m["stall_s"] for m in pauses) < 5.0, pauses
+        _finish(c, tmp_path, NODES, steps=steps)
+        _survivors_not_restarted(c, NODES)

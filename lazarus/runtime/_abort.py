@@ -67,10 +67,22 @@ def _socket_fds() -> dict[int, str]:
 
 
 class SocketTracker:
-    """Remembers the TCP sockets opened inside :meth:`track` blocks."""
+    """Remembers the TCP sockets opened inside :meth:`track` blocks.
+
+    Connections accepted by a server this process hosts for others (the rendezvous store
+    of :meth:`protect_port`) are never shut down: they are other members' clients, opened
+    by its server thread at any time, not this process's group or plan.
+    """
+
+    _protected_ports: set[int] = set()
 
     def __init__(self) -> None:
         self._fds: dict[int, str] = {}
+
+    @classmethod
+    def protect_port(cls, port: int) -> None:
+        """Never shut down connections whose local end is ``port`` (a server's port)."""
+        cls._protected_ports.add(int(port))
 
     @contextmanager
     def track(self) -> Iterator[None]:
@@ -113,6 +125,8 @@ class SocketTracker:
                 # and shutting gloo's listener down makes its accept thread terminate the
                 # process; AF_UNIX peers (the agent link) fail the AF_INET address parse.
                 peer = s.getpeername()
+                if s.getsockname()[1] in self._protected_ports:
+                    continue
                 if s.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE) == socket.SOCK_STREAM and \
                         isinstance(peer, tuple) and len(peer) >= 2:
                     s.shutdown(socket.SHUT_RDWR)

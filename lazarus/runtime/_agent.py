@@ -70,7 +70,8 @@ from typing import Any
 from ._agent_worker import (RestartPolicy, WorkerGroup, WorkerProcess, describe_exit, exit_status, spawn_worker,
                             worker_env)
 from ._config import AgentConfig
-from ._wire import PLAN_MAX_MESSAGE_BYTES, ConnectionClosed, ProtocolError, encode_frame, read_frame
+from ._wire import (PLAN_MAX_MESSAGE_BYTES, ConnectionClosed, MalformedMessageError, ProtocolError, encode_frame,
+                    read_frame, store_address)
 
 __all__ = ["Agent"]
 
@@ -114,6 +115,7 @@ class Agent:
         self._restarts = RestartPolicy(config.max_restarts, config.restart_window, config.respawn_delay)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._activated: asyncio.Event | None = None   # standby: set by activate()
+        self._store_host = config.store_host   # where the worker's rendezvous store is reached
 
     # ------------------------------------------------------------------ public
     def run(self) -> int:
@@ -207,7 +209,7 @@ class Agent:
                 grp.ready_sent = True
                 self._to_controller({"type": "worker_ready", "node": self.node_id, "incarnation": grp.incarnation,
                                      "model": grp.model, "pid": grp.pid, "pids": grp.pids,
-                                     "startup": grp.startup})
+                                     "startup": grp.startup, **grp.store_field()})
             rc = await self._exit
         finally:
             for t in list(self._tasks):
@@ -306,6 +308,7 @@ class Agent:
                 "step": wk.step if wk is not None else None,
                 "done": bool(wk is not None and wk.done),
                 "leaving": self._leaving,
+                **(wk.store_field() if wk is not None else {}),
             }
         self._to_controller(msg)
 
@@ -528,6 +531,7 @@ class Agent:
         for local_rank in range(g):
             env = worker_env(dict(os.environ), cfg.env, node_id=self.node_id, snapshot_dir=str(cfg.snapshot_dir),
                              incarnation=str(inc), secret=cfg.secret.hex(), standby="1" if self._on_standby else "0",
+                             store_host=self._store_host,
                              max_message_bytes=str(max(cfg.max_message_bytes, PLAN_MAX_MESSAGE_BYTES)))
             # as torchrun: the worker's place on the node (device selection follows LOCAL_RANK)
             env.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(g))
@@ -564,12 +568,16 @@ class Agent:
                     if isinstance(startup, dict):
                         wk.startup = {k: v for k, v in startup.items() if isinstance(k, str)
                                       and isinstance(v, (int, float)) and not isinstance(v, bool)}
+                    try:
+                        wk.store = store_address(msg.get("store"))
+                    except MalformedMessageError as exc:   # plans then use the controller's store
+                        log.warning("agent %s: worker %d's hello: %s", self.node_id, wk.local_rank, exc)
                     if grp.ready and not grp.ready_sent and not self._on_standby:
                         grp.ready_sent = True               # the node is ready when all its workers are
                         # not queued: a reconnect's resume record says the worker is ready
                         self._to_controller({"type": "worker_ready", "node": self.node_id,
                                              "incarnation": grp.incarnation, "model": grp.model, "pid": grp.pid,
-                                             "pids": grp.pids, "startup": grp.startup})
+                                             "pids": grp.pids, "startup": grp.startup, **grp.store_field()})
                     continue
                 if kind == "progress" and isinstance(msg.get("step"), int):
                     wk.step = msg["step"]

@@ -80,6 +80,7 @@ class WorkerProcess:
         self.startup: dict[str, float] = {}  # the worker's start-up phases, from its hello
         self.ready = False                  # said hello
         self.model: dict[str, Any] = {}     # from its hello
+        self.store: dict[str, Any] | None = None   # the rendezvous store it hosts, from its hello
         self.step: int | None = None        # last progress report
         self.generation: int | None = None  # generation of its last progress / reconfigured report
         self.plan_generation = 0            # newest plan relayed to it
@@ -218,6 +219,12 @@ class WorkerGroup:
         the ones its hello reported (``process``, ``imported``, ``warm``, ``probed``)."""
         w = self.workers[0]
         return {"spawned": round(w.spawned, 4), **w.startup}
+
+    def store_field(self) -> dict[str, Any]:
+        """``{"store": address}`` of the rendezvous store local rank 0 hosts (its hello
+        said where), for the controller's messages; empty when it hosts none."""
+        store = self.workers[0].store
+        return {"store": store} if store is not None else {}
 
     @property
     def pid(self) -> int:

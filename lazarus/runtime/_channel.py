@@ -56,6 +56,7 @@ class AgentChannel:
         on_agent_lost: Callable[[AgentChannel], None] | None = _default_agent_lost,
         local_rank: int = 0,
         local_world_size: int = 1,
+        store_host: str | None = None,
     ) -> None:
         if isinstance(local_world_size, bool) or not isinstance(local_world_size, int) or local_world_size < 1:
             raise ValueError(f"local_world_size must be an integer >= 1, got {local_world_size!r}")
@@ -66,6 +67,9 @@ class AgentChannel:
         self.local_world_size = local_world_size  # workers on the node (LOCAL_WORLD_SIZE)
         self.snapshot_dir = snapshot_dir
         self.incarnation = incarnation
+        #: the address other nodes reach this one at (the agent's ``advertise_host``); None:
+        #: this worker hosts no rendezvous store and plans use the controller's
+        self.store_host = store_host
         self.on_agent_lost = on_agent_lost
         self._sock = sock
         self._secret = secret
@@ -107,6 +111,7 @@ class AgentChannel:
             sock, secret, local_rank=local_rank, local_world_size=local_world,
             node_id=os.environ.get("LAZARUS_NODE_ID", socket.gethostname()),
             snapshot_dir=os.environ.get("LAZARUS_SNAPSHOT_DIR"),
+            store_host=os.environ.get("LAZARUS_STORE_HOST") or None,
             incarnation=int(os.environ.get("LAZARUS_INCARNATION", "1")),
             max_message_bytes=int(os.environ.get("LAZARUS_MAX_MESSAGE_BYTES", DEFAULT_MAX_MESSAGE_BYTES)),
             on_agent_lost=on_agent_lost,
@@ -123,14 +128,19 @@ class AgentChannel:
             except OSError as exc:
                 raise ConnectionError(f"agent channel: send failed: {exc}") from None
 
-    def hello(self, model_info: dict[str, Any], startup: dict[str, float] | None = None) -> None:
+    def hello(self, model_info: dict[str, Any], startup: dict[str, float] | None = None,
+              store: dict[str, Any] | None = None) -> None:
         """Announce the worker; ``model_info`` = ``{"layers": {name: E}, "top_k": k}``;
         ``startup``: when (epoch seconds) its start-up phases ended (``process``,
-        ``imported``, ``warm``, ``probed``), relayed to the controller's events."""
+        ``imported``, ``warm``, ``probed``), relayed to the controller's events; ``store``:
+        ``{"host", "port"}`` of the rendezvous store this worker hosts (plans whose first
+        member is this node form their group on it)."""
         msg = {"type": "hello", "model": model_info, "pid": os.getpid(), "incarnation": self.incarnation,
                "local_rank": self.local_rank}
         if startup:
             msg["startup"] = {k: round(float(v), 4) for k, v in startup.items()}
+        if store is not None:
+            msg["store"] = {"host": str(store["host"]), "port": int(store["port"])}
         self.send(msg)
 
     # ------------------------------------------------------------------ plans

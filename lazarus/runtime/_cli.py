@@ -233,6 +233,9 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--standby", action="store_true",
                    help="hot spare: start the worker now (imports, model code, warm-up) but register with the "
                         "controller only on SIGUSR1, so that the node joins with nothing left to load")
+    p.add_argument("--advertise-host", default=None,
+                   help="address other nodes reach this one at (the rendezvous store its worker hosts); "
+                        "default: this machine's address on the route to the controller")
     p.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
     p.add_argument("worker_command", nargs=argparse.REMAINDER, metavar="-- WORKER_COMMAND ...",
                    help="the training command to run")
@@ -246,7 +249,7 @@ _AGENT_OPTIONS = {
     "max_restarts": "--max-restarts", "restart_window": "--restart-window",
     "reconnect_timeout": "--reconnect-timeout",
     "leave_timeout": "--leave-timeout", "stop_timeout": "--stop-timeout", "exit_grace": "--exit-grace",
-    "job": "--job",
+    "job": "--job", "advertise_host": "--advertise-host",
     "controller_port": "--controller", "controller_host": "--controller", "worker_command": "WORKER_COMMAND",
 }
 
@@ -279,7 +282,7 @@ def _run_agent(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts, restart_window=args.restart_window,
             reconnect_timeout=args.reconnect_timeout,
             leave_timeout=args.leave_timeout, stop_timeout=args.stop_timeout, exit_grace=args.exit_grace,
-            env=env, standby=args.standby, **kwargs,
+            env=env, standby=args.standby, advertise_host=args.advertise_host, **kwargs,
         )
     except ValueError as exc:
         raise _config_error(exc, _AGENT_OPTIONS) from None

@@ -215,6 +215,10 @@ class AgentConfig:
         standby: a hot spare: start the workers at once and let them import, build and warm
             up, but register with the controller only when told (SIGUSR1, or
             :meth:`Agent.activate`); the node then joins with nothing left to load.
+        advertise_host: the address other nodes reach this node at: its first worker hosts
+            the rendezvous store of every generation in which the node is the first member
+            (so a group forms without the controller). Default: this machine's address on
+            the route to the controller (``127.0.0.1`` for a controller on loopback).
     """
 
     secret: bytes
@@ -239,9 +243,13 @@ class AgentConfig:
     exit_grace: timedelta = timedelta(minutes=5)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     standby: bool = False
+    advertise_host: str | None = None
 
     def __post_init__(self) -> None:
         self.secret = _check_secret(self.secret)
+        if self.advertise_host is not None and (not isinstance(self.advertise_host, str)
+                                                or not self.advertise_host.strip()):
+            raise ValueError(f"advertise_host must be a non-empty address or None, got {self.advertise_host!r}")
         if not isinstance(self.standby, bool):
             raise ValueError(f"standby must be True or False, got {self.standby!r}")
         if isinstance(self.worker_command, str) or not self.worker_command \
@@ -281,3 +289,20 @@ class AgentConfig:
             base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
             self.snapshot_dir = str(base / f"lazarus-{self.job}" / self.node_id)
         self.snapshot_dir = str(self.snapshot_dir)
+
+    @property
+    def store_host(self) -> str:
+        """The address this node's workers advertise for the store they host."""
+        return self.advertise_host or route_address(self.controller_host, self.controller_port)
+
+
+def route_address(host: str, port: int) -> str:
+    """This machine's address on the route to ``host:port`` (a UDP ``connect`` picks the
+    interface and sends nothing); the hostname when no route is known."""
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostname()

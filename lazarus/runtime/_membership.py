@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ._planner import InsufficientSlots, LayerSpec, applied_holdings, compute_plan, max_replica_load, rank_layout
-from ._wire import MalformedMessageError
+from ._wire import MalformedMessageError, store_address
 
 if TYPE_CHECKING:
     from ._config import ControllerConfig
@@ -52,6 +52,7 @@ class _Node:
     step: int | None = None
     registered_at: float = field(default_factory=time.time)
     nproc: int = 1              # workers (GPUs, ranks) the agent runs: --nproc-per-node
+    store: dict[str, Any] | None = None   # the rendezvous store its worker hosts (worker_ready)
 
 
 def _req(msg: dict[str, Any], name: str, kind: type | tuple[type, ...], optional: bool = False) -> Any:
@@ -156,6 +157,7 @@ class Membership(ABC):
         if startup is not None and not all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                             for v in startup.values()):
             raise MalformedMessageError("worker_ready: field 'startup' must map phases to times")
+        node.store = store_address(msg.get("store"))
         self._forget_holdings(node.node_id)
         self._event("worker_ready", node=node.node_id, incarnation=inc, pid=node.worker_pid,
                     **({"pids": pids} if pids is not None else {}),
@@ -532,7 +534,7 @@ class Membership(ABC):
             "type": "plan", "generation": g, "mode": mode, "reason": reason,
             "members": list(members), "leaving": leaving,
             "incarnations": {m: self._nodes[m].incarnation for m in members if m in self._nodes},
-            "store": {"host": cfg.store_host, "port": self.store_port, "epoch": self.epoch},
+            "store": self._plan_store(members[0]),
             "prefix": f"lazarus/gen{g}",
             "slots": self._slots(members),
             # G ranks per node, contiguous: rank = node index * G + local rank. "layers"
@@ -569,6 +571,16 @@ class Membership(ABC):
             self._send(n, plan)
         self._refresh_joins()
         return True
+
+    def _plan_store(self, first: str) -> dict[str, Any]:
+        """Where a plan's group forms: the store the worker of its first member (rank 0)
+        hosts, which lives as long as that member does, so that the group forms even if
+        this controller dies meanwhile; the controller's own store when that worker hosts
+        none (a worker that does not use ElasticTrainer)."""
+        node = self._nodes.get(first)
+        if node is not None and node.ready and node.store is not None:
+            return {**node.store, "node": first, "incarnation": node.incarnation}
+        return {"host": self.config.store_host, "port": self.store_port, "epoch": self.epoch}
 
     def _stall(self, reason: str, members: list[str], why: str) -> None:
         self._event("cannot_plan", level=logging.ERROR, reason=reason, members=members, why=why)

@@ -103,8 +103,9 @@ class Reconfigurer:
         self._joiners = 0   # members of the plan being applied that arrive without a model (they build it)
         self._dense: list[nn.Parameter] | None = None
         self._store = None
-        self._store_addr: tuple[str, int, int] | None = None
-        self.group_epoch: int | None = None   # store epoch (controller incarnation) of the current group
+        self._store_key: tuple[Any, ...] | None = None
+        self.group_store: tuple[Any, ...] | None = None   # the store the current group formed on
+        self._hosted = None   # the rendezvous store this worker hosts (host_store)
         self.aborter = GroupAborter(trainer.backend.backend)
         self.sockets = self.aborter.sockets    # gloo connections opened by our groups
         self._store_sockets = SocketTracker()
@@ -150,16 +151,34 @@ class Reconfigurer:
         log.info("node %s step %d gen %d: retired in %.3f s (group %.3f, gc %.3f, moc detach %.3f)", t.where, t.step,
                  t.generation, time.time() - t0, t1 - t0, t2 - t1, time.time() - t2)
 
-    def _store_client(self, host: str, port: int, epoch: int):
-        """A client of the controller's store. A restarted controller hosts a new store
-        (a new epoch, maybe on the same port): the old client is dropped."""
-        if self._store is None or self._store_addr != (host, port, epoch):
+    def host_store(self) -> dict[str, Any] | None:
+        """Host this node's rendezvous store (local rank 0, when the agent says at which
+        address others reach it): every generation whose first member is this node forms
+        its group on it, so a join, a leave or a failure's group forms even while the
+        controller is away (restarting). Returns ``{"host", "port"}`` for the hello; None
+        when this worker hosts none (plans then name the controller's store)."""
+        host = getattr(self.t.channel, "store_host", None)
+        if not host or self.t.local_rank != 0:
+            return None
+        if self._hosted is None:
+            self._hosted = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                         timeout=self.t.config.rendezvous_timeout)
+            SocketTracker.protect_port(self._hosted.port)   # its connections are the other members'
+            log.info("node %s step -: hosting a rendezvous store on %s:%d", self.t.where, host, self._hosted.port)
+        return {"host": host, "port": int(self._hosted.port)}
+
+    def _store_client(self, spec: dict[str, Any]):
+        """A client of the plan's store (``spec``: its ``store`` field): a member's worker's,
+        or the controller's. A store that changed (another member hosts it, a restarted
+        controller hosts a new one, maybe on the same port) gets a new client."""
+        key = tuple(sorted(spec.items()))
+        if self._store is None or self._store_key != key:
             self._store = None
             self._store_sockets = SocketTracker()
             with self._store_sockets.track():
-                self._store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                            timeout=self.t.config.rendezvous_timeout)
-            self._store_addr = (host, port, epoch)
+                self._store = dist.TCPStore(str(spec["host"]), int(spec["port"]), is_master=False,
+                                            wait_for_workers=False, timeout=self.t.config.rendezvous_timeout)
+            self._store_key = key
         return self._store
 
     def _rendezvous(self, plan: dict[str, Any]) -> None:
@@ -173,8 +192,7 @@ class Reconfigurer:
         t = self.t
         members = plan["members"]
         rank, world = plan_rank(plan, t.node, t.local_rank, t.local_world), plan_world(plan)
-        epoch = int(plan["store"].get("epoch", 0))
-        store = self._store_client(plan["store"]["host"], int(plan["store"]["port"]), epoch)
+        store = self._store_client(plan["store"])
         prefix = plan["prefix"]
         store.add(f"{prefix}/arrived", 1)
         deadline = time.monotonic() + t.config.rendezvous_timeout.total_seconds()
@@ -199,7 +217,7 @@ class Reconfigurer:
         if t.backend.backend == "nccl":
             self._nccl_ready(plan)
         t.rank, t.world, t.members, t.generation = rank, world, list(members), int(plan["generation"])
-        self.group_epoch = epoch
+        self.group_store = tuple(sorted(plan["store"].items()))
         # what torchrun would say, for user code that reads it (the rank changes with the plan)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), GROUP_RANK=str(members.index(t.node)),
                           LOCAL_RANK=str(t.local_rank), LOCAL_WORLD_SIZE=str(t.local_world))
@@ -316,9 +334,9 @@ class Reconfigurer:
                 self.retire_group()
                 t._left = True
                 return
-            # A group formed on the store of an earlier controller incarnation is re-formed
-            # on the new store: moc's groups (and any later new_group) need a live store.
-            same_group = members == t.members and int(plan["store"].get("epoch", 0)) == self.group_epoch
+            # A group formed on another store (the one of an earlier controller incarnation)
+            # is re-formed on the plan's: moc's groups (and any later new_group) need a live store.
+            same_group = members == t.members and tuple(sorted(plan["store"].items())) == self.group_store
             if not same_group:
                 t1 = time.time()
                 self.retire_group(planned=True)

@@ -6,9 +6,11 @@ holds, routing history, who is done or has left) is saved atomically to the stat
 directory (:mod:`._state`). A controller started again with the same command line finds
 it and *resumes*:
 
-1. it hosts a fresh rendezvous store (the old one died with it) and tells the workers
-   its address and a new ``epoch`` in the next plan; workers do not need the store
-   between reconfigurations, so they kept training meanwhile;
+1. it hosts a fresh store of its own (the old one died with it; plans use it only for
+   workers that host none). The groups form on a store the first member's worker hosts
+   (:meth:`Membership._plan_store`), so the workers kept training meanwhile, and a plan
+   that reached every member before the controller died (a join, say) was applied
+   without it;
 2. agents reconnect and register with a ``resume`` record (worker incarnation, alive,
    ready, newest plan given to it, done). A member whose worker of the current plan is
    still running is taken back as it is; one whose worker was replaced or died while the
@@ -31,7 +33,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from ._membership import Membership, _Node, _req
-from ._wire import MalformedMessageError
+from ._wire import MalformedMessageError, store_address
 
 if TYPE_CHECKING:
     from ._controller import _Conn
@@ -157,6 +159,7 @@ class Resumable(Membership):
         node = _Node(node_id, conn, slots or self.config.slots_per_node, inc, pid, time.monotonic(), nproc=nproc)
         node.ready = alive and ready
         node.worker_pid = worker_pid if alive else None
+        node.store = store_address(r.get("store")) if alive else None
         node.step = step
         node.leaving = leaving
         self._nodes[node_id] = node
@@ -254,8 +257,9 @@ class Resumable(Membership):
         elif collective:
             self._issue("collective_error", "immediate", survivors, detected_at=started)
         elif unapplied:
-            # the newest plan was in flight when the controller died: its rendezvous store
-            # is gone, so some members may be stuck in it; re-form everyone on the new one
+            # the newest plan was in flight when the controller died and is still not applied
+            # (a member never got it, or its store was the controller's): some members may be
+            # stuck in its rendezvous; re-form everyone on a new plan
             self._issue("resume", "immediate", survivors, detected_at=started)
         else:
             self._maybe_between_steps()

@@ -157,7 +157,7 @@ class ElasticTrainer:
         t_process = _process_start_time()
         if t_process is not None:
             startup = {"process": t_process, **startup}
-        self.channel.hello(self.layout, startup=startup)
+        self.channel.hello(self.layout, startup=startup, store=self.reconf.host_store())
         # a hot spare (``lazarus agent --standby``) waits, warm, for as long as it is not called in
         plan = self._wait_plan(-1, unbounded=os.environ.get("LAZARUS_STANDBY") == "1")
         self._reconfigure_loop(plan, error=None)

@@ -38,6 +38,7 @@ __all__ = [
     "decode_payload",
     "encode_frame",
     "read_frame",
+    "store_address",
     "recv_frame",
     "send_frame",
     "write_frame",
@@ -174,3 +175,16 @@ def recv_frame(
 def send_frame(sock: socket.socket, secret: bytes, msg: dict[str, Any]) -> None:
     """Blocking :func:`write_frame` (callers serialise concurrent senders)."""
     sock.sendall(encode_frame(secret, msg))
+
+
+def store_address(value: Any) -> dict[str, Any] | None:
+    """``{"host": str, "port": int}`` of a rendezvous store a worker hosts, from a message
+    field; None when the field is absent. Raises :class:`MalformedMessageError` when it is
+    there but not such an address."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("host"), str) or not value["host"] \
+            or isinstance(value.get("port"), bool) or not isinstance(value.get("port"), int) \
+            or not 1 <= value["port"] <= 65535:
+        raise MalformedMessageError(f"field 'store' must be {{'host': address, 'port': 1-65535}}, got {value!r}")
+    return {"host": value["host"], "port": int(value["port"])}
