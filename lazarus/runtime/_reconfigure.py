@@ -37,6 +37,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 from urllib.parse import urlsplit
 
@@ -63,6 +64,10 @@ if TYPE_CHECKING:
 __all__ = ["Reconfigurer", "Superseded", "plan_rank", "plan_world"]
 
 log = logging.getLogger("lazarus.reconfigure")
+
+
+#: How long a member's question "are the joiners prepared?" may wait on the plan's store.
+GATE_STORE_TIMEOUT = timedelta(seconds=2)
 
 
 class Superseded(Exception):
@@ -115,6 +120,7 @@ class Reconfigurer:
         # trained state until the plan's transfer is installed.
         self.stateless = False
         self._gate: tuple[int, float] | None = None   # (generation, first seen) of a join plan held back
+        self._gate_client: tuple[tuple[Any, ...], Any] | None = None   # (store spec, client) asked by the gate
 
     # -- groups ----------------------------------------------------------------------------
     def retire_group(self, planned: bool = False) -> None:
@@ -424,8 +430,7 @@ class Reconfigurer:
                             "the rendezvous", t.where, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc)
                             else "")
                 t.model = None
-        epoch = int(plan["store"].get("epoch", 0))
-        store = self._store_client(plan["store"]["host"], int(plan["store"]["port"]), epoch)
+        store = self._store_client(plan["store"])   # the store the plan's group forms on
         store.add(self._prepare_key(plan), 1)
         log.info("node %s rank %d/%d step - gen %d: prepared to join in %.3f s (model %s); the members switch at "
                  "their next step", t.where, rank, world, plan["generation"], time.time() - t0,
@@ -449,15 +454,31 @@ class Reconfigurer:
                         self.t.where, self.t.step, plan["joined"], gen, self.t.config.rendezvous_timeout)
             return True
         try:
-            store = self._store_client(plan["store"]["host"], int(plan["store"]["port"]),
-                                       int(plan["store"].get("epoch", 0)))
-            done = store.add(self._prepare_key(plan), 0)
+            done = self._gate_store(plan["store"]).add(self._prepare_key(plan), 0)
         except Exception as exc:  # noqa: BLE001 - the rendezvous reports a dead store
             log.warning("node %s step %d: cannot ask the store whether generation %d's joiners are prepared (%s)",
                         self.t.where, self.t.step, gen, str(exc).splitlines()[0][:200] if str(exc) else exc)
-            self._store = None
+            self._gate_client = None
             return True
-        return done >= len(plan["joined"]) * int(plan.get("gpus_per_node", 1))
+        if done >= len(plan["joined"]) * int(plan.get("gpus_per_node", 1)):
+            self._gate_client = None
+            return True
+        return False
+
+    def _gate_store(self, spec: dict[str, Any]) -> Any:
+        """The plan's store, for the members' question between two steps: this rank's
+        client when it is that store's, else a client of its own that gives up after
+        :data:`GATE_STORE_TIMEOUT` (the training thread asks; a store host that died must
+        not hold it for ``rendezvous_timeout``: the rendezvous, interruptible, reports it)."""
+        key = tuple(sorted(spec.items()))
+        if self._store is not None and self._store_key == key:
+            return self._store
+        if self._gate_client is None or self._gate_client[0] != key:
+            self._gate_client = None
+            client = dist.TCPStore(str(spec["host"]), int(spec["port"]), is_master=False, wait_for_workers=False,
+                                   timeout=GATE_STORE_TIMEOUT)
+            self._gate_client = (key, client)
+        return self._gate_client[1]
 
     # -- moc's process groups, formed while the state moves ------------------------------------
     def _moc_timeout(self) -> Any:
