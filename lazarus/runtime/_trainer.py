@@ -130,7 +130,8 @@ class ElasticTrainer:
         self.losses: list[tuple[int, float]] = []
         self._routing: dict[str, torch.Tensor] = {}
         self._metrics = None
-        self._step_s: deque[float] = deque(maxlen=21)   # this rank's recent step times
+        self._step_s: deque[float] = deque(maxlen=21)   # this rank's recent steps, end to end
+        self._last_end: float | None = None              # when its last step ended (None: after a failure)
         self._paused: dict[str, Any] | None = None       # a between-steps plan applied after a step
         self._storage_failures = 0       # moc persist failures already reported
         self._storage_bad_since: int | None = None  # last persisted step when storage went bad
@@ -209,12 +210,15 @@ class ElasticTrainer:
         while self.step < total_steps and not self._left:
             failure = None
             try:
-                t0 = time.time()
                 loss = self._train_step(loss_fn)
                 t1 = time.time()
                 if self._paused is not None:
                     self._report_pause(t1)
-                self._step_s.append(t1 - t0)
+                elif self._last_end is not None:
+                    # a step as the members live it: from one step's end to the next's (the
+                    # plan agreement, reports and moc's per-step work included)
+                    self._step_s.append(t1 - self._last_end)
+                self._last_end = t1
                 self._after_step(loss, t_end=t1)
             except Exception as exc:  # noqa: BLE001 - classified below
                 if not is_collective_error(exc):
@@ -224,6 +228,7 @@ class ElasticTrainer:
             # process group, and its sockets must close when we destroy it so that the
             # other survivors fail fast instead of waiting out their timeout.
             if failure is not None:
+                self._last_end = None   # the recovery is no step
                 self._on_broken_collective(failure)
         if self._left:
             self._report_left()
@@ -329,7 +334,8 @@ class ElasticTrainer:
     def _report_pause(self, t_end: float) -> None:
         """How long a between-steps plan kept this member from training: from the end of
         its last step before the plan to the end of its first step after it, less its
-        typical (median) step. Every rank appends one ``member_pause`` metrics record."""
+        typical (median) step, measured the same way (from one step's end to the next's).
+        Every rank appends one ``member_pause`` metrics record."""
         p, self._paused = self._paused, None
         assert p is not None
         steps = sorted(self._step_s)
