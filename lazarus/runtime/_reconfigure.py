@@ -412,8 +412,8 @@ class Reconfigurer:
     def _prepare_join(self, plan: dict[str, Any]) -> None:
         """A joiner, before the plan's rendezvous: build the model for its rank of the plan
         (:func:`lazarus.moe._comm.building_for`: its MoE layers hold the experts the plan
-        gives it) while the members still train, then count itself prepared on the
-        controller's store. A ``build_model`` that cannot build before its process group
+        gives it) while the members still train, then count itself prepared on the store
+        the plan's group forms on. A ``build_model`` that cannot build before its process group
         exists (it calls torch.distributed itself) is logged and built after the rendezvous,
         as before; the joiner counts itself prepared either way."""
         t = self.t
@@ -441,8 +441,8 @@ class Reconfigurer:
         join whose joiners are still building (then the member trains another step). A
         joiner that never prepares holds the members back at most ``rendezvous_timeout``
         from when this member first saw the plan; then they switch and wait for it as
-        before. A store that cannot be asked (a controller that went away) does not hold
-        the switch back either: the rendezvous reports it."""
+        before. A store that cannot be asked (its host went away) does not hold the switch
+        back either: the rendezvous reports it."""
         if not self.is_prepared_join(plan):
             return True
         gen = int(plan["generation"])
