@@ -255,9 +255,9 @@ def target_notes(results: list[dict[str, Any]]) -> list[str]:
     """Issue 27's targets, as ratios of this run's figures: Lazarus's time lost per failure
     against tuned torchft's (target <= 0.5), its goodput the highest, a cold join no slower
     than torchft's rejoin, and the members' stall while a node joins (target <= 1 step)."""
-    by = {r["system"]: r for r in results}
+    by = {r["system"]: r for r in results}   # by the arms' names: "torchft (tuned)", "lazarus (cold join)"
     out = []
-    laz, ft = by.get("lazarus"), by.get("torchft-tuned")
+    laz, ft = by.get("lazarus"), by.get("torchft (tuned)")
     if laz and ft:
         for fault in ("kill", "term"):
             a = next((row["time_lost_s"] for row in laz["rows"] if row["fault"].startswith(fault)), None)
@@ -268,13 +268,13 @@ def target_notes(results: list[dict[str, Any]]) -> list[str]:
     if results:
         best = max(results, key=lambda r: r["goodput"])
         out.append(f"target: highest goodput: {best['system']} ({best['goodput']:,.0f} tokens/s)")
-    cold = (by.get("lazarus-cold") or {}).get("join") or {}
-    for name in ("torchft-tuned", "torchft-readme"):
+    cold = (by.get("lazarus (cold join)") or {}).get("join") or {}
+    for name in ("torchft (tuned)", "torchft (readme)"):
         other = (by.get(name) or {}).get("join") or {}
         if cold.get("join_to_train_s") is not None and other.get("join_to_train_s") is not None:
             out.append(f"target: cold join, agent start -> first step: {cold['join_to_train_s']:.2f} s against "
                        f"{name}'s new replica group {other['join_to_train_s']:.2f} s (target: <= 3 s and no slower)")
-    for name in ("lazarus", "lazarus-cold"):
+    for name in ("lazarus", "lazarus (cold join)"):
         j = (by.get(name) or {}).get("join") or {}
         if j.get("member_stall_steps") is not None:
             out.append(f"target: {name}: members' longest own stall while the node joined {j['member_stall_max_s']:.3f} s "
