@@ -749,7 +749,13 @@ class ExactCheckpointer(ElasticExact):
     def _end_replay(self, r: _Replay) -> None:
         self.replay = None
         self._drop(r)
-        log.info("rank %d step %d: exact replay done: the state equals the uninterrupted run's", self.run.rank, r.end)
+        if (self.last_replay or {}).get("checked", True):
+            log.info("rank %d step %d: exact replay done: the state equals the uninterrupted run's", self.run.rank,
+                     r.end)
+        else:
+            log.info("rank %d step %d: exact replay done (another world or placement than the window's: every unit "
+                     "has the update of every step once, not bit for bit the uninterrupted run's)", self.run.rank,
+                     r.end)
 
     # -- reporting -------------------------------------------------------------------------
     def schedule(self) -> ExactSchedule:
