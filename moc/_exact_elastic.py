@@ -11,6 +11,7 @@ from typing import Any
 from ._errors import CheckpointError
 from ._exact_reshard import read_resharded
 from ._exact_state import Replay as _Replay
+from ._together import tick_seconds, wait_together
 
 __all__ = ["ElasticExact"]
 
@@ -57,9 +58,14 @@ class ElasticExact:
         if manifest is None:
             return 0
         got, error = None, None
+        # The read runs on the I/O thread while the ranks meet every tick: a slow store
+        # never holds a collective past its timeout (moc._together).
+        io = self._io.submit(lambda: read_resharded(self.store, manifest, rank=self.run.rank, world=self.comm.world,
+                                                    units=self.layout.units, pool=self.pool))
+        wait_together(self.comm, io, tick=tick_seconds(self.cfg.coordination_timeout), rank=self.run.rank,
+                      step=manifest.step, doing="reading the exact window")
         try:
-            got = read_resharded(self.store, manifest, rank=self.run.rank, world=self.comm.world,
-                                 units=self.layout.units, pool=self.pool)
+            got = io.result()
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
             error = exc
         if self.comm.any_true(error is not None):
