@@ -32,7 +32,8 @@ then *replays* the window:
   same norm); the updates of units not promoted yet are overwritten before they are read.
 
 After the window's last step the model and optimizer equal an uninterrupted run's (bit for
-bit on CPU). The gradients of the window's second step are hashed, on every rank, when it
+bit on CPU). ``restore(reshard=True)`` and the hand-over between managers of an elastic job
+are :mod:`moc._exact_elastic`'s. The gradients of the window's second step are hashed, on every rank, when it
 is first trained and again when it is replayed: a loop that feeds other data (or other
 code) on replay is stopped there with :class:`moc.CheckpointError`, before its update, on
 every rank (the ranks OR their verdicts in one all-reduce, so none is left waiting).

@@ -73,7 +73,7 @@ def canonical_sources(manifest: Manifest, units: Iterable[str]) -> dict[str, tup
     if missing:
         raise CheckpointError(
             f"the exact window at step {manifest.step} has no record of units {missing[:4]} (written by "
-            f"{len(parts)} rank(s)); a unit is restored by its name, so the model must have the same units "
+            f"{len(parts)} rank(s)); a unit is read back by its name, so the model must have the same units "
             "(a DTensor piece the same global offsets)")
     return out
 

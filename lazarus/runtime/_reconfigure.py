@@ -17,8 +17,11 @@
    bounded by ``rendezvous_timeout``, so that no survivor waits for a joiner's build in a
    collective bounded by the much shorter ``collective_timeout``.
 5. A new moc manager on the new group (it adopts the old one's buffers and counters);
-   experts with no surviving replica come from moc: peer memory first, storage last, PLT
-   booked.
+   experts with no surviving replica come from moc. ``ElasticConfig.lost_experts``:
+   ``"restore"``: peer memory first, storage last, PLT booked; ``"replay"`` (an exact
+   moc): every rank rolls back to the newest committed exact window's first step + 1,
+   restoring every unit it now holds by name (``restore(reshard=True)``), and the loop
+   replays the window (PLT 0); also when the previous generation was cut mid-replay.
 
 Graceful changes (join, leave, rebalance) arrive as between-steps plans. When the new
 members are a subset of the current ones (a leave or a rebalance) the state moves on the
