@@ -372,8 +372,9 @@ class ElasticTrainer:
         if self.ckpt is None:
             return
         st = self.ckpt.status()
-        fails = int(st.get("persist_failures") or 0)
-        persisted = st.get("last_persisted_step")
+        counts = st.get("exact") or st    # exact mode: its windows' persists
+        fails = int(counts.get("persist_failures") or 0)
+        persisted = counts.get("last_persisted_step")
         persisted = -1 if persisted is None else int(persisted)
         if fails > self._storage_failures:
             self._storage_failures = fails
