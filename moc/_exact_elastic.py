@@ -80,8 +80,9 @@ class ElasticExact:
         checked = not self.comm.any_true(not got.same_layout)
         if not checked:
             log.warning("rank %d step %d: replay-divergence check off: the window %d-%d was written by %d rank(s) "
-                        "holding other units than this job's %d (bit-identity is impossible there)", self.run.rank,
-                        int(ex["start"]), int(ex["start"]), manifest.step, int(ex.get("world", 1)), self.comm.world)
+                        "and this job has %d, or some rank holds other units than it did then (bit-identity is "
+                        "impossible there)", self.run.rank, int(ex["start"]), int(ex["start"]), manifest.step,
+                        int(ex.get("world", 1)), self.comm.world)
         for note in got.notes:
             log.warning("rank %d step %d: %s", self.run.rank, int(ex["start"]), note)
         replay = _Replay(start=int(ex["start"]), end=manifest.step,
