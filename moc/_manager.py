@@ -257,6 +257,11 @@ class CheckpointManager:
         return self.exact is not None and self.exact.interrupted_replay
 
     @property
+    def replaying(self) -> bool:
+        """Exact mode: a restored window is being replayed (the steps up to its last one)."""
+        return self.exact is not None and self.exact.replay is not None
+
+    @property
     def last_restore(self) -> RestorePlan | None:
         """The plan of the newest :meth:`restore` (sources per unit), None before one."""
         return self.recovery.last_restore
