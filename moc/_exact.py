@@ -32,11 +32,14 @@ then *replays* the window:
   same norm); the updates of units not promoted yet are overwritten before they are read.
 
 After the window's last step the model and optimizer equal an uninterrupted run's (bit for
-bit on CPU). ``restore(reshard=True)`` and the hand-over between managers of an elastic job
-are :mod:`moc._exact_elastic`'s. The gradients of the window's second step are hashed, on every rank, when it
+bit on CPU). The gradients of the window's second step are hashed, on every rank, when it
 is first trained and again when it is replayed: a loop that feeds other data (or other
 code) on replay is stopped there with :class:`moc.CheckpointError`, before its update, on
 every rank (the ranks OR their verdicts in one all-reduce, so none is left waiting).
+
+``restore(reshard=True)`` (a window restored by unit name onto other ranks or another
+placement) and the hand-over between the managers of an elastic job are
+:mod:`moc._exact_elastic`'s.
 """
 
 from __future__ import annotations
@@ -57,8 +60,8 @@ from ._config import MoCConfig
 from ._daemon import DaemonExecutor
 from ._dist import Comm
 from ._errors import CheckpointError
-from ._exact_schedule import ExactSchedule, plan_schedule
 from ._exact_elastic import ElasticExact
+from ._exact_schedule import ExactSchedule, plan_schedule
 from ._exact_state import Replay as _Replay, Round as _Round, Window as _Window, grad_digest
 from ._exact_store import extra_name, rank_meta, read_part, weights_name, window_meta, write_part
 from ._format import UnitRecord

@@ -146,14 +146,15 @@ def test_resharded_restore_same_world_is_bit_identical_and_another_world_applies
     shutil.copytree(tmp_path / "crash", tmp_path / "crash2")
     run_ranks(_restart, 2, tmp_path / "b", str(tmp_path / "crash"), str(tmp_path / "shm-b"), str(out))
     for r in range(2):
-        got, ref = torch.load(out / f"got2-{r}.pt", weights_only=False), torch.load(out / f"ref{r}.pt", weights_only=False)
+        got = torch.load(out / f"got2-{r}.pt", weights_only=True)
+        ref = torch.load(out / f"ref{r}.pt", weights_only=True)
         assert got["start"] == 5 and got["plt"] == 0.0
         assert got["replay"]["checked"] is True and got["replay"]["world"] == 2 and got["replay"]["source"] == "storage"
         _assert_equal(got, ref)
     # one rank instead of two: the check off (other batches per rank, other sums), each
     # step's update applied once: the state close to the 2-rank run's, not bit-identical
     _restart(0, 1, str(tmp_path / "crash2"), str(tmp_path / "shm-c"), str(out))   # here: no process group
-    got, ref = torch.load(out / "got1-0.pt", weights_only=False), torch.load(out / "ref0.pt", weights_only=False)
+    got, ref = torch.load(out / "got1-0.pt", weights_only=True), torch.load(out / "ref0.pt", weights_only=True)
     assert got["start"] == 5 and got["plt"] == 0.0
     assert got["replay"]["checked"] is False and got["replay"]["world"] == 2
     assert got["replay"]["units"]["memory"] == 0 and got["replay"]["units"]["storage"] > 0
