@@ -17,8 +17,11 @@
    bounded by ``rendezvous_timeout``, so that no survivor waits for a joiner's build in a
    collective bounded by the much shorter ``collective_timeout``.
 5. A new moc manager on the new group (it adopts the old one's buffers and counters);
-   experts with no surviving replica come from moc: peer memory first, storage last, PLT
-   booked.
+   experts with no surviving replica come from moc. ``ElasticConfig.lost_experts``:
+   ``"restore"``: peer memory first, storage last, PLT booked; ``"replay"`` (an exact
+   moc): every rank rolls back to the newest committed exact window's first step + 1,
+   restoring every unit it now holds by name (``restore(reshard=True)``), and the loop
+   replays the window (PLT 0); also when the previous generation was cut mid-replay.
 
 Graceful changes (join, leave, rebalance) arrive as between-steps plans. When the new
 members are a subset of the current ones (a leave or a rebalance) the state moves on the
@@ -107,6 +110,7 @@ class Reconfigurer:
         self._store_sockets = SocketTracker()
         self._moc_comm: tuple[threading.Thread, dict[str, Any]] | None = None   # see _start_moc_comm
         self._moc_groups_wait: float | None = None
+        self.rollback: dict[str, Any] | None = None   # what the newest plan's rollback did (lost_experts="replay")
 
     # -- groups ----------------------------------------------------------------------------
     def retire_group(self, planned: bool = False) -> None:
@@ -360,6 +364,7 @@ class Reconfigurer:
             self._store_barrier(plan, "installed")
             timings["joiners"] = time.time() - t1
         t1 = time.time()
+        self.rollback = None
         sources = self._moc(lost, fresh_start=newest < 0)
         timings["moc"] = time.time() - t1
         if self._moc_groups_wait is not None:   # part of "moc": waiting for its groups
@@ -373,6 +378,8 @@ class Reconfigurer:
                   "same_node_moved": stats.get("same_node_moved", 0),
                   "dense_moves": stats["dense_moves"], "sources": stats["sources"],
                   "lost_experts": sorted(lost), "plt": t.ckpt.plt() if t.ckpt is not None else 0.0,
+                  "recovery": None if not lost and self.rollback is None else t.config.lost_experts,
+                  "rollback": self.rollback,
                   "fetches": plan.get("fetches"), "recovery_probability": plan.get("recovery_probability")}
         if t.rank == 0:
             t.channel.send({k: v for k, v in record.items() if k != "kind"})
@@ -619,8 +626,12 @@ class Reconfigurer:
                                        handover=self.handover, node=t.node, comm=comm)
         self.handover = None
         if fresh_start:
-            t.step = t.ckpt.restore()
+            t.step = t.ckpt.restore(reshard=True) if cfg.exact else t.ckpt.restore()
             self.unrestored.clear()
+            return out
+        if cfg.exact and (lost or t.ckpt.interrupted_replay):
+            self.rollback = self._rollback(lost)
+            out["storage"] = len(lost)     # a lost expert's state died with its holders: from storage
             return out
         if lost:
             result = t.ckpt.restore_units(lost)
@@ -631,6 +642,31 @@ class Reconfigurer:
                     out["storage"] += 1
             self.unrestored.clear()
         return out
+
+    def _rollback(self, lost: list[str]) -> dict[str, Any]:
+        """``lost_experts="replay"``: every rank of the new generation restores the units it
+        holds now from the newest exact window in storage (its own memory copy where it has
+        the same record) and the step goes back to the window's first step + 1; the loop
+        then replays the window (moc promotes the units as in any exact restore). Also run
+        when the previous generation was itself replaying (its model is half replayed)."""
+        t = self.t
+        assert t.ckpt is not None
+        before, t0 = t.step, time.time()
+        step = t.ckpt.restore(reshard=True)
+        if step == 0:
+            raise RuntimeError(f"node {t.where} step {before}: experts {lost[:4]} lost every replica and no exact "
+                               "window is committed to storage yet: nothing to roll back to (lost_experts='replay' "
+                               "needs one; persist_every sets how often windows are written)")
+        t.step = step
+        self.unrestored.clear()
+        rep = t.ckpt.status()["exact"]["last_replay"]
+        info = {"from_step": before, "to_step": step, "steps": before - step, "window": [rep["start"], rep["end"]],
+                "source": rep["source"], "units": rep.get("units"), "checked": rep.get("checked"),
+                "cause": "lost_experts" if lost else "interrupted_replay", "seconds": round(time.time() - t0, 4)}
+        log.info("node %s rank %d step %d gen %d: rolled back %d steps to the exact window %d-%d (%s; units %s; "
+                 "replay check %s) in %.3f s", t.where, t.rank, step, t.generation, info["steps"], rep["start"],
+                 rep["end"], info["cause"], info["units"], "on" if info["checked"] else "off", info["seconds"])
+        return info
 
     # -- helpers -----------------------------------------------------------------------------
     def dense_params(self) -> list[nn.Parameter]:
