@@ -36,7 +36,7 @@ test-gpu: $(GPU_DEPS)
 	$(GPU_PY) -m pytest -q -m gpu tests/gpu
 
 demo: $(STAMP)
-	$(VPY) -m lazarus.demo --dir runs/lazarus-demo
+	$(VPY) -m lazarus.demo --dir runs/lazarus-demo $(DEMO_ARGS)
 
 demo-moc: $(STAMP)
 	$(VPY) -m moc.demo --dir runs/demo

@@ -8,8 +8,13 @@ demo calls it in (SIGUSR1). The demo then waits for it to train, whatever the ma
 load (it never races the end of the job), and prints where the join's time went.
 
 Prints a per-event table (detection time, reconfiguration time, experts moved, where
-they came from, PLT), the join's figures, the training loss, and writes a PNG of
-throughput and node count over time. Rerun: ``python -m lazarus.demo --dir runs/lazarus-demo``.
+they came from, PLT, steps rolled back), the join's figures, the training loss, and writes
+a PNG of throughput and node count over time. Rerun: ``python -m lazarus.demo --dir runs/lazarus-demo``.
+
+``--lost-experts replay``: moc in exact mode (``MoCConfig(exact=True)``, a window of 4
+steps captured every step, every window persisted) and ``ElasticConfig(lost_experts=
+"replay")``: the second failure rolls the job back to the newest committed window's first
+step and replays it instead of booking PLT; the table's last column says how many steps.
 """
 
 from __future__ import annotations
@@ -41,12 +46,15 @@ def _singleton_holder(plan: dict[str, Any]) -> tuple[str, list[str]]:
     return best, best_units
 
 
-def run(workdir: Path, steps: int, quick: bool) -> int:
+def run(workdir: Path, steps: int, quick: bool, lost_experts: str = "restore") -> int:
     if workdir.exists():
         shutil.rmtree(workdir)
-    worker = ["--steps", str(steps), "--storage", str(workdir / "store"), "--interval", "10", "--k-snapshot", "2",
-              "--k-persist", "1", "--persist-every", "2", "--collective-timeout", "5s", "--report-every", "10",
-              "--digests", str(workdir / "digest-{node}.json")]
+    if lost_experts == "replay":   # exact windows of 4 steps (8 experts, 2 per step), every one persisted
+        ckpt = ["--exact", "--k-snapshot", "2", "--persist-every", "1", "--lost-experts", "replay"]
+    else:
+        ckpt = ["--interval", "10", "--k-snapshot", "2", "--k-persist", "1", "--persist-every", "2"]
+    worker = ["--steps", str(steps), "--storage", str(workdir / "store"), *ckpt, "--collective-timeout", "5s",
+              "--report-every", "10", "--digests", str(workdir / "digest-{node}.json")]
     if quick:
         worker += ["--layers", "2", "--d-model", "32", "--d-hidden", "64", "--batch-size", "8", "--seq-len", "32"]
     controller = ["--slots", "4", "--min-replicas", "2", "--expected-nodes", "4", "--heartbeat-timeout", "2s",
@@ -57,7 +65,7 @@ def run(workdir: Path, steps: int, quick: bool) -> int:
     with LocalCluster(workdir / "job", worker_args=worker, controller_args=controller,
                       agent_args=["--heartbeat-interval", "250ms"]) as c:
         print(f"lazarus demo: controller + 4 agents, training {steps} steps of a byte-level MoE GPT on the "
-              f"Python stdlib sources (logs in {c.dir})", flush=True)
+              f"Python stdlib sources, lost experts: {lost_experts} (logs in {c.dir})", flush=True)
         c.start(["n0", "n1", "n2", "n3"])
         c.add_node("n4", standby=True)   # the joiner: warms up now, joins when called in
         c.wait_step(marks[0], timeout=240)
@@ -104,9 +112,10 @@ def _report(workdir: Path, timeline: list[dict], events: list[dict], metrics: li
         rows.append([ev["event"], ev["step"], _f(detect_s), _f(reconf_s), _f(rec["t_resumed"] - ev["t"]) if rec else "-",
                      rec["moved"] if rec else "-",
                      f"peer {src.get('peer', 0)} / memory {src.get('memory', 0)} / storage {src.get('storage', 0)}",
-                     f"{100 * rec['plt']:.2f}%" if rec else "-", rec["world_size"] if rec else "-"])
+                     f"{100 * rec['plt']:.2f}%" if rec else "-", rec["world_size"] if rec else "-",
+                     rollback_cell(rec)])
     head = ["event", "step", "detect s", "reconf s", "kill->train s", "experts moved", "source (experts)", "PLT",
-            "nodes"]
+            "nodes", "rolled back"]
     print()
     print(_table(head, rows))
     print()
@@ -133,6 +142,17 @@ def _report(workdir: Path, timeline: list[dict], events: list[dict], metrics: li
         print("matplotlib missing: no plot")
     (workdir / "summary.json").write_text(json.dumps({"rows": rows, "elapsed_s": elapsed}, indent=1))
     print(f"demo finished in {elapsed:.0f} s")
+
+
+def rollback_cell(rec: dict[str, Any] | None) -> str:
+    """The table's "rolled back" cell of a reconfiguration record: the steps trained again
+    (``lost_experts="replay"``), the window replayed and the rollback's own time; "-" when
+    there was no rollback."""
+    rb = (rec or {}).get("rollback")
+    if not rb:
+        return "-"
+    a, b = rb["window"]
+    return f"{rb['steps']} steps to {rb['to_step']} (window {a}-{b}, {rb['source']}, {rb['seconds']:.2f} s)"
 
 
 def join_figures(t_called: float, node: str, events: list[dict], metrics: list[dict]) -> str:
@@ -227,10 +247,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dir", default="runs/lazarus-demo", help="work directory (recreated)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--quick", action="store_true", help="a smaller model (for smoke tests)")
+    p.add_argument("--lost-experts", choices=("restore", "replay"), default="restore",
+                   help="when a node with the only replica of some experts dies: restore them from moc and book "
+                        "PLT (default), or roll back and replay an exact window (moc exact mode, PLT 0)")
     args = p.parse_args(argv)
     if args.steps < 50:
         p.error("--steps must be >= 50 (three events are staged along the run)")
-    return run(Path(args.dir), args.steps, args.quick)
+    return run(Path(args.dir), args.steps, args.quick, args.lost_experts)
 
 
 if __name__ == "__main__":

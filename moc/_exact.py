@@ -36,6 +36,10 @@ bit on CPU). The gradients of the window's second step are hashed, on every rank
 is first trained and again when it is replayed: a loop that feeds other data (or other
 code) on replay is stopped there with :class:`moc.CheckpointError`, before its update, on
 every rank (the ranks OR their verdicts in one all-reduce, so none is left waiting).
+
+``restore(reshard=True)`` (a window restored by unit name onto other ranks or another
+placement) and the hand-over between the managers of an elastic job are
+:mod:`moc._exact_elastic`'s.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from ._config import MoCConfig
 from ._daemon import DaemonExecutor
 from ._dist import Comm
 from ._errors import CheckpointError
+from ._exact_elastic import ElasticExact
 from ._exact_schedule import ExactSchedule, plan_schedule
 from ._exact_state import Replay as _Replay, Round as _Round, Window as _Window, grad_digest
 from ._exact_store import extra_name, rank_meta, read_part, weights_name, window_meta, write_part
@@ -77,7 +82,7 @@ _NO_BUFFER, _PREV_FAILED, _SIGTERM, _BUSY, _FATAL = range(5)
 _FIXED = 5
 
 
-class ExactCheckpointer:
+class ExactCheckpointer(ElasticExact):
     """The exact-mode protocol of one :class:`moc.CheckpointManager` (one rank of it).
 
     Args:
@@ -143,6 +148,7 @@ class ExactCheckpointer:
         self.replayed_steps = 0
         self.last_replay: dict[str, Any] | None = None    # {"start", "end", "source": "memory" | "storage"}
         self.rounds = 0
+        self.interrupted_replay = False            # the manager this one replaces was replaying (adopt)
 
     # -- capture ---------------------------------------------------------------------------
     def step(self, t: int, *, sigterm: bool = False) -> bool:
@@ -581,10 +587,11 @@ class ExactCheckpointer:
         return next(h for h in memory if h["run"] == run and int(h["step"]) == end
                     and int(h["exact"]["start"]) == start)
 
-    def restore(self) -> int:
+    def restore(self, *, reshard: bool = False) -> int:
         """Load the newest window complete on every rank and start its replay; return the
         next step to run (the window's first step + 1), 0 when nothing is stored.
-        Collective: every rank calls it."""
+        ``reshard``: the newest window committed to storage, each unit read by name
+        whatever ranks wrote it (:mod:`moc._exact_reshard`). Collective: every rank calls it."""
         self._settle()
         self._abort_window("restore")
         if self.persist_in_flight is not None:
@@ -597,6 +604,8 @@ class ExactCheckpointer:
             manifest = None
         elif manifest is None or manifest.step != step:
             manifest = self.store.read_manifest(step)
+        if reshard:
+            return self._restore_resharded(manifest)
         memory = self._memory_candidates()
         if manifest is not None:
             memory = [h for h in memory if h.get("run") == manifest.meta.get("run_id")]
@@ -632,9 +641,12 @@ class ExactCheckpointer:
             return 0
         self.run.run_id = (chosen["run"] if replay.source == "memory" else manifest.meta.get("run_id")) \
             or self.run.run_id
+        return self._start_replay(replay, {"source": replay.source})
+
+    def _start_replay(self, replay: _Replay, info: dict[str, Any]) -> int:
         self._apply_start(replay)
         self.replays += 1
-        self.last_replay = {"start": replay.start, "end": replay.end, "source": replay.source}
+        self.last_replay = {"start": replay.start, "end": replay.end, **info}
         replay.next = replay.start + 1
         self.expected = replay.start + 1
         self.next_open = replay.end + 1
@@ -741,7 +753,13 @@ class ExactCheckpointer:
     def _end_replay(self, r: _Replay) -> None:
         self.replay = None
         self._drop(r)
-        log.info("rank %d step %d: exact replay done: the state equals the uninterrupted run's", self.run.rank, r.end)
+        if (self.last_replay or {}).get("checked", True):
+            log.info("rank %d step %d: exact replay done: the state equals the uninterrupted run's", self.run.rank,
+                     r.end)
+        else:
+            log.info("rank %d step %d: exact replay done (another world or placement than the window's: every unit "
+                     "has the update of every step once, not bit for bit the uninterrupted run's)", self.run.rank,
+                     r.end)
 
     # -- reporting -------------------------------------------------------------------------
     def schedule(self) -> ExactSchedule:

@@ -186,6 +186,8 @@ class CheckpointManager:
         self._sigterm = False
         self._adopt([t["handover"] for t in told])
         self.exact = self._exact_mode(store, pool) if cfg.exact else None
+        if self.exact is not None:
+            self.exact.adopt([(t["handover"] or {}).get("exact") for t in told])
 
         self._attach_routing()
         pre_hook = self.exact.before_optimizer_step if self.exact is not None else self.engine.before_optimizer_step
@@ -246,6 +248,18 @@ class CheckpointManager:
     @property
     def interval(self) -> int:
         return self.policy.interval
+
+    @property
+    def interrupted_replay(self) -> bool:
+        """Exact mode: the manager this one took over from (``handover=``, on any rank) was
+        replaying a window, so the model is half replayed: call ``restore(reshard=True)``
+        before training on."""
+        return self.exact is not None and self.exact.interrupted_replay
+
+    @property
+    def replaying(self) -> bool:
+        """Exact mode: a restored window is being replayed (the steps up to its last one)."""
+        return self.exact is not None and self.exact.replay is not None
 
     @property
     def last_restore(self) -> RestorePlan | None:
@@ -420,16 +434,24 @@ class CheckpointManager:
         """Published snapshots in this rank's shared-memory directory (newest last)."""
         return self.recovery.snapshot_headers()
 
-    def restore(self) -> int:
+    def restore(self, *, reshard: bool = False) -> int:
         """Load the newest consistent state; return the next step to run (0 if none).
 
         Collective: every rank of the process group must call it.
 
         Exact mode: the next step is the newest complete window's first step + 1; the loop
-        then replays the window's steps (see ``docs/exact.md``).
+        then replays the window's steps (see ``docs/exact.md``). ``reshard=True`` (exact
+        mode only): restore from the newest window committed to storage even when other
+        ranks, or ranks holding other units, wrote it: every unit this rank holds now is
+        read by its name (from this rank's memory where it holds the same record), and the
+        replay-divergence check is off unless the world and every rank's units are the
+        window's (``status()["exact"]["last_replay"]`` says which).
         """
+        if reshard and self.exact is None:
+            raise ValueError("restore(reshard=True) needs MoCConfig(exact=True); restore() already restores "
+                             "any placement by unit name without exact mode")
         if self.exact is not None:
-            return self.exact.restore()
+            return self.exact.restore(reshard=reshard)
         self.engine.wait()
         self.persister.drain(self.cfg.persist_timeout.total_seconds())
         try:
@@ -499,6 +521,7 @@ class CheckpointManager:
         before they are handed over (the successor page-locks them again, off its
         training thread).
         """
+        exact = self.exact.detach() if self.exact is not None else None
         with self.run.lock:
             self.run.abandoned = True
         self.engine.abandon(grace)        # waits for the copies into the buffers too
@@ -507,6 +530,8 @@ class CheckpointManager:
         self.engine.retire_buffers()
         self.engine.pool.unpin()
         state = self._export_state()
+        if exact is not None:
+            state["exact"] = exact
         self._closed = True
         self._release_hooks()
         self.engine.shutdown(wait=False)

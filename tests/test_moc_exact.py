@@ -72,10 +72,12 @@ def test_exact_config_refuses_what_it_cannot_honour(tmp_path, kwargs, field):
     MoCConfig(storage=str(tmp_path), exact=False, **kwargs)   # the same values are fine without exact
 
 
-def test_exact_refused_by_elastic_trainer_config(tmp_path):
+def test_exact_accepted_by_elastic_trainer_config_with_replay(tmp_path):
     from lazarus.runtime import ElasticConfig
-    with pytest.raises(ValueError, match="exact=False"):
-        ElasticConfig(moc=MoCConfig(storage=str(tmp_path), interval=1, exact=True))
+    exact = MoCConfig(storage=str(tmp_path), interval=1, exact=True)
+    assert ElasticConfig(moc=exact).lost_experts == "replay"
+    with pytest.raises(ValueError, match="lost_experts='restore' cannot go with an exact moc"):
+        ElasticConfig(moc=exact, lost_experts="restore")
 
 
 # -- schedule and size ---------------------------------------------------------------------

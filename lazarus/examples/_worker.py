@@ -38,6 +38,12 @@ def add_job_arguments(p: argparse.ArgumentParser, *, batch_size: int) -> None:
     p.add_argument("--k-persist", type=int, default=None, help="experts per layer to storage (default k-snapshot)")
     p.add_argument("--persist-every", type=int, default=2)
     p.add_argument("--snapshot-copies", type=int, default=2)
+    p.add_argument("--exact", action="store_true",
+                   help="moc exact mode (a window of ceil(experts / k-snapshot) steps captured every step; "
+                        "--interval and --k-persist are ignored): losing every replica of an expert rolls back "
+                        "and replays the window instead of booking PLT")
+    p.add_argument("--lost-experts", choices=("restore", "replay"), default=None,
+                   help="ElasticConfig.lost_experts (default: replay with --exact, else restore)")
     p.add_argument("--collective-timeout", type=_duration, default=timedelta(seconds=10))
     p.add_argument("--rendezvous-timeout", type=_duration, default=timedelta(seconds=30))
     p.add_argument("--plan-timeout", type=_duration, default=timedelta(seconds=60))
@@ -72,12 +78,18 @@ def elastic_config(args: argparse.Namespace, *, top_k: int) -> Any:
     """The :class:`lazarus.runtime.ElasticConfig` of the flags, moc included."""
     from lazarus.runtime import ElasticConfig
 
-    moc_cfg = MoCConfig(storage=args.storage, interval=args.interval, k_snapshot=args.k_snapshot,
-                        k_persist=args.k_persist, persist_every=args.persist_every, top_k=top_k,
-                        snapshot_copies=args.snapshot_copies, keep_last=2)
+    if args.exact:
+        # keep_last=3: a rollback reads the newest committed window while the next may be committed
+        moc_cfg = MoCConfig(storage=args.storage, interval=1, k_snapshot=args.k_snapshot, exact=True,
+                            persist_every=args.persist_every, top_k=top_k, keep_last=3)
+    else:
+        moc_cfg = MoCConfig(storage=args.storage, interval=args.interval, k_snapshot=args.k_snapshot,
+                            k_persist=args.k_persist, persist_every=args.persist_every, top_k=top_k,
+                            snapshot_copies=args.snapshot_copies, keep_last=2)
     return ElasticConfig(collective_timeout=args.collective_timeout, rendezvous_timeout=args.rendezvous_timeout,
                          plan_timeout=args.plan_timeout, report_every=args.report_every, moc=moc_cfg,
-                         metrics_path=args.metrics, device=args.device, backend=args.backend)
+                         metrics_path=args.metrics, device=args.device, backend=args.backend,
+                         lost_experts=args.lost_experts)
 
 
 def write_digests(args: argparse.Namespace, trainer: Any, node: str, t0: float) -> None:

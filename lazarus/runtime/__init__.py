@@ -10,7 +10,9 @@
   controller, and never kills a worker that reported done.
 * :class:`AgentChannel` — the worker's end of the agent connection (inside the trainer).
 * :class:`ElasticTrainer` (+ :class:`ElasticConfig`) — the training process: step loop,
-  in-process reconfiguration on a broken collective, peer transfers, moc fallback.
+  in-process reconfiguration on a broken collective, peer transfers, moc fallback (restore
+  the lost experts and book PLT, or roll back and replay an exact window:
+  ``ElasticConfig.lost_experts``).
 * ``_wire`` — length-prefixed, HMAC-SHA256-authenticated JSON frames (no pickle).
 
 The trainer names load lazily, so the controller and agents never import torch's

@@ -10,7 +10,10 @@ from moc import MoCConfig
 
 from ._backend import check_backend_spec, check_device_spec
 
-__all__ = ["ElasticConfig"]
+__all__ = ["ElasticConfig", "LOST_EXPERTS"]
+
+#: the values of ``ElasticConfig.lost_experts``
+LOST_EXPERTS = ("restore", "replay")
 
 
 @dataclass
@@ -26,7 +29,21 @@ class ElasticConfig:
             broken collective before giving up (exit status 75).
         report_every: steps between routing-count / progress reports to the controller.
         moc: checkpointing underneath (``None``: no checkpoints, so an expert whose every
-            replica dies cannot be recovered and the job stops with an error).
+            replica dies cannot be recovered and the job stops with an error). An exact
+            ``MoCConfig`` (``exact=True``) goes with ``lost_experts="replay"``.
+        lost_experts: what happens when a plan leaves some expert with no surviving replica
+            (while a replica survives, peers hand it over either way):
+
+            * ``"restore"``: the fast path. The lost experts are loaded from moc (a peer's
+              memory copy, else storage) and training goes on from the current step; the
+              tokens routed to them since their version are lost (PLT booked). Needs a
+              non-exact ``moc``.
+            * ``"replay"``: no token is lost. Every rank rolls back to the first step of the
+              newest exact window committed to storage, restores every unit it now holds
+              by name (its own memory copy where it has the same record, else storage) and
+              replays the window; PLT stays 0, the steps since the window's start are
+              trained again. Needs ``moc=MoCConfig(exact=True, ...)``.
+            * ``None`` (default): ``"replay"`` with an exact ``moc``, else ``"restore"``.
         memory_key: name of this worker's snapshot folder in the node's memory directory
             (stable across ranks and incarnations, so snapshots are found after a crash).
             ``None``: ``worker<LOCAL_RANK>`` (``worker0`` with one worker per node); a name
@@ -53,6 +70,7 @@ class ElasticConfig:
     grad_clip: Union[float, None] = 1.0
     device: str = "auto"
     backend: str = "auto"
+    lost_experts: Union[str, None] = None
 
     def __post_init__(self) -> None:
         for name in ("collective_timeout", "rendezvous_timeout", "plan_timeout"):
@@ -68,9 +86,20 @@ class ElasticConfig:
             raise ValueError(f"ElasticConfig.report_every must be an integer >= 1, got {self.report_every!r}")
         if self.moc is not None and not isinstance(self.moc, MoCConfig):
             raise ValueError(f"ElasticConfig.moc must be a moc.MoCConfig or None, got {type(self.moc).__name__}")
-        if self.moc is not None and self.moc.exact:
-            raise ValueError("ElasticConfig.moc must have exact=False: exact recovery (rollback and replay of the "
-                             "window) is not supported by ElasticTrainer yet")
+        exact = self.moc is not None and self.moc.exact
+        if self.lost_experts is None:
+            self.lost_experts = "replay" if exact else "restore"
+        if self.lost_experts not in LOST_EXPERTS:
+            raise ValueError(f"ElasticConfig.lost_experts must be one of {', '.join(map(repr, LOST_EXPERTS))} or "
+                             f"None, got {self.lost_experts!r}")
+        if self.lost_experts == "replay" and not exact:
+            raise ValueError("ElasticConfig.lost_experts='replay' needs moc=MoCConfig(exact=True, ...): the rollback "
+                             f"replays an exact window (moc is {'None' if self.moc is None else 'not exact'}); use "
+                             "lost_experts='restore' for the PLT-booking fast path")
+        if self.lost_experts == "restore" and exact:
+            raise ValueError("ElasticConfig.lost_experts='restore' cannot go with an exact moc (MoCConfig(exact=True) "
+                             "has no partial restore: it rolls back and replays); use lost_experts='replay' (or None), "
+                             "or exact=False for the PLT-booking fast path")
         if self.memory_key is not None and (not isinstance(self.memory_key, str) or not self.memory_key
                                             or "/" in self.memory_key or self.memory_key.startswith(".")):
             raise ValueError(f"ElasticConfig.memory_key must be a plain folder name, got {self.memory_key!r}")

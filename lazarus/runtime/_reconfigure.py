@@ -20,8 +20,11 @@
    ``rendezvous_timeout``, so that no survivor waits for a joiner in a collective bounded
    by the much shorter ``collective_timeout``.
 5. A new moc manager on the new group (it adopts the old one's buffers and counters);
-   experts with no surviving replica come from moc: peer memory first, storage last, PLT
-   booked.
+   experts with no surviving replica come from moc. ``ElasticConfig.lost_experts``:
+   ``"restore"``: peer memory first, storage last, PLT booked; ``"replay"`` (an exact
+   moc): every rank rolls back to the newest committed exact window's first step + 1,
+   restoring every unit it now holds by name (``restore(reshard=True)``), and the loop
+   replays the window (PLT 0); also when the previous generation was cut mid-replay.
 
 Graceful changes (join, leave, rebalance) arrive as between-steps plans. When the new
 members are a subset of the current ones (a leave or a rebalance) the state moves on the
@@ -37,7 +40,6 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 from urllib.parse import urlsplit
 
@@ -46,7 +48,6 @@ import torch.distributed as dist
 from torch import nn
 
 from lazarus.moe import moe_layers
-from lazarus.moe._comm import building_for
 from lazarus.moe._placement import rank_slots
 from lazarus.planning import Placement
 from moc import CheckpointManager
@@ -56,6 +57,7 @@ from moc._units import apply_partial, capture_unit, discover_units
 
 from ._abort import GroupAborter, SocketTracker, nccl_errors, reset_group_names
 from ._backend import nccl_init_kwargs
+from ._join_gate import JoinGate
 from ._transfer import choose_moves, exchange_units, world_comm
 
 if TYPE_CHECKING:
@@ -64,10 +66,6 @@ if TYPE_CHECKING:
 __all__ = ["Reconfigurer", "Superseded", "plan_rank", "plan_world"]
 
 log = logging.getLogger("lazarus.reconfigure")
-
-
-#: How long a member's question "are the joiners prepared?" may wait on the plan's store.
-GATE_STORE_TIMEOUT = timedelta(seconds=2)
 
 
 class Superseded(Exception):
@@ -97,7 +95,7 @@ def plan_rank(plan: dict[str, Any], node: str, local_rank: int, local_world: int
     return plan["members"].index(node) * g + local_rank
 
 
-class Reconfigurer:
+class Reconfigurer(JoinGate):
     def __init__(self, trainer: "ElasticTrainer", *, build_model: Callable, make_optimizer: Callable) -> None:
         self.t = trainer
         self.build_model = build_model
@@ -116,11 +114,13 @@ class Reconfigurer:
         self._store_sockets = SocketTracker()
         self._moc_comm: tuple[threading.Thread, dict[str, Any]] | None = None   # see _start_moc_comm
         self._moc_groups_wait: float | None = None
-        # A joiner's model built before its group formed (see _prepare_join): it holds no
-        # trained state until the plan's transfer is installed.
-        self.stateless = False
-        self._gate: tuple[int, float] | None = None   # (generation, first seen) of a join plan held back
-        self._gate_client: tuple[tuple[Any, ...], Any] | None = None   # (store spec, client) asked by the gate
+        self._init_join_gate()
+        self.rollback: dict[str, Any] | None = None   # what the newest plan's rollback did (lost_experts="replay")
+
+    def _plan_position(self, plan: dict[str, Any]) -> tuple[int, int]:
+        """(this worker's rank, the world size) in ``plan``."""
+        t = self.t
+        return plan_rank(plan, t.node, t.local_rank, t.local_world), plan_world(plan)
 
     # -- groups ----------------------------------------------------------------------------
     def retire_group(self, planned: bool = False) -> None:
@@ -378,6 +378,7 @@ class Reconfigurer:
             self._store_barrier(plan, "installed")
             timings["joiners"] = time.time() - t1
         t1 = time.time()
+        self.rollback = None
         sources = self._moc(lost, fresh_start=newest < 0)
         timings["moc"] = time.time() - t1
         if self._moc_groups_wait is not None:   # part of "moc": waiting for its groups
@@ -391,6 +392,8 @@ class Reconfigurer:
                   "same_node_moved": stats.get("same_node_moved", 0),
                   "dense_moves": stats["dense_moves"], "sources": stats["sources"],
                   "lost_experts": sorted(lost), "plt": t.ckpt.plt() if t.ckpt is not None else 0.0,
+                  "recovery": None if not lost and self.rollback is None else t.config.lost_experts,
+                  "rollback": self.rollback,
                   "fetches": plan.get("fetches"), "recovery_probability": plan.get("recovery_probability")}
         if t.rank == 0:
             t.channel.send({k: v for k, v in record.items() if k != "kind"})
@@ -398,87 +401,6 @@ class Reconfigurer:
         log.info("node %s rank %d/%d gen %d (%s): resumed at step %d in %.3f s; %d experts moved, sources %s; %s",
                  t.where, t.rank, t.world, t.generation, plan.get("reason"), t.step, t_resumed - t0,
                  stats["moved"], stats["sources"], " ".join(f"{k} {v:.3f}" for k, v in timings.items()))
-
-    # -- joins prepared while the members train -----------------------------------------------
-    @staticmethod
-    def is_prepared_join(plan: dict[str, Any]) -> bool:
-        """A between-steps plan that adds nodes: its joiners build their models first, and
-        the members switch to it only once every joiner has (:meth:`joiners_prepared`)."""
-        return plan.get("mode") == "between_steps" and bool(plan.get("joined"))
-
-    def _prepare_key(self, plan: dict[str, Any]) -> str:
-        return f"{plan['prefix']}/prepared"
-
-    def _prepare_join(self, plan: dict[str, Any]) -> None:
-        """A joiner, before the plan's rendezvous: build the model for its rank of the plan
-        (:func:`lazarus.moe._comm.building_for`: its MoE layers hold the experts the plan
-        gives it) while the members still train, then count itself prepared on the store
-        the plan's group forms on. A ``build_model`` that cannot build before its process group
-        exists (it calls torch.distributed itself) is logged and built after the rendezvous,
-        as before; the joiner counts itself prepared either way."""
-        t = self.t
-        rank, world = plan_rank(plan, t.node, t.local_rank, t.local_world), plan_world(plan)
-        t0 = time.time()
-        if t.model is None:
-            try:
-                with building_for(rank, world):
-                    model = self.build_model(self._placements(plan))
-                t.model = model.to(t.device)
-                self.stateless = True
-            except Exception as exc:  # noqa: BLE001 - user code; the build after the rendezvous reports it
-                log.warning("node %s step -: build_model failed before the group formed (%s: %s); building it after "
-                            "the rendezvous", t.where, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc)
-                            else "")
-                t.model = None
-        store = self._store_client(plan["store"])   # the store the plan's group forms on
-        store.add(self._prepare_key(plan), 1)
-        log.info("node %s rank %d/%d step - gen %d: prepared to join in %.3f s (model %s); the members switch at "
-                 "their next step", t.where, rank, world, plan["generation"], time.time() - t0,
-                 "built" if t.model is not None else "to build after the rendezvous")
-
-    def joiners_prepared(self, plan: dict[str, Any]) -> bool:
-        """A member, at a step boundary: may it switch to ``plan`` now? Yes unless it is a
-        join whose joiners are still building (then the member trains another step). A
-        joiner that never prepares holds the members back at most ``rendezvous_timeout``
-        from when this member first saw the plan; then they switch and wait for it as
-        before. A store that cannot be asked (its host went away) does not hold the switch
-        back either: the rendezvous reports it."""
-        if not self.is_prepared_join(plan):
-            return True
-        gen = int(plan["generation"])
-        now = time.monotonic()
-        if self._gate is None or self._gate[0] != gen:
-            self._gate = (gen, now)
-        if now - self._gate[1] > self.t.config.rendezvous_timeout.total_seconds():
-            log.warning("node %s step %d: the joiners %s of generation %d did not prepare within %s; switching anyway",
-                        self.t.where, self.t.step, plan["joined"], gen, self.t.config.rendezvous_timeout)
-            return True
-        try:
-            done = self._gate_store(plan["store"]).add(self._prepare_key(plan), 0)
-        except Exception as exc:  # noqa: BLE001 - the rendezvous reports a dead store
-            log.warning("node %s step %d: cannot ask the store whether generation %d's joiners are prepared (%s)",
-                        self.t.where, self.t.step, gen, str(exc).splitlines()[0][:200] if str(exc) else exc)
-            self._gate_client = None
-            return True
-        if done >= len(plan["joined"]) * int(plan.get("gpus_per_node", 1)):
-            self._gate_client = None
-            return True
-        return False
-
-    def _gate_store(self, spec: dict[str, Any]) -> Any:
-        """The plan's store, for the members' question between two steps: this rank's
-        client when it is that store's, else a client of its own that gives up after
-        :data:`GATE_STORE_TIMEOUT` (the training thread asks; a store host that died must
-        not hold it for ``rendezvous_timeout``: the rendezvous, interruptible, reports it)."""
-        key = tuple(sorted(spec.items()))
-        if self._store is not None and self._store_key == key:
-            return self._store
-        if self._gate_client is None or self._gate_client[0] != key:
-            self._gate_client = None
-            client = dist.TCPStore(str(spec["host"]), int(spec["port"]), is_master=False, wait_for_workers=False,
-                                   timeout=GATE_STORE_TIMEOUT)
-            self._gate_client = (key, client)
-        return self._gate_client[1]
 
     # -- moc's process groups, formed while the state moves ------------------------------------
     def _moc_timeout(self) -> Any:
@@ -721,9 +643,13 @@ class Reconfigurer:
                                        handover=self.handover, node=t.node, comm=comm)
         self.handover = None
         if fresh_start:
-            t.step = t.ckpt.restore()
+            t.step = t.ckpt.restore(reshard=True) if cfg.exact else t.ckpt.restore()
             self.unrestored.clear()
             self.stateless = False
+            return out
+        if cfg.exact and (lost or t.ckpt.interrupted_replay):
+            self.rollback = self._rollback(lost)
+            out["storage"] = len(lost)     # a lost expert's state died with its holders: from storage
             return out
         if lost:
             result = t.ckpt.restore_units(lost)
@@ -734,6 +660,31 @@ class Reconfigurer:
                     out["storage"] += 1
             self.unrestored.clear()
         return out
+
+    def _rollback(self, lost: list[str]) -> dict[str, Any]:
+        """``lost_experts="replay"``: every rank of the new generation restores the units it
+        holds now from the newest exact window in storage (its own memory copy where it has
+        the same record) and the step goes back to the window's first step + 1; the loop
+        then replays the window (moc promotes the units as in any exact restore). Also run
+        when the previous generation was itself replaying (its model is half replayed)."""
+        t = self.t
+        assert t.ckpt is not None
+        before, t0 = t.step, time.time()
+        step = t.ckpt.restore(reshard=True)
+        if step == 0:
+            raise RuntimeError(f"node {t.where} step {before}: experts {lost[:4]} lost every replica and no exact "
+                               "window is committed to storage yet: nothing to roll back to (lost_experts='replay' "
+                               "needs one; persist_every sets how often windows are written)")
+        t.step = step
+        self.unrestored.clear()
+        rep = t.ckpt.status()["exact"]["last_replay"]
+        info = {"from_step": before, "to_step": step, "steps": before - step, "window": [rep["start"], rep["end"]],
+                "source": rep["source"], "units": rep.get("units"), "checked": rep.get("checked"),
+                "cause": "lost_experts" if lost else "interrupted_replay", "seconds": round(time.time() - t0, 4)}
+        log.info("node %s rank %d step %d gen %d: rolled back %d steps to the exact window %d-%d (%s; units %s; "
+                 "replay check %s) in %.3f s", t.where, t.rank, step, t.generation, info["steps"], rep["start"],
+                 rep["end"], info["cause"], info["units"], "on" if info["checked"] else "off", info["seconds"])
+        return info
 
     # -- helpers -----------------------------------------------------------------------------
     def dense_params(self) -> list[nn.Parameter]:

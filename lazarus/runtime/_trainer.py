@@ -362,10 +362,14 @@ class ElasticTrainer:
             self._routing = {}
             self._report_storage()
         # Plan agreement: the newest generation any rank has heard of (between-steps plans).
-        # A join counts once its joiners have built their models (they do while we train):
+        # A between-steps plan waits for an exact replay to end (every rank replays the same
+        # steps, so all wait alike): applied mid-replay it would force another rollback. A
+        # join counts once its joiners have built their models (they do while we train):
         # the members never wait for a joiner's build, only for the switch itself.
         latest = self.channel.latest_plan()
         pending = int(latest["generation"]) if latest and int(latest["generation"]) > self.generation else 0
+        if pending and self.ckpt is not None and self.ckpt.replaying:
+            pending = 0
         if pending and not self.reconf.joiners_prepared(latest):
             pending = 0
         flag = torch.tensor([pending], dtype=torch.int64)
@@ -386,8 +390,9 @@ class ElasticTrainer:
         if self.ckpt is None:
             return
         st = self.ckpt.status()
-        fails = int(st.get("persist_failures") or 0)
-        persisted = st.get("last_persisted_step")
+        counts = st.get("exact") or st    # exact mode: its windows' persists
+        fails = int(counts.get("persist_failures") or 0)
+        persisted = counts.get("last_persisted_step")
         persisted = -1 if persisted is None else int(persisted)
         if fails > self._storage_failures:
             self._storage_failures = fails

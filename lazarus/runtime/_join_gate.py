@@ -1,0 +1,129 @@
+"""A join prepared while the members train (mixed into :class:`._reconfigure.Reconfigurer`).
+
+A between-steps plan that adds nodes is applied in two halves. The joiner, as soon as the
+plan reaches it, builds its model for the rank the plan gives it, before any process group
+exists (:func:`lazarus.moe._comm.building_for`: its MoE layers hold the plan's experts),
+and counts itself prepared on the store the plan's group forms on. The members keep
+training meanwhile: at every step boundary each asks that store whether every joiner is
+prepared (:meth:`JoinGate.joiners_prepared`), and the per-step agreement (a MAX
+all-reduce) switches all of them together at the first boundary where one has seen it. So
+no member waits for a joiner's build, only for the switch itself (the state transfer,
+install and moc manager of :mod:`._reconfigure`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from lazarus.moe._comm import building_for
+
+__all__ = ["GATE_STORE_TIMEOUT", "JoinGate"]
+
+log = logging.getLogger("lazarus.reconfigure")
+
+#: How long a member's question "are the joiners prepared?" may wait on the plan's store.
+GATE_STORE_TIMEOUT = timedelta(seconds=2)
+
+
+class JoinGate:
+    """The joiner's preparation and the members' gate. Expects of the class it is mixed
+    into: ``t`` (the trainer), ``build_model``, ``_placements(plan)``,
+    ``_plan_position(plan)``, ``_store_client(spec)`` and its ``_store`` / ``_store_key``."""
+
+    t: Any
+    build_model: Any
+    _store: Any
+    _store_key: Any
+
+    def _init_join_gate(self) -> None:
+        # A joiner's model built before its group formed (see _prepare_join): it holds no
+        # trained state until the plan's transfer is installed.
+        self.stateless = False
+        self._gate: tuple[int, float] | None = None   # (generation, first seen) of a join plan held back
+        self._gate_client: tuple[tuple[Any, ...], Any] | None = None   # (store spec, client) asked by the gate
+
+    @staticmethod
+    def is_prepared_join(plan: dict[str, Any]) -> bool:
+        """A between-steps plan that adds nodes: its joiners build their models first, and
+        the members switch to it only once every joiner has (:meth:`joiners_prepared`)."""
+        return plan.get("mode") == "between_steps" and bool(plan.get("joined"))
+
+    def _prepare_key(self, plan: dict[str, Any]) -> str:
+        return f"{plan['prefix']}/prepared"
+
+    def _prepare_join(self, plan: dict[str, Any]) -> None:
+        """A joiner, before the plan's rendezvous: build the model for its rank of the plan
+        (:func:`lazarus.moe._comm.building_for`: its MoE layers hold the experts the plan
+        gives it) while the members still train, then count itself prepared on the store
+        the plan's group forms on. A ``build_model`` that cannot build before its process group
+        exists (it calls torch.distributed itself) is logged and built after the rendezvous,
+        as before; the joiner counts itself prepared either way."""
+        t = self.t
+        rank, world = self._plan_position(plan)
+        t0 = time.time()
+        if t.model is None:
+            try:
+                with building_for(rank, world):
+                    model = self.build_model(self._placements(plan))
+                t.model = model.to(t.device)
+                self.stateless = True
+            except Exception as exc:  # noqa: BLE001 - user code; the build after the rendezvous reports it
+                log.warning("node %s step -: build_model failed before the group formed (%s: %s); building it after "
+                            "the rendezvous", t.where, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc)
+                            else "")
+                t.model = None
+        store = self._store_client(plan["store"])   # the store the plan's group forms on
+        store.add(self._prepare_key(plan), 1)
+        log.info("node %s rank %d/%d step - gen %d: prepared to join in %.3f s (model %s); the members switch at "
+                 "their next step", t.where, rank, world, plan["generation"], time.time() - t0,
+                 "built" if t.model is not None else "to build after the rendezvous")
+
+    def joiners_prepared(self, plan: dict[str, Any]) -> bool:
+        """A member, at a step boundary: may it switch to ``plan`` now? Yes unless it is a
+        join whose joiners are still building (then the member trains another step). A
+        joiner that never prepares holds the members back at most ``rendezvous_timeout``
+        from when this member first saw the plan; then they switch and wait for it as
+        before. A store that cannot be asked (its host went away) does not hold the switch
+        back either: the rendezvous reports it."""
+        if not self.is_prepared_join(plan):
+            return True
+        gen = int(plan["generation"])
+        now = time.monotonic()
+        if self._gate is None or self._gate[0] != gen:
+            self._gate = (gen, now)
+        if now - self._gate[1] > self.t.config.rendezvous_timeout.total_seconds():
+            log.warning("node %s step %d: the joiners %s of generation %d did not prepare within %s; switching anyway",
+                        self.t.where, self.t.step, plan["joined"], gen, self.t.config.rendezvous_timeout)
+            return True
+        try:
+            done = self._gate_store(plan["store"]).add(self._prepare_key(plan), 0)
+        except Exception as exc:  # noqa: BLE001 - the rendezvous reports a dead store
+            log.warning("node %s step %d: cannot ask the store whether generation %d's joiners are prepared (%s)",
+                        self.t.where, self.t.step, gen, str(exc).splitlines()[0][:200] if str(exc) else exc)
+            self._gate_client = None
+            return True
+        if done >= len(plan["joined"]) * int(plan.get("gpus_per_node", 1)):
+            self._gate_client = None
+            return True
+        return False
+
+    def _gate_store(self, spec: dict[str, Any]) -> Any:
+        """The plan's store, for the members' question between two steps: this rank's
+        client when it is that store's, else a client of its own that gives up after
+        :data:`GATE_STORE_TIMEOUT` (the training thread asks; a store host that died must
+        not hold it for ``rendezvous_timeout``: the rendezvous, interruptible, reports it)."""
+        key = tuple(sorted(spec.items()))
+        if self._store is not None and self._store_key == key:
+            return self._store
+        if self._gate_client is None or self._gate_client[0] != key:
+            self._gate_client = None
+            client = dist.TCPStore(str(spec["host"]), int(spec["port"]), is_master=False, wait_for_workers=False,
+                                   timeout=GATE_STORE_TIMEOUT)
+            self._gate_client = (key, client)
+        return self._gate_client[1]
+
