@@ -33,7 +33,7 @@ GATE_STORE_TIMEOUT = timedelta(seconds=2)
 class JoinGate:
     """The joiner's preparation and the members' gate. Expects of the class it is mixed
     into: ``t`` (the trainer), ``build_model``, ``_placements(plan)``,
-    ``_plan_position(plan)``, ``_store_client(spec)`` and its ``_store`` / ``_store_key``."""
+    ``_plan_position(plan)``, ``_store_client(spec, generation)`` and its ``_store`` / ``_store_key``."""
 
     t: Any
     build_model: Any
@@ -77,7 +77,7 @@ class JoinGate:
                             "the rendezvous", t.where, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc)
                             else "")
                 t.model = None
-        store = self._store_client(plan["store"])   # the store the plan's group forms on
+        store = self._store_client(plan["store"], int(plan["generation"]))   # the store the plan's group forms on
         store.add(self._prepare_key(plan), 1)
         log.info("node %s rank %d/%d step - gen %d: prepared to join in %.3f s (model %s); the members switch at "
                  "their next step", t.where, rank, world, plan["generation"], time.time() - t0,

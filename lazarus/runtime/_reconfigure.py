@@ -40,6 +40,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 from urllib.parse import urlsplit
 
@@ -66,6 +67,10 @@ if TYPE_CHECKING:
 __all__ = ["Reconfigurer", "Superseded", "plan_rank", "plan_world"]
 
 log = logging.getLogger("lazarus.reconfigure")
+
+
+#: Longest single connect to a rendezvous store (then a newer plan is looked for, and again).
+STORE_CONNECT_ATTEMPT = timedelta(seconds=1)
 
 
 class Superseded(Exception):
@@ -173,19 +178,44 @@ class Reconfigurer(JoinGate):
             log.info("node %s step -: hosting a rendezvous store on %s:%d", self.t.where, host, self._hosted.port)
         return {"host": host, "port": int(self._hosted.port)}
 
-    def _store_client(self, spec: dict[str, Any]):
+    def _store_client(self, spec: dict[str, Any], generation: int | None = None):
         """A client of the plan's store (``spec``: its ``store`` field): a member's worker's,
         or the controller's. A store that changed (another member hosts it, a restarted
-        controller hosts a new one, maybe on the same port) gets a new client."""
+        controller hosts a new one, maybe on the same port) gets a new client.
+
+        It connects in attempts of at most :data:`STORE_CONNECT_ATTEMPT`: the store's host
+        may have died (the member killed the moment a join's plan was issued), and one
+        connect to a dead port retries for the whole ``rendezvous_timeout`` without a
+        socket that a newer plan could shut. Between two attempts a newer plan of
+        ``generation``'s successor raises :class:`Superseded`; past ``rendezvous_timeout``
+        a ``TimeoutError`` says which store did not answer."""
         key = tuple(sorted(spec.items()))
         if self._store is None or self._store_key != key:
             self._store = None
             self._store_sockets = SocketTracker()
-            with self._store_sockets.track():
-                self._store = dist.TCPStore(str(spec["host"]), int(spec["port"]), is_master=False,
-                                            wait_for_workers=False, timeout=self.t.config.rendezvous_timeout)
+            self._store = self._connect_store(str(spec["host"]), int(spec["port"]), generation)
             self._store_key = key
         return self._store
+
+    def _connect_store(self, host: str, port: int, generation: int | None):
+        limit = self.t.config.rendezvous_timeout
+        deadline = time.monotonic() + limit.total_seconds()
+        while True:
+            attempt = max(0.05, min(STORE_CONNECT_ATTEMPT.total_seconds(), deadline - time.monotonic()))
+            try:
+                with self._store_sockets.track():
+                    store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                          timeout=timedelta(seconds=attempt))
+                store.set_timeout(limit)   # the rendezvous' own waits
+                return store
+            except (RuntimeError, OSError) as exc:   # torch's DistNetworkError is a RuntimeError
+                latest = self.t.channel.latest_plan()
+                if generation is not None and latest is not None and int(latest["generation"]) > generation:
+                    raise Superseded() from None
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"node {self.t.where}: the rendezvous store {host}:{port} of generation "
+                                       f"{generation} did not answer within {limit}: "
+                                       f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}") from None
 
     def _rendezvous(self, plan: dict[str, Any]) -> None:
         try:
@@ -198,7 +228,7 @@ class Reconfigurer(JoinGate):
         t = self.t
         members = plan["members"]
         rank, world = plan_rank(plan, t.node, t.local_rank, t.local_world), plan_world(plan)
-        store = self._store_client(plan["store"])
+        store = self._store_client(plan["store"], int(plan["generation"]))
         prefix = plan["prefix"]
         store.add(f"{prefix}/arrived", 1)
         deadline = time.monotonic() + t.config.rendezvous_timeout.total_seconds()
