@@ -264,7 +264,9 @@ def test_rebalance_from_routing_history_between_steps(tmp_path: Path) -> None:
 @pytest.mark.timeout(400)
 def test_controller_sigkill_training_goes_on_restart_resumes_and_a_failure_while_away_is_handled(
         tmp_path: Path) -> None:
-    steps = 130
+    # Enough steps that the job is still training when the last fault comes: a run whose
+    # controller restarts were slow (load 13) finished its 130 steps before the node kill.
+    steps = 400
     with _cluster(tmp_path, steps=steps, extra_controller=("--resume-grace", "4s")) as c:
         c.start(NODES)
         c.wait_step(15, timeout=180)
