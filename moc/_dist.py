@@ -26,12 +26,20 @@ class Comm:
     group: Any = None          # coordination from the training thread
     persist_group: Any = None  # coordination from the persist thread
     snapshot_group: Any = None  # remote snapshot copies from the snapshot thread
+    private: bool = False       # bare gloo backends, not registered with torch.distributed
 
     @staticmethod
     def can_form_with_another_timeout() -> bool:
         """Can :meth:`create` form the groups under one timeout and run them under another
         (torch's ``_set_pg_timeout``)?"""
         return callable(getattr(dist.distributed_c10d, "_set_pg_timeout", None))
+
+    @staticmethod
+    def can_form_private() -> bool:
+        """Can :meth:`create_private` form groups under one timeout and run them under
+        another (a gloo backend with ``_set_default_timeout``)?"""
+        return dist.is_available() and callable(getattr(getattr(dist, "ProcessGroupGloo", None),
+                                                        "_set_default_timeout", None))
 
     @staticmethod
     def create(process_group: Any, timeout: timedelta, form_timeout: timedelta | None = None) -> "Comm":
@@ -56,6 +64,44 @@ class Comm:
         return Comm(rank=dist.get_rank(pg), world=len(ranks), group=group, persist_group=persist_group,
                     snapshot_group=snapshot_group)
 
+    @staticmethod
+    def create_private(store: Any, rank: int, world: int, timeout: timedelta,
+                       form_timeout: timedelta | None = None) -> "Comm":
+        """The manager's three gloo groups of ``world`` ranks, formed on ``store`` (every
+        rank passes a store with the same keys, e.g. a ``PrefixStore`` of one rendezvous)
+        and never registered with ``torch.distributed``: the default group, the group names
+        and ``destroy_process_group`` never see them. A thread forming them can therefore
+        be abandoned (a peer died while connecting: gloo waits up to 5x ``form_timeout``
+        for a connection that never comes, and nothing can interrupt it); whatever it forms
+        later is garbage. ``form_timeout`` bounds the connecting, ``timeout`` (set once
+        formed) the collectives. :meth:`destroy` aborts them."""
+        if world <= 1:
+            return Comm(rank=rank, world=max(world, 1))
+        first = form_timeout if form_timeout is not None else timeout
+        groups = []
+        for name in ("train", "persist", "snapshot"):
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, world, first)
+            if first != timeout:
+                pg._set_default_timeout(timeout)
+            groups.append(pg)
+        return Comm(rank=rank, world=world, group=groups[0], persist_group=groups[1], snapshot_group=groups[2],
+                    private=True)
+
+    # -- the four collectives moc uses, on a registered group or a private backend -------------
+    def _all_gather(self, out: list[torch.Tensor], t: torch.Tensor, group: Any) -> None:
+        if self.private:
+            group.allgather([out], [t]).wait()
+        else:
+            dist.all_gather(out, t, group=group)
+
+    def _all_reduce(self, t: torch.Tensor, op: Any, group: Any) -> None:
+        if self.private:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = op
+            group.allreduce([t], opts).wait()
+        else:
+            dist.all_reduce(t, op=op, group=group)
+
     @property
     def distributed(self) -> bool:
         return self.world > 1
@@ -68,12 +114,12 @@ class Comm:
         payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        dist.all_gather(sizes, size, group=group)
+        self._all_gather(sizes, size, group)
         longest = int(max(s.item() for s in sizes))
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[: payload.numel()] = payload
         out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world)]
-        dist.all_gather(out, padded, group=group)
+        self._all_gather(out, padded, group)
         return [json.loads(bytes(o[: int(s.item())].numpy()).decode()) for o, s in zip(out, sizes)]
 
     def gather_bytes(self, payload: bytes, lengths: list[int]) -> list[bytes]:
@@ -89,7 +135,7 @@ class Comm:
         if payload:
             padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world)]
-        dist.all_gather(out, padded, group=self.group)
+        self._all_gather(out, padded, self.group)
         return [bytes(o[:n].numpy()) for o, n in zip(out, lengths)]
 
     def broadcast_json(self, value: Any, src: int = 0, *, persist: bool = False) -> Any:
@@ -102,13 +148,13 @@ class Comm:
         if not self.distributed:
             return flag
         t = torch.tensor([1 if flag else 0], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        self._all_reduce(t, dist.ReduceOp.MAX, self.group)
         return bool(t.item())
 
     def sum_int64(self, t: torch.Tensor) -> torch.Tensor:
         """Element-wise sum over ranks of an int64 CPU tensor (training-thread group)."""
         if self.distributed:
-            dist.all_reduce(t, group=self.group)
+            self._all_reduce(t, dist.ReduceOp.SUM, self.group)
         return t
 
     def exchange(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], *,
@@ -120,14 +166,28 @@ class Comm:
             return send
         recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
         group = self.snapshot_group if snapshot else self.group
-        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
+        if self.private:
+            group.alltoall_base(recv, send, list(recv_splits), list(send_splits), dist.AllToAllOptions()).wait()
+        else:
+            dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
         return recv
 
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier(group=self.group)
+            if self.private:
+                self.group.barrier(dist.BarrierOptions()).wait()
+            else:
+                dist.barrier(group=self.group)
 
     def destroy(self) -> None:
+        if self.private:
+            for g in (self.group, self.persist_group, self.snapshot_group):
+                if g is not None:
+                    try:
+                        g.abort()
+                    except Exception:  # noqa: BLE001 - already broken or aborted
+                        pass
+            return
         if self.distributed and dist.is_initialized():
             for g in (self.group, self.persist_group, self.snapshot_group):
                 try:

@@ -327,3 +327,34 @@ def test_controller_killed_while_a_join_is_applied_the_join_completes_without_it
         assert max(m["stall_s"] for m in pauses) < 5.0, pauses
         _finish(c, tmp_path, NODES, steps=steps)
         _survivors_not_restarted(c, NODES)
+
+
+
+@pytest.mark.timeout(300)
+def test_the_store_host_killed_the_moment_a_join_is_planned_costs_no_rendezvous_timeout(tmp_path: Path) -> None:
+    # Soak seed 24: the member whose worker hosts the join's store (rank 0) was killed the
+    # moment the join's plan was issued. The joiner's connect to that store retried for
+    # the whole rendezvous timeout, deaf to the failure's plan, and the survivors waited it
+    # out twice (64 s). Connects are short attempts now, a newer plan between them.
+    # Killed a little later, the host dies while moc's groups connect: gloo waited up to 5x
+    # their connect timeout (100 s) for its connection and the joiner held every failure's
+    # rendezvous that long. The groups are private now and a newer plan abandons them.
+    steps = 300
+    with _cluster(tmp_path, steps=steps, extra_controller=("--expected-nodes", "3")) as c:
+        c.start(NODES[:3])
+        c.add_node("n3", standby=True)
+        c.wait_step(30, timeout=180)
+        c.activate("n3")
+        plan = c.wait_for(lambda: [e for e in c.events() if e.get("event") == "plan" and e["reason"] == "join"],
+                          120, "the join plan")[0]
+        host = plan["members"][0]
+        t_kill = c.kill_node(host)
+        rec = c.wait_for(lambda: [r for r in c.reconfigurations() if r["reason"] == "failure"], 120,
+                         "the failure's reconfiguration")[0]
+        assert host not in rec["members"] and "n3" in rec["members"], rec["members"]
+        timed_out = [e for e in c.events() if e.get("event") == "collective_error" and "timed out" in str(e.get("error"))]
+        assert not timed_out, timed_out
+        assert rec["t_resumed"] - t_kill < 15, rec["t_resumed"] - t_kill
+        alive = [n for n in NODES if n != host]
+        _finish(c, tmp_path, alive, steps=steps)
+        _survivors_not_restarted(c, alive)

@@ -182,3 +182,84 @@ def test_choose_moves_prefers_a_holder_on_the_destinations_node() -> None:
     # no holder on the destination's node: the rotation as before
     moves, _ = choose_moves({1: ["expert/l/0"], 3: ["expert/l/0"]}, {"expert/l/0": [4, 5]}, ["a", "a", "b", "b", "c", "d"])
     assert sorted(m.src for m in moves) == [4, 5]
+
+
+def _private_comm_pair(store, form_timeout: timedelta = timedelta(seconds=20)):
+    from moc._dist import Comm
+    out: dict[int, Comm] = {}
+
+    def form(rank: int) -> None:
+        out[rank] = Comm.create_private(store, rank, 2, timedelta(seconds=5), form_timeout=form_timeout)
+
+    threads = [threading.Thread(target=form, args=(r,)) for r in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_private_moc_groups_run_every_collective_and_stay_out_of_torch_distributed() -> None:
+    import torch
+    import torch.distributed as dist
+    comms = _private_comm_pair(dist.HashStore())
+    assert sorted(comms) == [0, 1] and all(c.private and c.world == 2 for c in comms.values())
+    results: dict[int, dict] = {}
+
+    def run(rank: int) -> None:
+        c = comms[rank]
+        send = torch.tensor([rank * 10 + d for d in range(2)], dtype=torch.uint8)
+        results[rank] = {"json": c.gather_json({"r": rank}), "persist": c.gather_json(rank, persist=True),
+                         "any": c.any_true(rank == 1), "sum": c.sum_int64(torch.tensor([rank + 1])).tolist(),
+                         "bytes": c.gather_bytes(b"x" * (rank + 1), [1, 2]),
+                         "bcast": c.broadcast_json(f"from {rank}", src=1),
+                         "x": c.exchange(send, [1, 1], [1, 1]).tolist()}
+        c.barrier()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    for rank in range(2):
+        r = results[rank]
+        assert r["json"] == [{"r": 0}, {"r": 1}] and r["persist"] == [0, 1] and r["any"] is True
+        assert r["sum"] == [3] and r["bytes"] == [b"x", b"xx"] and r["bcast"] == "from 1"
+        assert r["x"] == [rank, 10 + rank]   # element d of every rank's send goes to rank d
+    assert not dist.is_initialized()   # no default group, no registered group
+    for c in comms.values():
+        c.destroy()
+
+
+@pytest.mark.timeout(60)
+def test_a_newer_plan_abandons_moc_groups_that_wait_for_a_dead_peer() -> None:
+    # A peer died while moc's groups connected: gloo would wait for it up to 5x the connect
+    # timeout and nothing can interrupt that wait. A newer plan must not: the groups'
+    # thread is left behind (its private groups touch no torch.distributed state).
+    import time
+
+    import torch.distributed as dist
+    from lazarus.runtime._reconfigure import Reconfigurer, Superseded
+    from moc._dist import Comm
+    store = dist.HashStore()
+    box: dict = {"sockets": SocketTracker()}
+
+    def form() -> None:   # rank 0 of 2; rank 1 never comes
+        try:
+            box["comm"] = Comm.create_private(store, 0, 2, timedelta(seconds=2), form_timeout=timedelta(seconds=3))
+        except BaseException as exc:  # noqa: BLE001
+            box["error"] = exc
+
+    th = threading.Thread(target=form, daemon=True)
+    th.start()
+    r = object.__new__(Reconfigurer)
+    r._moc_comm, r._moc_groups_wait, r._superseded = (th, box), 0.0, threading.Event()
+    r.t = type("T", (), {"where": "n0", "step": 7, "generation": 3})()
+    threading.Timer(0.3, r._superseded.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(Superseded):
+        r._await_moc_comm()
+    assert time.monotonic() - t0 < 2.0 and th.is_alive() and r._moc_comm is None
+    th.join(30)   # it fails on its own later, without a trace in torch.distributed
+    assert "error" in box and not dist.is_initialized()

@@ -95,6 +95,11 @@ class SocketTracker:
                 if before.get(fd) != inode:
                     self._fds[fd] = inode
 
+    def adopt(self, other: "SocketTracker") -> None:
+        """Track ``other``'s sockets too (a thread's own tracker, once its work is kept)."""
+        self._fds.update(other._fds)
+        other._fds = {}
+
     @staticmethod
     def open_sockets() -> dict[int, str]:
         """This process's socket descriptors now (for :meth:`shutdown_opened_since`)."""

@@ -118,6 +118,8 @@ class Reconfigurer(JoinGate):
         self.sockets = self.aborter.sockets    # gloo connections opened by our groups
         self._store_sockets = SocketTracker()
         self._moc_comm: tuple[threading.Thread, dict[str, Any]] | None = None   # see _start_moc_comm
+        self._live_comm: Comm | None = None   # the current manager's private groups (aborted on retire)
+        self._superseded = threading.Event()  # set while applying a plan once a newer one arrived
         self._moc_groups_wait: float | None = None
         self._init_join_gate()
         self.rollback: dict[str, Any] | None = None   # what the newest plan's rollback did (lost_experts="replay")
@@ -159,6 +161,9 @@ class Reconfigurer(JoinGate):
             except Exception as exc:  # noqa: BLE001
                 log.warning("node %s: moc detach failed: %s", t.where, exc)
             t.ckpt = None
+        if self._live_comm is not None:   # moc's private groups (their sockets are shut already)
+            self._live_comm.destroy()
+            self._live_comm = None
         log.info("node %s step %d gen %d: retired in %.3f s (group %.3f, gc %.3f, moc detach %.3f)", t.where, t.step,
                  t.generation, time.time() - t0, t1 - t0, t2 - t1, time.time() - t2)
 
@@ -297,6 +302,7 @@ class Reconfigurer(JoinGate):
         timeout. An error or timeout NCCL's watchdog records meanwhile aborts the
         communicators too (torch's own async error handling is off). Yields a list that holds the newer generation once that happened."""
         interrupted: list[int] = []
+        self._superseded.clear()
         before = SocketTracker.open_sockets()
         stop = threading.Event()
         gen = int(plan["generation"])
@@ -313,6 +319,7 @@ class Reconfigurer(JoinGate):
                     if latest is None or latest.get("mode") != "immediate" or int(latest["generation"]) <= gen:
                         continue
                     interrupted.append(int(latest["generation"]))
+                    self._superseded.set()
                     # NCCL: abort the communicator being formed or just formed (a blocked
                     # all-reduce of _nccl_ready, a non-blocking init waiting on a dead peer).
                     self.aborter.interrupt_nccl()
@@ -328,6 +335,7 @@ class Reconfigurer(JoinGate):
             yield interrupted
         finally:
             stop.set()
+            self._superseded.clear()
             th.join()
             if interrupted:
                 self._store = None   # its connection was shut down: a new client next time
@@ -340,7 +348,7 @@ class Reconfigurer(JoinGate):
             try:
                 self._apply(plan, t_error)
             except Exception:
-                self._drop_moc_comm()   # (its wait is interrupted with the plan's connections)
+                self._drop_moc_comm()
                 if interrupted:
                     raise Superseded() from None
                 raise
@@ -384,7 +392,7 @@ class Reconfigurer(JoinGate):
                 self.handover = t.ckpt.detach()
                 t.ckpt = None
             t.generation = int(plan["generation"])
-            self._start_moc_comm()
+            self._start_moc_comm(plan)
         else:
             t1 = time.time()
             self.retire_group(planned=plan.get("mode") == "between_steps")
@@ -392,7 +400,7 @@ class Reconfigurer(JoinGate):
             t1 = time.time()
             self._rendezvous(plan)
             timings["rendezvous"] = time.time() - t1
-            self._start_moc_comm()
+            self._start_moc_comm(plan)
             t1 = time.time()
             received, lost, newest, stats = self._migrate(plan, members)
             timings["migrate"] = time.time() - t1
@@ -439,48 +447,64 @@ class Reconfigurer(JoinGate):
             cfg.coordination_timeout = self.t.config.collective_timeout
         return cfg.coordination_timeout
 
-    def _start_moc_comm(self) -> None:
+    def _start_moc_comm(self, plan: dict[str, Any]) -> None:
         """Form the new moc manager's three gloo groups in a thread while this one moves
         and installs the state: forming a group waits on every peer's connections (tens of
         ms each on loaded cores), time the members would otherwise spend idle before the
-        next step. Only that thread calls ``new_group`` meanwhile, in the same order on
-        every rank, and this one does not use the store client until the groups are formed
-        (see the joiners' barrier in :meth:`_apply`); their sockets are this plan's (a newer
-        plan shuts them, see :meth:`_interruptible`) and are tracked as the group's. With a
-        torch that cannot change a group's timeout (no ``_set_pg_timeout``) the groups are
-        formed afterwards, as before."""
-        if self.t.config.moc is None or not dist.is_initialized() or not Comm.can_form_with_another_timeout():
+        next step. The groups are private (:meth:`moc._dist.Comm.create_private`: bare gloo
+        backends on this plan's store, never registered with ``torch.distributed``), so the
+        thread can be abandoned: a peer that dies while they connect leaves gloo waiting up
+        to five times the connect timeout for a connection nothing can interrupt, and a newer
+        plan must not wait for that (:meth:`_await_moc_comm`). Their sockets go to this
+        generation's tracker only once taken (an abandoned thread's never do). With a torch
+        whose gloo backend cannot change its timeout the groups are formed afterwards, as
+        before, by the manager."""
+        if self.t.config.moc is None or not dist.is_initialized() or not Comm.can_form_private():
             return
+        t = self.t
         timeout = self._moc_timeout()
         # Peers reach this point at different times (a joiner, or every rank on a fresh
         # start, builds its model meanwhile; a rank's store client is held by the members'
         # barrier): connecting waits as long as the rendezvous may; the groups' collectives
         # then run under moc's own timeout.
-        form_timeout = max(timeout, self.t.config.rendezvous_timeout)
-        box: dict[str, Any] = {}
+        form_timeout = max(timeout, t.config.rendezvous_timeout)
+        store = dist.PrefixStore(f"{plan['prefix']}/moc", self._store_client(plan["store"], int(plan["generation"])))
+        rank, world = t.rank, t.world
+        box: dict[str, Any] = {"sockets": SocketTracker()}
 
         def form() -> None:
             try:
-                with self.sockets.track():
-                    box["comm"] = Comm.create(None, timeout, form_timeout=form_timeout)
+                with box["sockets"].track():
+                    box["comm"] = Comm.create_private(store, rank, world, timeout, form_timeout=form_timeout)
             except BaseException as exc:  # noqa: BLE001 - re-raised by _take_moc_comm
                 box["error"] = exc
 
-        th = threading.Thread(target=form, name=f"lazarus-moc-groups-{self.t.generation}", daemon=True)
+        th = threading.Thread(target=form, name=f"lazarus-moc-groups-{t.generation}", daemon=True)
         self._moc_groups_wait = 0.0
         th.start()
         self._moc_comm = (th, box)
 
     def _await_moc_comm(self) -> None:
-        """Wait for the groups' thread (no-op without one); :meth:`_take_moc_comm` has them."""
+        """Wait for the groups' thread (no-op without one); :meth:`_take_moc_comm` has them.
+        A newer immediate plan (see :meth:`_interruptible`) ends the wait: the thread is
+        left to fail on its own and :class:`Superseded` raised."""
         if self._moc_comm is None or not self._moc_comm[0].is_alive():
             return
         t0 = time.time()
-        self._moc_comm[0].join()
+        th = self._moc_comm[0]
+        while th.is_alive():
+            th.join(0.05)
+            if self._superseded.is_set() and th.is_alive():
+                log.warning("node %s step %d gen %d: a newer plan arrived while moc's groups were connecting (%.2f s); "
+                            "left them to fail on their own", self.t.where, self.t.step, self.t.generation,
+                            time.time() - t0)
+                self._drop_moc_comm()
+                raise Superseded()
         self._moc_groups_wait = time.time() - t0
 
     def _take_moc_comm(self) -> Any:
-        """The groups :meth:`_start_moc_comm` formed (None: none started)."""
+        """The groups :meth:`_start_moc_comm` formed (None: none started); from now on their
+        sockets are this generation's (shut when it retires)."""
         self._await_moc_comm()
         pending, self._moc_comm = self._moc_comm, None
         if pending is None:
@@ -488,14 +512,31 @@ class Reconfigurer(JoinGate):
         box = pending[1]
         if "error" in box:
             raise box["error"]
+        self.sockets.adopt(box["sockets"])
+        self._live_comm = box["comm"]
         return box["comm"]
 
     def _drop_moc_comm(self) -> None:
-        """A plan that failed: wait for the groups' thread (a broken peer fails its
-        connects; a newer plan shuts them) so no ``new_group`` runs into the next plan."""
+        """A plan that failed: let go of the groups' thread without waiting (its groups are
+        private: nothing it does later touches the next plan's). Groups it formed are
+        aborted, once it ends if it is still forming."""
         pending, self._moc_comm = self._moc_comm, None
-        if pending is not None:
-            pending[0].join()
+        if pending is None:
+            return
+        th, box = pending
+
+        def discard() -> None:
+            th.join()
+            comm = box.get("comm")
+            if comm is not None:
+                comm.destroy()
+            # (not its tracker's sockets: a thread left behind tracked whatever this process
+            # opened meanwhile, the next generation's connections among them)
+
+        if th.is_alive():
+            threading.Thread(target=discard, name="lazarus-moc-groups-discard", daemon=True).start()
+        else:
+            discard()
 
     # -- inventory and migration -------------------------------------------------------------
     def _held(self) -> dict[str, list[int]]:
