@@ -36,6 +36,7 @@ from lazarus.planning import Placement
 
 from ._backend import TrainerBackend, nccl_environment, resolve_backend
 from ._elastic_config import ElasticConfig
+from ._lazy_dynamo import defer_dynamo_import
 from ._reconfigure import Reconfigurer, Superseded
 
 __all__ = ["ElasticTrainer", "is_collective_error"]
@@ -518,11 +519,14 @@ def _process_start_time() -> float | None:
 
 def _warm_up() -> float:
     """One-time costs paid before this worker says it is ready, not during a
-    reconfiguration where the other members wait for it: the first ``torch.optim``
-    optimizer imports ``torch._dynamo`` (3-9 s on a loaded 2-core machine), the
+    reconfiguration where the other members wait for it: ``torch._dynamo``, which every
+    ``torch.optim`` optimizer imports on first use (1.3 s on a quiet core, 3-9 s on a
+    loaded 2-core machine), is deferred until something compiles
+    (:func:`._lazy_dynamo.defer_dynamo_import`; imported here when that is off), the
     dispatch extension is loaded, and the import heap is frozen out of the collector."""
     from lazarus.dispatch import load_ops
 
+    defer_dynamo_import()
     torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
     load_ops()
     # Everything imported so far lives as long as the process: keep it out of every later
