@@ -67,8 +67,21 @@ def run_one(seed: int, load: int, minutes: float, workdir: Path, kinds: str | No
         return {"seed": seed, "load": load, "rc": r.returncode, "error": f"no record (exit {r.returncode}); see "
                 f"{out.with_suffix('.log')}", "total_s": time.time() - t0}
     rec = json.loads(record.read_text())
-    rec.update(rc=r.returncode)
+    rec.update(rc=r.returncode, commit=_commit())
+    record.write_text(json.dumps(rec))   # --collect then knows which code each run tested
     return rec
+
+
+def _commit() -> str:
+    """The checked-out commit (short), ``+dirty`` with uncommitted changes to tracked files."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def _fmt(lost: list[float]) -> str:
@@ -155,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Soak matrix: seeds {','.join(map(str, seeds))} x {args.minutes:g} min of faults x load "
         f"{','.join(map(str, loads))} ({len(records)} runs, "
         f"{sum(r.get('total_s', 0) for r in records) / 3600:.1f} h of soak); "
-        f"{os.cpu_count()} cores.",
+        f"{os.cpu_count()} cores; code: {', '.join(sorted({str(r.get('commit', 'not recorded')) for r in records}))}.",
         "",
         "| seed | load | faults by kind | survived | time lost median/max per kind (s) | steps lost | longest "
         "without a commit (time / steps) | checks |",
