@@ -29,12 +29,6 @@ class Comm:
     private: bool = False       # bare gloo backends, not registered with torch.distributed
 
     @staticmethod
-    def can_form_with_another_timeout() -> bool:
-        """Can :meth:`create` form the groups under one timeout and run them under another
-        (torch's ``_set_pg_timeout``)?"""
-        return callable(getattr(dist.distributed_c10d, "_set_pg_timeout", None))
-
-    @staticmethod
     def can_form_private() -> bool:
         """Can :meth:`create_private` form groups under one timeout and run them under
         another (a gloo backend with ``_set_default_timeout``)?"""
@@ -42,25 +36,18 @@ class Comm:
                                                         "_set_default_timeout", None))
 
     @staticmethod
-    def create(process_group: Any, timeout: timedelta, form_timeout: timedelta | None = None) -> "Comm":
-        """The manager's groups on ``process_group`` (default: the world). ``timeout``
-        bounds their collectives; ``form_timeout`` (when torch can change a group's timeout,
-        :meth:`can_form_with_another_timeout`) bounds waiting for every rank to connect,
-        for a caller that forms them while other ranks may still be busy elsewhere."""
+    def create(process_group: Any, timeout: timedelta) -> "Comm":
+        """The manager's groups on ``process_group`` (default: the world), registered with
+        ``torch.distributed``; ``timeout`` bounds their collectives."""
         if not (dist.is_available() and dist.is_initialized()):
             return Comm()
         pg = process_group if process_group is not None else dist.group.WORLD
         ranks = dist.get_process_group_ranks(pg)
-        set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-        first = form_timeout if form_timeout is not None and callable(set_timeout) else timeout
-        # Private gloo groups, one per thread that talks (training thread, persist thread,
+        # Gloo groups of their own, one per thread that talks (training thread, persist thread,
         # snapshot thread), so their collectives never interleave on one group.
-        group = dist.new_group(ranks=ranks, backend="gloo", timeout=first)
-        persist_group = dist.new_group(ranks=ranks, backend="gloo", timeout=first)
-        snapshot_group = dist.new_group(ranks=ranks, backend="gloo", timeout=first)
-        if first != timeout:
-            for g in (group, persist_group, snapshot_group):
-                set_timeout(timeout, g)
+        group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        persist_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        snapshot_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
         return Comm(rank=dist.get_rank(pg), world=len(ranks), group=group, persist_group=persist_group,
                     snapshot_group=snapshot_group)
 
