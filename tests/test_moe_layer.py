@@ -148,6 +148,51 @@ def prog_set_placement(rank: int, world: int, old: list[list[int]], new: list[li
     check_step(layer, cfg, rank, world, per_rank=16, seed=6, make_expert=custom_expert)
 
 
+def prog_fused_sync(rank: int, world: int) -> None:
+    """Three layers synced together (sync_moe_gradients: two all-to-alls and one all-reduce
+    for the model) give every expert the bits each layer's own sync gives it."""
+    plans = [[[0, 1], [1, 2], [2, 3]], [[0, 0], [1, 2], [3, 1]], [[3, 2], [1, 0], [0, 3]]]
+    cfgs = [MoEConfig(d_model=8, d_hidden=10 + 2 * i, num_experts=4, top_k=2, seed=20 + i) for i in range(3)]
+
+    def build() -> torch.nn.ModuleDict:
+        return torch.nn.ModuleDict({f"l{i}": MoELayer(c, Placement(p, 4)) for i, (c, p) in enumerate(zip(cfgs, plans))})
+
+    fused, alone = build(), build()
+    x = torch.randn(10, 8, generator=torch.Generator().manual_seed(100 + rank))
+    for model in (fused, alone):
+        sum((layer(x) * (i + 1)).sum() for i, layer in enumerate(model.values())).backward()
+    sync_moe_gradients(fused)
+    for layer in alone.values():
+        layer.sync_gradients()
+    for name in fused:
+        a, b = fused[name], alone[name]
+        for e in a.local_experts:
+            assert torch.equal(a.experts.flat_grad(e), b.experts.flat_grad(e)), (name, e)
+        torch.testing.assert_close(a.router.weight.grad, b.router.weight.grad)
+
+
+def prog_mixed_dtype_replicas(rank: int, world: int) -> None:
+    """reduce_replicas moves bytes: units of different dtypes and sizes in one exchange,
+    each summed over its holders in its own dtype."""
+    from lazarus.moe._sync import reduce_replicas
+    holders = {("a", 0): [0, 1, 2], ("a", 1): [1, 2], ("b", 0): [0, 2], ("b", 1): [0, 1, 2], ("c", 0): [1]}
+    dtypes = {"a": torch.float32, "b": torch.float64, "c": torch.bfloat16}
+    sizes = {"a": 7, "b": 5, "c": 3}
+
+    def value(k, r):
+        g = torch.Generator().manual_seed(ord(k[0][0]) * 10 + k[1] + 17 * r)   # (hash() varies by process)
+        return torch.randn(sizes[k[0]], generator=g).to(dtypes[k[0]])
+
+    mine = {k: value(k, rank) for k, hs in holders.items() if rank in hs}
+    out = reduce_replicas(mine, holders, rank, world, None)
+    assert sorted(out) == sorted(mine)
+    for k, got in out.items():
+        expected = value(k, holders[k][0])
+        for r in holders[k][1:]:
+            expected = expected + value(k, r)
+        assert got.dtype == dtypes[k[0]] and torch.equal(got, expected), (k, got, expected)
+
+
 # ----- tests ---------------------------------------------------------------------------------
 # 2 ranks, E=3, 2 slots: rank 0 holds two replicas of expert 0, rank 1 none of it.
 PLAN_2 = [[0, 0], [1, 2]]
@@ -254,3 +299,13 @@ def test_building_for_a_rank_before_the_group_exists_holds_that_ranks_experts() 
         with pytest.raises(ValueError, match=field):
             with building_for(rank, size):
                 pass
+
+
+@pytest.mark.timeout(170)
+def test_the_model_wide_sync_matches_each_layers_own(tmp_path: Path) -> None:
+    run_ranks(prog_fused_sync, 3, tmp_path, join_s=JOIN_S)
+
+
+@pytest.mark.timeout(170)
+def test_replica_sums_of_mixed_dtypes_travel_in_one_exchange(tmp_path: Path) -> None:
+    run_ranks(prog_mixed_dtype_replicas, 3, tmp_path, join_s=JOIN_S)

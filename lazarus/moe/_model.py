@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ._layer import ElasticMoE
+from ._sync import reduce_replicas
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, ElasticMoE]]:
@@ -17,10 +19,50 @@ def moe_layers(model: nn.Module) -> list[tuple[str, ElasticMoE]]:
 
 
 def sync_moe_gradients(model: nn.Module, *, include_router: bool = True) -> None:
-    """Call :meth:`ElasticMoE.sync_gradients` on every MoE layer (after ``backward``, before
-    ``optimizer.step()``; every rank must call it, in the same module order)."""
-    for _, layer in moe_layers(model):
-        layer.sync_gradients(include_router=include_router)
+    """What :meth:`ElasticMoE.sync_gradients` does for one layer, for every MoE layer of
+    ``model`` at once (after ``backward``, before ``optimizer.step()``; every rank calls it
+    with the same layers in the same module order): expert replicas summed over their
+    holders, and with ``include_router`` the replicated parameters (routers, shared
+    experts) summed over the group, both scaled by each layer's ``grad_reduction``.
+
+    The layers on one process group share the collectives: one reduce-scatter and one
+    all-gather (two all-to-alls) for all their experts and one flat all-reduce for all their
+    replicated parameters, three collectives for the model instead of three per layer.
+    Each expert's sum is taken in rank order, as a layer's own sync takes it, so the
+    values are the same and replicas stay bit-identical."""
+    batches: dict[int, list[tuple[int, ElasticMoE]]] = {}
+    for i, (_, layer) in enumerate(moe_layers(model)):
+        batches.setdefault(id(layer.group), []).append((i, layer))
+    for batch in batches.values():
+        _sync_batch(batch, include_router)
+
+
+def _sync_batch(batch: list[tuple[int, ElasticMoE]], include_router: bool) -> None:
+    """Sync the layers of one process group together (see :func:`sync_moe_gradients`)."""
+    first = batch[0][1]
+    rank, size, group = first.rank, first.world_size, first.group
+    flats, holders, scales = {}, {}, {}
+    for i, layer in batch:
+        scales[i] = 1.0 / size if layer.grad_reduction == "mean" else 1.0
+        for e in layer.local_experts:
+            flats[(i, e)] = layer.experts.flat_grad(e)
+            holders[(i, e)] = layer._holders[e]
+    summed = reduce_replicas(flats, holders, rank, size, group)
+    layers = dict(batch)
+    for (i, e), flat in summed.items():
+        layers[i].experts.set_flat_grad(e, flat * scales[i])
+    if not include_router:
+        return
+    params = [(i, p) for i, layer in batch for p in layer.replicated_parameters()]
+    if not params:
+        return
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, p in params])
+    if size > 1:
+        dist.all_reduce(flat, group=group)
+    offset = 0
+    for i, p in params:
+        p.grad = (flat[offset: offset + p.numel()] * scales[i]).view_as(p).clone()
+        offset += p.numel()
 
 
 def record_routing_to(model: nn.Module, record: Callable[[str, torch.Tensor], None] | None) -> list[str]:

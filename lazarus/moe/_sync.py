@@ -7,7 +7,8 @@ in rank order, and sends the sum back to all holders. Every holder ends with bit
 values (same inputs, same summation order), each moves about ``2 * (h-1)/h`` of an expert's
 gradient, and ranks that do not hold e take no part in e. Per-expert process groups would
 need a collective ``new_group`` per distinct holder set and re-creation on every new
-placement; this needs nothing beyond the layer's group.
+placement; this needs nothing beyond the layer's group. The experts of several layers on
+one group go through the same two all-to-alls (:func:`lazarus.moe.sync_moe_gradients`).
 
 Expert fetching on a new placement is one more all-to-all: every (expert, new holder) pair
 is served by an old holder, fetches of one expert spread over all its old holders.
@@ -15,81 +16,98 @@ is served by an old holder, fetches of one expert spread over all its old holder
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 import torch
 
 from ._comm import exchange
 
 
+K = TypeVar("K")
+
+
 def _bounds(numel: int, parts: int) -> list[int]:
     return [k * numel // parts for k in range(parts + 1)]
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``raw`` bytes (a slice of a receive buffer) as ``dtype``, copied (a slice may not be
+    aligned to the element size)."""
+    return raw.clone().view(dtype)
+
+
 def reduce_replicas(
-    flats: dict[int, torch.Tensor], holders: list[list[int]], rank: int, world: int, group: Any
-) -> dict[int, torch.Tensor]:
-    """Sum of each local expert's flat tensor over all ranks holding that expert.
+    flats: Mapping[K, torch.Tensor], holders: Any, rank: int, world: int, group: Any
+) -> dict[K, torch.Tensor]:
+    """Sum of each local unit's flat tensor over all ranks holding that unit.
 
     Args:
-        flats: expert id -> this rank's flat tensor (all experts have the same numel).
-        holders: sorted distinct holder ranks of every expert (same on all ranks).
+        flats: key -> this rank's flat tensor, for the units this rank holds (on one
+            device; sizes and dtypes may differ between keys, every holder of a key has
+            the same size and dtype). Keys sort the same way on every rank: an expert id of
+            one layer, or ``(layer index, expert id)`` for several layers reduced in one
+            exchange. The bytes travel as ``uint8``; sums are taken in each key's dtype.
+        holders: ``holders[key]``: sorted distinct holder ranks of that unit (the same on
+            every rank; needed for this rank's keys).
     """
-    experts = sorted(flats)
-    if not experts:
-        ref = None
-    else:
-        ref = flats[experts[0]]
-    numel = ref.numel() if ref is not None else 0
-    dtype = ref.dtype if ref is not None else torch.float32
-    device = ref.device if ref is not None else torch.device("cpu")
+    keys = sorted(flats)
     if world == 1:
-        return {e: flats[e].clone() for e in experts}
-    pos = {e: {r: k for k, r in enumerate(holders[e])} for e in experts}
-    cuts = {e: _bounds(numel, len(holders[e])) for e in experts}
+        return {k: flats[k].clone() for k in keys}
+    device = flats[keys[0]].device if keys else torch.device("cpu")
+    pos = {k: {r: i for i, r in enumerate(holders[k])} for k in keys}
+    cuts = {k: _bounds(flats[k].numel(), len(holders[k])) for k in keys}
+    size = {k: flats[k].element_size() for k in keys}
 
-    def chunk_len(e: int, holder: int) -> int:
-        k = pos[e][holder]
-        return cuts[e][k + 1] - cuts[e][k]
+    def chunk(k: K, holder: int) -> tuple[int, int]:
+        i = pos[k][holder]
+        return cuts[k][i], cuts[k][i + 1]
 
-    # Phase 1 (reduce-scatter): my chunk of e goes to its owner; I get my own chunk from all.
+    # Phase 1 (reduce-scatter): my chunk of k goes to its owner; I get my own chunk from all.
+    # A sender lists the keys both it and dst hold, in key order; so does the receiver.
     send_parts: list[torch.Tensor] = []
     in_splits = [0] * world
     out_splits = [0] * world
     for dst in range(world):
-        for e in experts:
-            if dst in pos[e]:
-                k = pos[e][dst]
-                send_parts.append(flats[e][cuts[e][k] : cuts[e][k + 1]])
-                in_splits[dst] += cuts[e][k + 1] - cuts[e][k]
-                out_splits[dst] += chunk_len(e, rank)
-    send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=dtype, device=device)
+        for k in keys:
+            if dst in pos[k]:
+                a, b = chunk(k, dst)
+                send_parts.append(_bytes(flats[k][a:b].to(device)))
+                in_splits[dst] += (b - a) * size[k]
+                a, b = chunk(k, rank)
+                out_splits[dst] += (b - a) * size[k]
+    send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=torch.uint8, device=device)
     recv = exchange(send, out_splits, in_splits, group)
-    sums: dict[int, torch.Tensor] = {}
+    sums: dict[K, torch.Tensor] = {}
     offset = 0
     for src in range(world):
-        for e in experts:
-            if src in pos[e]:
-                n = chunk_len(e, rank)
-                part = recv[offset : offset + n]
-                sums[e] = part.clone() if e not in sums else sums[e] + part  # rank order: deterministic
+        for k in keys:
+            if src in pos[k]:
+                a, b = chunk(k, rank)
+                n = (b - a) * size[k]
+                part = _typed(recv[offset : offset + n], flats[k].dtype)
+                sums[k] = part if k not in sums else sums[k] + part  # rank order: deterministic
                 offset += n
-    # Phase 2 (all-gather): my summed chunk of e goes to every holder of e.
+    # Phase 2 (all-gather): my summed chunk of k goes to every holder of k.
     send_parts = []
     for dst in range(world):
-        for e in experts:
-            if dst in pos[e]:
-                send_parts.append(sums[e])
-    send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=dtype, device=device)
+        for k in keys:
+            if dst in pos[k]:
+                send_parts.append(_bytes(sums[k]))
+    send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=torch.uint8, device=device)
     recv = exchange(send, in_splits, out_splits, group)
-    out = {e: torch.empty(numel, dtype=dtype, device=device) for e in experts}
+    out = {k: torch.empty(flats[k].numel(), dtype=flats[k].dtype, device=device) for k in keys}
     offset = 0
     for src in range(world):
-        for e in experts:
-            if src in pos[e]:
-                k = pos[e][src]
-                n = cuts[e][k + 1] - cuts[e][k]
-                out[e][cuts[e][k] : cuts[e][k + 1]] = recv[offset : offset + n]
+        for k in keys:
+            if src in pos[k]:
+                a, b = chunk(k, src)
+                n = (b - a) * size[k]
+                out[k][a:b] = _typed(recv[offset : offset + n], flats[k].dtype)
                 offset += n
     return out
 

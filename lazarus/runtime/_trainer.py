@@ -288,24 +288,31 @@ class ElasticTrainer:
         return float(loss.detach())
 
     def _sync_gradients(self) -> None:
-        """Replica gradients of every expert summed over its holders, the routers' and all
-        dense gradients averaged over ranks (one flat all-reduce)."""
+        """Replica gradients of every expert summed over its holders (all layers in one
+        reduce-scatter / all-gather pair, :func:`lazarus.moe.sync_moe_gradients`), then the
+        dense gradients averaged over ranks together with the MoE layers' replicated ones
+        (routers, shared experts; scaled by each layer's ``grad_reduction``) in one flat
+        all-reduce: three collectives per step whatever the number of layers."""
         from lazarus.moe import sync_moe_gradients
 
         model = self.model
         assert model is not None
-        sync_moe_gradients(model)
+        sync_moe_gradients(model, include_router=False)
         if self.world <= 1:
             return
-        dense = self.reconf.dense_params()
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in dense]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        # (dense: divided by the world as DDP does; replicated: times the layer's scale, as
+        # the layer's own sync does, so the values are those of the separate reductions)
+        params: list[tuple[nn.Parameter, Callable[[torch.Tensor], torch.Tensor]]] = []
+        params += [(p, lambda g: g / self.world) for p in self.reconf.dense_params()]
+        for _, layer in moe_layers(model):
+            scale = 1.0 / layer.world_size if layer.grad_reduction == "mean" else 1.0
+            params += [(p, lambda g, s=scale: g * s) for p in layer.replicated_parameters()]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p, _ in params])
         dist.all_reduce(flat)
-        flat.div_(self.world)
         pos = 0
-        for p in dense:
+        for p, scaled in params:
             n = p.numel()
-            p.grad = flat[pos: pos + n].view_as(p).clone()
+            p.grad = scaled(flat[pos: pos + n]).view_as(p)
             pos += n
 
     def _clip_gradients(self, max_norm: float) -> None:
