@@ -267,7 +267,9 @@ def test_controller_sigkill_training_goes_on_restart_resumes_and_a_failure_while
     # Enough steps that the job is still training when the last fault comes: a run whose
     # controller restarts were slow (load 13) finished its 130 steps before the node kill.
     steps = 400
-    with _cluster(tmp_path, steps=steps, extra_controller=("--resume-grace", "4s")) as c:
+    # A resume grace far longer than the broken-collective one (3 s): the node that died
+    # while the controller was away must not cost the whole grace (step 3).
+    with _cluster(tmp_path, steps=steps, extra_controller=("--resume-grace", "20s")) as c:
         c.start(NODES)
         c.wait_step(15, timeout=180)
         # 1. the controller dies (with its rendezvous store): the workers keep training
@@ -292,6 +294,10 @@ def test_controller_sigkill_training_goes_on_restart_resumes_and_a_failure_while
         assert rec["world_size"] == 3 and "n2" not in rec["members"] and rec["lost_experts"] == []
         lost = [e for e in c.events() if e.get("event") == "node_failed" and e.get("node") == "n2"]
         assert lost and lost[0]["cause"] == "not_back_after_restart"
+        # the survivors' broken collectives ended the wait for n2 early
+        assert [e for e in c.events() if e.get("event") == "resume_shortened" and e["waiting"] == ["n2"]]
+        resumed = [e for e in c.events() if e.get("event") == "resumed"][1]
+        assert resumed["missing"] == ["n2"] and resumed["waited_s"] < 10, resumed
         _finish(c, tmp_path, ["n0", "n1", "n3"], steps=steps)
         _survivors_not_restarted(c, ["n0", "n1", "n3"])
 

@@ -117,6 +117,10 @@ def register_controller(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume-grace", type=_duration("--resume-grace"), default="10s",
                    help="after a restart, members not reconnected within this are handled as failed "
                         "(default 10s)")
+    p.add_argument("--resume-broken-grace", type=_duration("--resume-broken-grace"), default="3s",
+                   help="after a restart, once a member that is back reports a broken collective, members "
+                        "still missing this long after the controller serves again are handled as failed "
+                        "(default 3s; at most --resume-grace)")
     p.add_argument("--keep-running", action="store_true", help="do not exit when the job is done")
     p.add_argument("--exit-grace", type=_duration("--exit-grace"), default="5m",
                    help="once the job is done, wait this long for the agents to leave (default 5m)")
@@ -132,7 +136,7 @@ _CONTROLLER_OPTIONS = {
     "expected_nodes": "--expected-nodes", "min_nodes": "--min-nodes",
     "rebalance_every": "--rebalance-every", "rebalance_min_gain": "--rebalance-min-gain",
     "secret": "--secret-file", "exit_grace": "--exit-grace", "state_dir": "--state-dir",
-    "resume_grace": "--resume-grace",
+    "resume_grace": "--resume-grace", "resume_broken_grace": "--resume-broken-grace",
 }
 
 
@@ -151,6 +155,7 @@ def _run_controller(args: argparse.Namespace) -> int:
             rebalance_min_gain=args.rebalance_min_gain, events_path=args.events,
             exit_when_done=not args.keep_running, advertise_host=args.advertise_host,
             exit_grace=args.exit_grace, state_dir=args.state_dir, resume_grace=args.resume_grace,
+            resume_broken_grace=args.resume_broken_grace,
         )
     except ValueError as exc:
         raise _config_error(exc, _CONTROLLER_OPTIONS) from None

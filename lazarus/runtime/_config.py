@@ -102,6 +102,11 @@ class ControllerConfig:
             ``events_path`` (``events.jsonl`` -> ``events.state/``); None without events.
         resume_grace: after a restart, how long the members of the saved plan have to
             reconnect; those that have not are handled as failed.
+        resume_broken_grace: after a restart, once a member that is back reports a broken
+            collective of the current generation (training has stopped: a member died while
+            the controller was away), the members still missing have this long from the
+            moment the controller serves again (an agent alive reconnects within about 1 s,
+            its backoff's cap), not the whole ``resume_grace``. At most ``resume_grace``.
     """
 
     secret: bytes
@@ -127,6 +132,7 @@ class ControllerConfig:
     routing_window: int = 8
     state_dir: str | os.PathLike[str] | None = None
     resume_grace: timedelta = timedelta(seconds=10)
+    resume_broken_grace: timedelta = timedelta(seconds=3)
 
     def __post_init__(self) -> None:
         self.secret = _check_secret(self.secret)
@@ -154,6 +160,7 @@ class ControllerConfig:
             _check_int("expected_nodes", self.expected_nodes, max(1, self.min_nodes))
         _check_int("routing_window", self.routing_window, 1)
         _check_td("resume_grace", self.resume_grace)
+        _check_td("resume_broken_grace", self.resume_broken_grace)
         if self.state_dir is None and self.events_path is not None:
             self.state_dir = Path(self.events_path).with_suffix(".state")
         if self.state_dir is not None:

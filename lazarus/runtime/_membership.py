@@ -133,6 +133,11 @@ class Membership(ABC):
     def _send(self, node_id: str, msg: dict[str, Any]) -> bool:
         ...
 
+    @abstractmethod
+    def _resume_broken(self) -> None:
+        """Resuming after a restart, a member that is back reported a broken collective
+        (:class:`._resume.Resumable` shortens the wait for the missing ones)."""
+
     def _on_worker_ready(self, node: _Node, msg: dict[str, Any]) -> None:
         inc = _req(msg, "incarnation", int)
         model = _req(msg, "model", dict)
@@ -280,6 +285,8 @@ class Membership(ABC):
         self._collective_timer = None
         if self._resuming:   # handled once the members are back (_end_resume)
             self._resume_collective = gen == self.generation
+            if self._resume_collective:
+                self._resume_broken()
             return
         detected_at, self._collective_at = self._collective_at, None
         if gen != self.generation or self._failure_timer is not None:

@@ -54,6 +54,7 @@ class Resumable(Membership):
         self._resume_waiting: set[str] = set()
         self._resume_back: list[str] = []
         self._resume_started: float | None = None
+        self._resume_serving: float | None = None   # when the restarted controller served again
         self._resume_collective = False
         self._resume_timer: asyncio.TimerHandle | None = None
         self._save_timer: asyncio.TimerHandle | None = None
@@ -127,6 +128,7 @@ class Resumable(Membership):
         if not self._resuming:
             return
         assert self._loop is not None
+        self._resume_serving = time.time()
         self._event("resuming", generation=self.generation, members=self._members,
                     waiting=sorted(self._resume_waiting), epoch=self.epoch,
                     grace_s=self.config.resume_grace.total_seconds())
@@ -216,6 +218,22 @@ class Resumable(Membership):
             node.evict_sent = True
             self._event("evicted", node=node.node_id, peer=node.conn.peer)
             self._send_conn(node.conn, {"type": "evicted", "node": node.node_id})
+
+    def _resume_broken(self) -> None:
+        """A member that is back reported a broken collective of the current generation:
+        training has stopped, so a member still missing is most likely dead; it has
+        ``resume_broken_grace`` from the moment the controller served again, not the
+        whole ``resume_grace`` (never later than the timer already set)."""
+        if not self._resuming or not self._resume_waiting or self._resume_serving is None:
+            return
+        assert self._loop is not None
+        grace = min(self.config.resume_broken_grace, self.config.resume_grace).total_seconds()
+        delay = max(0.0, self._resume_serving + grace - time.time())
+        timer = self._resume_timer
+        if timer is None or self._loop.time() + delay < timer.when():
+            self._event("resume_shortened", waiting=sorted(self._resume_waiting), in_s=round(delay, 3),
+                        generation=self.generation)
+            self._resume_timer_reset(delay)
 
     def _resume_timer_reset(self, delay: float) -> None:
         assert self._loop is not None
