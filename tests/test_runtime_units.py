@@ -263,3 +263,34 @@ def test_a_newer_plan_abandons_moc_groups_that_wait_for_a_dead_peer() -> None:
     assert time.monotonic() - t0 < 2.0 and th.is_alive() and r._moc_comm is None
     th.join(30)   # it fails on its own later, without a trace in torch.distributed
     assert "error" in box and not dist.is_initialized()
+
+
+@pytest.mark.timeout(60)
+def test_a_store_connect_is_given_up_on_at_once_even_inside_torchs_retry_sleeps() -> None:
+    # A listener that accepts but never answers: torch's client times out, sleeps its
+    # backoff, retries; connect_store watches it and gives up when told (or at its wall).
+    import time
+
+    import torch.distributed as dist
+    from lazarus.runtime._store_connect import GaveUp, connect_store
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(16)
+    port = mute.getsockname()[1]
+    try:
+        t0 = time.monotonic()
+        stop = threading.Timer(0.3, lambda: None)
+        stop.start()
+        with pytest.raises(GaveUp):
+            connect_store("127.0.0.1", port, timeout=timedelta(seconds=5), give_up=lambda: not stop.is_alive())
+        assert time.monotonic() - t0 < 1.5
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="did not accept a client within 0.5 s"):
+            connect_store("127.0.0.1", port, timeout=timedelta(seconds=5), wall=0.5)
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        mute.close()
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    client = connect_store("127.0.0.1", server.port, timeout=timedelta(seconds=5), tracker=SocketTracker())
+    client.set("k", "v")
+    assert server.get("k") == b"v"

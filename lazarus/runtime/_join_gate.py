@@ -18,9 +18,10 @@ import time
 from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
 
 from lazarus.moe._comm import building_for
+
+from ._store_connect import connect_store
 
 __all__ = ["GATE_STORE_TIMEOUT", "JoinGate"]
 
@@ -116,14 +117,16 @@ class JoinGate:
         """The plan's store, for the members' question between two steps: this rank's
         client when it is that store's, else a client of its own that gives up after
         :data:`GATE_STORE_TIMEOUT` (the training thread asks; a store host that died must
-        not hold it for ``rendezvous_timeout``: the rendezvous, interruptible, reports it)."""
+        not hold it for ``rendezvous_timeout``, nor torch's client its retries' backoff past
+        that: the connect is watched, :func:`._store_connect.connect_store`; the
+        rendezvous, interruptible, reports a dead store)."""
         key = tuple(sorted(spec.items()))
         if self._store is not None and self._store_key == key:
             return self._store
         if self._gate_client is None or self._gate_client[0] != key:
             self._gate_client = None
-            client = dist.TCPStore(str(spec["host"]), int(spec["port"]), is_master=False, wait_for_workers=False,
-                                   timeout=GATE_STORE_TIMEOUT)
+            client = connect_store(str(spec["host"]), int(spec["port"]), timeout=GATE_STORE_TIMEOUT,
+                                   wall=GATE_STORE_TIMEOUT.total_seconds())
             self._gate_client = (key, client)
         return self._gate_client[1]
 

@@ -59,6 +59,7 @@ from moc._units import apply_partial, capture_unit, discover_units
 from ._abort import GroupAborter, SocketTracker, nccl_errors, reset_group_names
 from ._backend import nccl_init_kwargs
 from ._join_gate import JoinGate
+from ._store_connect import GaveUp, connect_store
 from ._transfer import choose_moves, exchange_units, world_comm
 
 if TYPE_CHECKING:
@@ -203,19 +204,29 @@ class Reconfigurer(JoinGate):
         return self._store
 
     def _connect_store(self, host: str, port: int, generation: int | None):
+        """A client of the store at ``host:port`` in attempts of at most
+        :data:`STORE_CONNECT_ATTEMPT`, each watched (:func:`._store_connect.connect_store`):
+        a newer plan of ``generation``'s successor raises :class:`Superseded` within 50 ms
+        even while torch's client sleeps between its own retries (soak seed 1 on the
+        previous code: a joiner held two failure rendezvous 3 s and 1.5 s that way)."""
         limit = self.t.config.rendezvous_timeout
         deadline = time.monotonic() + limit.total_seconds()
+
+        def superseded() -> bool:
+            latest = self.t.channel.latest_plan()
+            return generation is not None and latest is not None and int(latest["generation"]) > generation
+
         while True:
             attempt = max(0.05, min(STORE_CONNECT_ATTEMPT.total_seconds(), deadline - time.monotonic()))
             try:
-                with self._store_sockets.track():
-                    store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                          timeout=timedelta(seconds=attempt))
+                store = connect_store(host, port, timeout=timedelta(seconds=attempt), tracker=self._store_sockets,
+                                      give_up=superseded)
                 store.set_timeout(limit)   # the rendezvous' own waits
                 return store
+            except GaveUp:
+                raise Superseded() from None
             except (RuntimeError, OSError) as exc:   # torch's DistNetworkError is a RuntimeError
-                latest = self.t.channel.latest_plan()
-                if generation is not None and latest is not None and int(latest["generation"]) > generation:
+                if superseded():
                     raise Superseded() from None
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"node {self.t.where}: the rendezvous store {host}:{port} of generation "
