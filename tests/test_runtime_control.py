@@ -45,13 +45,12 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
+    """The complete lines of the controller's event log (one it is writing right now, not
+    yet ended by its newline, is left for the next read; any other bad line fails)."""
     if not path.exists():
         return []
-    out = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            out.append(json.loads(line))
-    return out
+    lines = path.read_text().split("\n")[:-1]   # the last piece is "" or a line being written
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 # ============================================================================ part 1

@@ -54,6 +54,16 @@ def _survivors_not_restarted(c: LocalCluster, survivors: list[str]) -> None:
     assert not exits, exits
 
 
+def _spare_called_in(c: LocalCluster) -> dict:
+    """n0-n2 train, n3 warms up as a hot spare and is called in at step 30: its join plan."""
+    c.start(NODES[:3])
+    c.add_node("n3", standby=True)
+    c.wait_step(30, timeout=180)
+    c.activate("n3")
+    return c.wait_for(lambda: [e for e in c.events() if e.get("event") == "plan" and e["reason"] == "join"],
+                      120, "the join plan")[0]
+
+
 def _failure_reconfigs(c: LocalCluster) -> list[dict]:
     return [r for r in c.reconfigurations() if r["reason"] in ("failure", "collective_error")]
 
@@ -310,12 +320,7 @@ def test_controller_killed_while_a_join_is_applied_the_join_completes_without_it
     # on 4 nodes while the controller is away, and its return changes nothing.
     steps = 400
     with _cluster(tmp_path, steps=steps, extra_controller=("--expected-nodes", "3", "--resume-grace", "4s")) as c:
-        c.start(NODES[:3])
-        c.add_node("n3", standby=True)
-        c.wait_step(30, timeout=180)
-        c.activate("n3")
-        plan = c.wait_for(lambda: [e for e in c.events() if e.get("event") == "plan" and e["reason"] == "join"],
-                          120, "the join plan")[0]
+        plan = _spare_called_in(c)
         c.kill_controller()
         assert plan["members"] == NODES and plan["mode"] == "between_steps"
         join = c.wait_for(lambda: [r for r in c.reconfigurations() if r["generation"] == plan["generation"]],
@@ -347,12 +352,7 @@ def test_the_store_host_killed_the_moment_a_join_is_planned_costs_no_rendezvous_
     # rendezvous that long. The groups are private now and a newer plan abandons them.
     steps = 300
     with _cluster(tmp_path, steps=steps, extra_controller=("--expected-nodes", "3")) as c:
-        c.start(NODES[:3])
-        c.add_node("n3", standby=True)
-        c.wait_step(30, timeout=180)
-        c.activate("n3")
-        plan = c.wait_for(lambda: [e for e in c.events() if e.get("event") == "plan" and e["reason"] == "join"],
-                          120, "the join plan")[0]
+        plan = _spare_called_in(c)
         host = plan["members"][0]
         t_kill = c.kill_node(host)
         rec = c.wait_for(lambda: [r for r in c.reconfigurations() if r["reason"] == "failure"], 120,
