@@ -319,5 +319,14 @@ def _torch_version() -> str:
         return "?"
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM (``kill``, a stopped matrix) ends the soak through its ``finally`` blocks:
+    the S3 server, the busy processes and the tmpfs it mounted are cleaned up."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 if __name__ == "__main__":
+    _exit_on_sigterm()
     sys.exit(main())

@@ -62,7 +62,14 @@ def run_one(seed: int, load: int, minutes: float, workdir: Path, kinds: str | No
         cmd += ["--kinds", kinds]
     t0 = time.time()
     with open(out.with_suffix(".log"), "w") as log:
-        r = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        try:
+            child.wait()
+        except BaseException:   # SIGTERM / Ctrl-C of the matrix: the soak cleans up, then we go
+            child.terminate()
+            child.wait(timeout=120)
+            raise
+        r = child
     if not record.exists():
         return {"seed": seed, "load": load, "rc": r.returncode, "error": f"no record (exit {r.returncode}); see "
                 f"{out.with_suffix('.log')}", "total_s": time.time() - t0}
@@ -190,4 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.exit(main())
