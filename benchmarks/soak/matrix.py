@@ -22,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,15 @@ def run_one(seed: int, load: int, minutes: float, workdir: Path, kinds: str | No
     if kinds:
         cmd += ["--kinds", kinds]
     t0 = time.time()
+    samples: list[float] = []
+    done = threading.Event()
+
+    def sample() -> None:   # the machine's 1-minute load average while the soak runs, every 5 s
+        while not done.wait(5.0):
+            samples.append(os.getloadavg()[0])
+
+    sampler = threading.Thread(target=sample, name="loadavg", daemon=True)
+    sampler.start()
     with open(out.with_suffix(".log"), "w") as log:
         child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
         try:
@@ -70,11 +80,15 @@ def run_one(seed: int, load: int, minutes: float, workdir: Path, kinds: str | No
             child.wait(timeout=120)
             raise
         r = child
+    done.set()
+    sampler.join()
     if not record.exists():
         return {"seed": seed, "load": load, "rc": r.returncode, "error": f"no record (exit {r.returncode}); see "
                 f"{out.with_suffix('.log')}", "total_s": time.time() - t0}
     rec = json.loads(record.read_text())
     rec.update(rc=r.returncode, commit=_commit())
+    if samples:   # what the machine carried, the soak's own processes and --load included
+        rec["host_load"] = {"mean": statistics.fmean(samples), "max": max(samples)}
     record.write_text(json.dumps(rec))   # --collect then knows which code each run tested
     return rec
 
@@ -97,7 +111,7 @@ def _fmt(lost: list[float]) -> str:
 
 def row(rec: dict[str, Any]) -> str:
     if "error" in rec:
-        return f"| {rec['seed']} | {rec['load']} | - | - | - | - | - | **{rec['error']}** |"
+        return f"| {rec['seed']} | {rec['load']} | - | - | - | - | - | - | **{rec['error']}** |"
     faults = rec["faults"]
     kinds = {}
     for f in faults:
@@ -112,7 +126,10 @@ def row(rec: dict[str, Any]) -> str:
     if rec.get("targets_missed"):
         checks += "; targets missed: " + ", ".join(SHORT[k] for k in rec["targets_missed"])
     nocommit = f"{rec['commit_gap_s']:.0f} s / {rec['commit_gap_steps']}" if "commit_gap_s" in rec else "-"
-    return f"| {rec['seed']} | {rec['load']} | {counts} | {survived} | {lost} | {steps} | {nocommit} | {checks} |"
+    host = rec.get("host_load")
+    host = f"{host['mean']:.1f} / {host['max']:.1f}" if host else "-"
+    return (f"| {rec['seed']} | {rec['load']} | {host} | {counts} | {survived} | {lost} | {steps} | {nocommit} | "
+            f"{checks} |")
 
 
 def per_kind(records: list[dict[str, Any]]) -> list[str]:
@@ -177,12 +194,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{sum(r.get('total_s', 0) for r in records) / 3600:.1f} h of soak); "
         f"{os.cpu_count()} cores; code: {', '.join(sorted({str(r.get('commit', 'not recorded')) for r in records}))}.",
         "",
-        "| seed | load | faults by kind | survived | time lost median/max per kind (s) | steps lost | longest "
-        "without a commit (time / steps) | checks |",
-        "|---|---|---|---|---|---|---|---|",
+        "| seed | load | host load avg mean / max | faults by kind | survived | time lost median/max per kind (s) | "
+        "steps lost | longest without a commit (time / steps) | checks |",
+        "|---|---|---|---|---|---|---|---|---|",
         *[row(r) for r in records],
         "",
-        f"Kinds: {legend}.",
+        f"Kinds: {legend}. Load: the number of busy processes beside the soak (`--load`); host load avg: the "
+        "machine's 1-minute load average sampled every 5 s during the run (the soak's own processes included).",
         "",
         *per_kind(records),
         "",

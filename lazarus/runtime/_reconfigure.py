@@ -53,12 +53,13 @@ from lazarus.moe._placement import rank_slots
 from lazarus.planning import Placement
 from moc import CheckpointManager
 from storage_backends import open_store
-from moc._dist import Comm
 from moc._units import apply_partial, capture_unit, discover_units
 
 from ._abort import GroupAborter, SocketTracker, nccl_errors, reset_group_names
 from ._backend import nccl_init_kwargs
 from ._join_gate import JoinGate
+from ._moc_groups import MocGroups
+from ._plans import Superseded, plan_rank, plan_world
 from ._store_connect import GaveUp, connect_store
 from ._transfer import choose_moves, exchange_units, world_comm
 
@@ -74,34 +75,7 @@ log = logging.getLogger("lazarus.reconfigure")
 STORE_CONNECT_ATTEMPT = timedelta(seconds=1)
 
 
-class Superseded(Exception):
-    """A newer plan arrived while this one was being applied."""
-
-
-def plan_world(plan: dict[str, Any]) -> int:
-    """Ranks of a plan: its nodes times their workers (``gpus_per_node``)."""
-    return len(plan["members"]) * int(plan.get("gpus_per_node", 1))
-
-
-def plan_rank(plan: dict[str, Any], node: str, local_rank: int, local_world: int) -> int:
-    """The rank of ``node``'s worker ``local_rank`` in ``plan``: ranks are contiguous per
-    node (node index * G + local rank), so a node's ranks are neighbours.
-
-    Raises:
-        RuntimeError: the plan's workers per node differ from this agent's (a node
-            started with another ``--nproc-per-node`` than the job's), or ``node`` is no
-            member.
-    """
-    g = int(plan.get("gpus_per_node", 1))
-    if g != local_world:
-        raise RuntimeError(f"plan {plan.get('generation')} has {g} workers per node but node {node} runs "
-                           f"{local_world} (--nproc-per-node must be the same on every node)")
-    if not 0 <= local_rank < g:
-        raise RuntimeError(f"local rank {local_rank} outside [0, {g})")
-    return plan["members"].index(node) * g + local_rank
-
-
-class Reconfigurer(JoinGate):
+class Reconfigurer(JoinGate, MocGroups):
     def __init__(self, trainer: "ElasticTrainer", *, build_model: Callable, make_optimizer: Callable) -> None:
         self.t = trainer
         self.build_model = build_model
@@ -118,10 +92,8 @@ class Reconfigurer(JoinGate):
         self.aborter = GroupAborter(trainer.backend.backend)
         self.sockets = self.aborter.sockets    # gloo connections opened by our groups
         self._store_sockets = SocketTracker()
-        self._moc_comm: tuple[threading.Thread, dict[str, Any]] | None = None   # see _start_moc_comm
-        self._live_comm: Comm | None = None   # the current manager's private groups (aborted on retire)
         self._superseded = threading.Event()  # set while applying a plan once a newer one arrived
-        self._moc_groups_wait: float | None = None
+        self._init_moc_groups()
         self._init_join_gate()
         self.rollback: dict[str, Any] | None = None   # what the newest plan's rollback did (lost_experts="replay")
 
@@ -450,104 +422,6 @@ class Reconfigurer(JoinGate):
         log.info("node %s rank %d/%d gen %d (%s): resumed at step %d in %.3f s; %d experts moved, sources %s; %s",
                  t.where, t.rank, t.world, t.generation, plan.get("reason"), t.step, t_resumed - t0,
                  stats["moved"], stats["sources"], " ".join(f"{k} {v:.3f}" for k, v in timings.items()))
-
-    # -- moc's process groups, formed while the state moves ------------------------------------
-    def _moc_timeout(self) -> Any:
-        cfg = self.t.config.moc
-        if cfg.coordination_timeout > self.t.config.collective_timeout:
-            cfg.coordination_timeout = self.t.config.collective_timeout
-        return cfg.coordination_timeout
-
-    def _start_moc_comm(self, plan: dict[str, Any]) -> None:
-        """Form the new moc manager's three gloo groups in a thread while this one moves
-        and installs the state: forming a group waits on every peer's connections (tens of
-        ms each on loaded cores), time the members would otherwise spend idle before the
-        next step. The groups are private (:meth:`moc._dist.Comm.create_private`: bare gloo
-        backends on this plan's store, never registered with ``torch.distributed``), so the
-        thread can be abandoned: a peer that dies while they connect leaves gloo waiting up
-        to five times the connect timeout for a connection nothing can interrupt, and a newer
-        plan must not wait for that (:meth:`_await_moc_comm`). Their sockets go to this
-        generation's tracker only once taken (an abandoned thread's never do). With a torch
-        whose gloo backend cannot change its timeout the groups are formed afterwards, as
-        before, by the manager."""
-        if self.t.config.moc is None or not dist.is_initialized() or not Comm.can_form_private():
-            return
-        t = self.t
-        timeout = self._moc_timeout()
-        # Peers reach this point at different times (a joiner, or every rank on a fresh
-        # start, builds its model meanwhile; a rank's store client is held by the members'
-        # barrier): connecting waits as long as the rendezvous may; the groups' collectives
-        # then run under moc's own timeout.
-        form_timeout = max(timeout, t.config.rendezvous_timeout)
-        store = dist.PrefixStore(f"{plan['prefix']}/moc", self._store_client(plan["store"], int(plan["generation"])))
-        rank, world = t.rank, t.world
-        box: dict[str, Any] = {"sockets": SocketTracker()}
-
-        def form() -> None:
-            try:
-                with box["sockets"].track():
-                    box["comm"] = Comm.create_private(store, rank, world, timeout, form_timeout=form_timeout)
-            except BaseException as exc:  # noqa: BLE001 - re-raised by _take_moc_comm
-                box["error"] = exc
-
-        th = threading.Thread(target=form, name=f"lazarus-moc-groups-{t.generation}", daemon=True)
-        self._moc_groups_wait = 0.0
-        th.start()
-        self._moc_comm = (th, box)
-
-    def _await_moc_comm(self) -> None:
-        """Wait for the groups' thread (no-op without one); :meth:`_take_moc_comm` has them.
-        A newer immediate plan (see :meth:`_interruptible`) ends the wait: the thread is
-        left to fail on its own and :class:`Superseded` raised."""
-        if self._moc_comm is None or not self._moc_comm[0].is_alive():
-            return
-        t0 = time.time()
-        th = self._moc_comm[0]
-        while th.is_alive():
-            th.join(0.05)
-            if self._superseded.is_set() and th.is_alive():
-                log.warning("node %s step %d gen %d: a newer plan arrived while moc's groups were connecting (%.2f s); "
-                            "left them to fail on their own", self.t.where, self.t.step, self.t.generation,
-                            time.time() - t0)
-                self._drop_moc_comm()
-                raise Superseded()
-        self._moc_groups_wait = time.time() - t0
-
-    def _take_moc_comm(self) -> Any:
-        """The groups :meth:`_start_moc_comm` formed (None: none started); from now on their
-        sockets are this generation's (shut when it retires)."""
-        self._await_moc_comm()
-        pending, self._moc_comm = self._moc_comm, None
-        if pending is None:
-            return None
-        box = pending[1]
-        if "error" in box:
-            raise box["error"]
-        self.sockets.adopt(box["sockets"])
-        self._live_comm = box["comm"]
-        return box["comm"]
-
-    def _drop_moc_comm(self) -> None:
-        """A plan that failed: let go of the groups' thread without waiting (its groups are
-        private: nothing it does later touches the next plan's). Groups it formed are
-        aborted, once it ends if it is still forming."""
-        pending, self._moc_comm = self._moc_comm, None
-        if pending is None:
-            return
-        th, box = pending
-
-        def discard() -> None:
-            th.join()
-            comm = box.get("comm")
-            if comm is not None:
-                comm.destroy()
-            # (not its tracker's sockets: a thread left behind tracked whatever this process
-            # opened meanwhile, the next generation's connections among them)
-
-        if th.is_alive():
-            threading.Thread(target=discard, name="lazarus-moc-groups-discard", daemon=True).start()
-        else:
-            discard()
 
     # -- inventory and migration -------------------------------------------------------------
     def _held(self) -> dict[str, list[int]]:
