@@ -9,8 +9,8 @@ per kind over all runs against the issue-28 targets (node or worker kill <= 2 s,
 controller kill 0 steps and <= 2 s, storage outage 0 s). It is printed and written to
 ``benchmarks/soak/matrix.md``.
 
-Rerun: ``make soak-matrix`` (10 seeds x 10 minutes x {idle, --load 2}: 20 soaks of about 18
-minutes, 6 hours on 2 cores), or ``python benchmarks/soak/matrix.py --seeds 7,8 --minutes 3 --loads 0,2``.
+Rerun: ``make soak-matrix`` (10 seeds x 10 minutes x {idle, --load 2}: 20 soaks of 12-15
+minutes each, calibration and the final checks included: 4-5 hours on 2 cores), or ``python benchmarks/soak/matrix.py --seeds 7,8 --minutes 3 --loads 0,2``.
 Exit status 0 when every run passed every check, else 1.
 """
 
@@ -62,6 +62,7 @@ def run_one(seed: int, load: int, minutes: float, workdir: Path, kinds: str | No
     if kinds:
         cmd += ["--kinds", kinds]
     t0 = time.time()
+    commit = _commit()   # the code the run starts on (edits made while it runs do not count)
     samples: list[float] = []
     done = threading.Event()
 
@@ -86,7 +87,7 @@ def run_one(seed: int, load: int, minutes: float, workdir: Path, kinds: str | No
         return {"seed": seed, "load": load, "rc": r.returncode, "error": f"no record (exit {r.returncode}); see "
                 f"{out.with_suffix('.log')}", "total_s": time.time() - t0}
     rec = json.loads(record.read_text())
-    rec.update(rc=r.returncode, commit=_commit())
+    rec.update(rc=r.returncode, commit=commit)
     if samples:   # what the machine carried, the soak's own processes and --load included
         rec["host_load"] = {"mean": statistics.fmean(samples), "max": max(samples)}
     record.write_text(json.dumps(rec))   # --collect then knows which code each run tested
