@@ -3,8 +3,9 @@
 One trainer runs in every worker process an agent spawns. It owns the model, the
 optimizer and the moc checkpoint manager, and drives the step loop::
 
-    zero_grad -> loss_fn(model, step, rank, world) -> backward -> replica / data-parallel
-    gradient sync -> optimizer.step() -> moc step -> one tiny all-reduce (plan agreement)
+    zero_grad -> loss_fn(model, step, rank, world) -> backward -> replica gradient sync ->
+    one all-reduce (data-parallel gradients, the gradient norm's expert share, the plan
+    agreement) -> clip -> optimizer.step() -> moc step -> a new plan, if agreed on
 
 On the first broken collective a survivor reports it, retires its process group and moc
 manager (NCCL communicators aborted, gloo sockets shut down: :mod:`._abort`), waits for the
@@ -12,7 +13,7 @@ controller's next plan, re-forms the group on that generation's store prefix, an
 migrates state (:mod:`._reconfigure`). The backend follows ``ElasticConfig.device``
 (:mod:`._backend`). The failed step is discarded
 (or kept, where every survivor applied it). Planned changes (joins, graceful leaves,
-rebalancing) are agreed on at a step boundary through the per-step all-reduce.
+rebalancing) are agreed on at a step boundary through the step's all-reduce.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ._backend import TrainerBackend, nccl_environment, resolve_backend
 from ._elastic_config import ElasticConfig
 from ._lazy_dynamo import defer_dynamo_import
 from ._reconfigure import Reconfigurer, Superseded
+from ._step_reduce import all_reduce_step
 
 __all__ = ["ElasticTrainer", "is_collective_error"]
 
@@ -130,6 +132,7 @@ class ElasticTrainer:
         self.step = 0                    # next step to run == optimizer steps applied
         self.losses: list[tuple[int, float]] = []
         self._routing: dict[str, torch.Tensor] = {}
+        self._agreed: int | None = None   # the plan agreement of the step just applied (its all-reduce)
         self._metrics = None
         self._step_s: deque[float] = deque(maxlen=21)   # this rank's recent steps, end to end
         self._last_end: float | None = None              # when its last step ended (None: after a failure)
@@ -266,12 +269,13 @@ class ElasticTrainer:
         model, opt = self.model, self.optimizer
         assert model is not None and opt is not None
         step = self.step
+        self._agreed = None
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model, step, self.rank, self.world)
         loss.backward()
-        self._sync_gradients()
+        expert_sq, target = self._sync_gradients()
         if self.config.grad_clip is not None:
-            self._clip_gradients(self.config.grad_clip)
+            self._clip_gradients(self.config.grad_clip, expert_sq)
         if self.backend.backend == "nccl":
             # NCCL collectives do not block the host: wait until this step's have run, and
             # never apply a step whose communicators were aborted meanwhile (garbage).
@@ -279,6 +283,7 @@ class ElasticTrainer:
             self.reconf.aborter.check_healthy()
         opt.step()
         self.step = step + 1             # applied: from here on the step counts
+        self._agreed = target            # (read only now: the step's collectives were healthy)
         for name, layer in moe_layers(model):
             if layer.routing_counts is not None:
                 self._routing[name] = self._routing.get(name, torch.zeros_like(layer.routing_counts)) \
@@ -287,53 +292,69 @@ class ElasticTrainer:
             self.ckpt.step(step)
         return float(loss.detach())
 
-    def _sync_gradients(self) -> None:
+    def _pending_generation(self) -> int:
+        """The newest between-steps plan this rank may switch to after the step (0: none).
+        A between-steps plan waits for an exact replay to end (every rank replays the same
+        steps, so all wait alike): applied mid-replay it would force another rollback. A
+        join counts once its joiners have built their models (they do while we train): the
+        members never wait for a joiner's build, only for the switch itself."""
+        latest = self.channel.latest_plan()
+        pending = int(latest["generation"]) if latest and int(latest["generation"]) > self.generation else 0
+        if pending and self.ckpt is not None and self.ckpt.replaying:
+            pending = 0
+        if pending and not self.reconf.joiners_prepared(latest):
+            pending = 0
+        return pending
+
+    def _sync_gradients(self) -> tuple[float, int]:
         """Replica gradients of every expert summed over its holders (all layers in one
         reduce-scatter / all-gather pair, :func:`lazarus.moe.sync_moe_gradients`), then the
         dense gradients averaged over ranks together with the MoE layers' replicated ones
         (routers, shared experts; scaled by each layer's ``grad_reduction``) in one flat
-        all-reduce: three collectives per step whatever the number of layers."""
+        all-reduce, which also carries the experts' share of the squared gradient norm (a
+        sum) and the plan agreement (a maximum; :func:`._step_reduce.all_reduce_step`):
+        three collectives per step whatever the number of layers.
+
+        Returns:
+            (the squared norm of the expert gradients, each expert counted once; the
+            newest plan generation any rank will switch to after this step, 0: none).
+        """
         from lazarus.moe import sync_moe_gradients
 
         model = self.model
         assert model is not None
         sync_moe_gradients(model, include_router=False)
-        if self.world <= 1:
-            return
+        layers = [layer for _, layer in moe_layers(model)]
+        sums = [sum(layer.expert_grad_sq() for layer in layers)] if self.config.grad_clip is not None else []
         # (dense: divided by the world as DDP does; replicated: times the layer's scale, as
         # the layer's own sync does, so the values are those of the separate reductions)
         params: list[tuple[nn.Parameter, Callable[[torch.Tensor], torch.Tensor]]] = []
         params += [(p, lambda g: g / self.world) for p in self.reconf.dense_params()]
-        for _, layer in moe_layers(model):
+        for layer in layers:
             scale = 1.0 / layer.world_size if layer.grad_reduction == "mean" else 1.0
             params += [(p, lambda g, s=scale: g * s) for p in layer.replicated_parameters()]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p, _ in params])
-        dist.all_reduce(flat)
-        pos = 0
-        for p, scaled in params:
-            n = p.numel()
-            p.grad = scaled(flat[pos: pos + n]).view_as(p)
-            pos += n
+        if self.world <= 1:
+            params = []   # nothing to average (a rank's replicated gradients are its own)
+        summed, (target,) = all_reduce_step(params, sums=sums, maxima=[self._pending_generation()],
+                                            rank=self.rank, world=self.world)
+        return (summed[0] if summed else 0.0), target
 
-    def _clip_gradients(self, max_norm: float) -> None:
+    def _clip_gradients(self, max_norm: float, expert_sq: float) -> None:
         """Clip by the norm of the whole model's gradient, each expert counted once (not
-        once per replica): the same coefficient on every rank, so replicas and dense
+        once per replica; ``expert_sq``: their squared norm, summed over the ranks with the
+        step's all-reduce): the same coefficient on every rank, so replicas and dense
         weights stay identical."""
         model = self.model
         assert model is not None
         dense_sq = sum(float(p.grad.pow(2).sum()) for p in self.reconf.dense_params() if p.grad is not None)
-        expert_sq = torch.zeros(1, dtype=torch.float64)
         grads = [p.grad for p in self.reconf.dense_params() if p.grad is not None]
         for _, layer in moe_layers(model):
             for p in layer.replicated_parameters():    # router, shared experts
                 if p.grad is not None:
                     dense_sq += float(p.grad.pow(2).sum())
                     grads.append(p.grad)
-            expert_sq += layer.expert_grad_sq()
             grads += [p.grad for p in layer.experts.parameters() if p.grad is not None]
-        if self.world > 1:
-            dist.all_reduce(expert_sq)
-        total = (dense_sq + float(expert_sq.item())) ** 0.5
+        total = (dense_sq + expert_sq) ** 0.5
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
             for g in grads:
@@ -369,23 +390,13 @@ class ElasticTrainer:
                                    "layers": {k: [int(x) for x in v.tolist()] for k, v in self._routing.items()}})
             self._routing = {}
             self._report_storage()
-        # Plan agreement: the newest generation any rank has heard of (between-steps plans).
-        # A between-steps plan waits for an exact replay to end (every rank replays the same
-        # steps, so all wait alike): applied mid-replay it would force another rollback. A
-        # join counts once its joiners have built their models (they do while we train):
-        # the members never wait for a joiner's build, only for the switch itself.
-        latest = self.channel.latest_plan()
-        pending = int(latest["generation"]) if latest and int(latest["generation"]) > self.generation else 0
-        if pending and self.ckpt is not None and self.ckpt.replaying:
-            pending = 0
-        if pending and not self.reconf.joiners_prepared(latest):
-            pending = 0
-        flag = torch.tensor([pending], dtype=torch.int64)
-        if self.world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        target = int(flag.item())
+        # Plan agreement: the newest generation any rank has heard of (between-steps plans),
+        # agreed on by the step's all-reduce (_sync_gradients).
+        target, self._agreed = self._agreed, None
+        if target is None:
+            raise RuntimeError("no plan agreement for this step (the step did not run its gradient all-reduce)")
         if target > self.generation:
-            t_agreed = time.time()
+            t_agreed = time.time() if t_end is None else t_end
             plan = self._wait_plan(self.generation, at_least=target)
             self._reconfigure_loop(plan, error=None)
             if t_end is not None and not self._left:
