@@ -283,7 +283,7 @@ class ElasticTrainer:
             self.reconf.aborter.check_healthy()
         opt.step()
         self.step = step + 1             # applied: from here on the step counts
-        self._agreed = target            # (read only now: the step's collectives were healthy)
+        self._agreed = target            # (used only now: on NCCL the step's collectives proved healthy above)
         for name, layer in moe_layers(model):
             if layer.routing_counts is not None:
                 self._routing[name] = self._routing.get(name, torch.zeros_like(layer.routing_counts)) \
