@@ -68,8 +68,11 @@ def test_checkpoint_restart_arm_resumes_from_its_newest_checkpoint(tmp_path: Pat
     resumed = {r["resumed_from"] for r in recs if r["kind"] == "ready" and r.get("run") == 1}
     newest = max(saved, default=0)   # the step-0 checkpoint is always there
     assert resumed == {newest}
-    # the restarted job redid the steps after that checkpoint, on 2 ranks, and finished
-    before, after = _commits(res, fault["t"])
+    # the restarted job redid the steps after that checkpoint, on 2 ranks, and finished; what
+    # the first run committed after the kill (a step in flight) is redone too
+    before = [c for c in res["commits"] if c[3] == 0]
+    after = [c for c in res["commits"] if c[3] == 1]
+    assert before and after and {c[3] for c in res["commits"]} == {0, 1}
     high = max(c[1] for c in before)
     assert row["redone"] == high - newest + 1 and row["time_lost_s"] > 0
     assert after[0][1] == newest and {c[2] for c in after} == {2} and res["steps"] == STEPS
@@ -87,6 +90,13 @@ def test_analyse_counts_redone_and_discarded_steps() -> None:
     assert row["redone"] == 4 and row["discarded"] == 1 and row["steps_lost"] == 5
     assert row["time_lost_s"] == pytest.approx(16.0 - 10.2) and row["world_after"] == 3
     assert res["goodput"] == pytest.approx(14 * 100 / 19.0)
+    # A restart: step 10 of the old run was in flight at the kill and committed after it; the
+    # new run (from the step-4 checkpoint) redoes 5..10 and is back at its step 11.
+    recs = [{"kind": "step", "t": float(s), "step": s, "world": 4, "run": 0} for s in range(10)]
+    recs += [{"kind": "step", "t": 10.3, "step": 10, "world": 4, "run": 0}]
+    recs += [{"kind": "step", "t": 20.0 + i, "step": 5 + i, "world": 3, "run": 1} for i in range(8)]
+    (row,) = analyse("x", recs, [Fault("kill", "n3", 10.2, 9)], tokens_per_step=100)["rows"]
+    assert row["redone"] == 6 and row["time_lost_s"] == pytest.approx(26.0 - 10.2)
     with pytest.raises(ValueError, match="kind"):
         Fault("reboot", "n0", 0.0, 0)
     with pytest.raises(ValueError, match="batch_size"):

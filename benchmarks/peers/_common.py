@@ -153,21 +153,21 @@ def young_daly_interval(save_s: float, step_s: float, mtbf_s: float) -> int:
     return max(1, round((2.0 * save_s * mtbf_s) ** 0.5 / step_s))
 
 
-def _commits(records: list[dict[str, Any]]) -> list[tuple[float, int, int]]:
-    """``(t, step, world)`` of every commit, the earliest of each (step, incarnation of the
-    run) kept: several replicas commit the same step at about the same time."""
-    seen: dict[tuple[int, int], tuple[float, int, int]] = {}
+def _commits(records: list[dict[str, Any]]) -> list[tuple[float, int, int, int]]:
+    """``(t, step, world, run)`` of every commit, the earliest of each (step, incarnation of
+    the run) kept: several replicas commit the same step at about the same time."""
+    seen: dict[tuple[int, int], tuple[float, int, int, int]] = {}
     for r in records:
         if r.get("kind") != "step":
             continue
         key = (int(r["step"]), int(r.get("run", 0)))
-        c = (float(r["t"]), int(r["step"]), int(r.get("world", 0)))
+        c = (float(r["t"]), int(r["step"]), int(r.get("world", 0)), int(r.get("run", 0)))
         if key not in seen or c[0] < seen[key][0]:
             seen[key] = c
     return sorted(seen.values())
 
 
-def _rate(commits: list[tuple[float, int, int]], lo: float, hi: float) -> float | None:
+def _rate(commits: list[tuple[float, int, int, int]], lo: float, hi: float) -> float | None:
     """Committed steps per second between ``lo`` and ``hi`` (None with under 3 commits)."""
     inside = [c for c in commits if lo <= c[0] <= hi]
     if len(inside) < 3 or inside[-1][0] <= inside[0][0]:
@@ -195,8 +195,15 @@ def analyse(system: str, records: list[dict[str, Any]], faults: list[Fault], tok
     rows = []
     for f in faults:
         before = [c for c in commits if c[0] < f.t]
-        high = max((c[1] for c in before), default=-1)
         after = [c for c in commits if c[0] >= f.t]
+        run = before[-1][3] if before else 0
+        if any(c[3] > run for c in after):
+            # The job restarted: what its old incarnation still committed after the fault
+            # (a step in flight when the node died, its gradients already exchanged) is
+            # redone too, and is no recovery.
+            before = [c for c in commits if c[0] < f.t or c[3] == run]
+            after = [c for c in after if c[3] != run]
+        high = max((c[1] for c in before), default=-1)
         nxt = next((c for c in after if c[1] > high), None)
         t_back = nxt[0] if nxt else None
         redone = len({c[1] for c in after if c[1] <= high and (t_back is None or c[0] <= t_back)})
@@ -216,4 +223,4 @@ def analyse(system: str, records: list[dict[str, Any]], faults: list[Fault], tok
     span = commits[-1][0] - commits[0][0]
     return {"system": system, "rows": rows, "goodput": distinct * tokens_per_step / span if span > 0 else None,
             "steps": max(c[1] for c in commits) + 1, "seconds": span, "step_s": typical,
-            "commits": [[c[0], c[1], c[2]] for c in commits]}
+            "commits": [list(c) for c in commits]}
