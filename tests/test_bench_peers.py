@@ -38,8 +38,9 @@ def test_torchft_arm_survives_a_kill(tmp_path: Path) -> None:
     assert res["steps"] == STEPS and [c[1] for c in res["commits"]] == list(range(STEPS))
     before, after = _commits(res, fault["t"])
     # all 3 groups trained before the kill (a late group may sit out a quorum: torchft's
-    # choice), never more than the 2 survivors after it
-    assert max(c[2] for c in before) == 3 and after and max(c[2] for c in after) == 2
+    # choice), never more than the 2 survivors after it (but for a step in flight at the kill,
+    # all-reduced before it struck and committed just after it)
+    assert max(c[2] for c in before) == 3 and len(after) > 1 and max(c[2] for c in after[1:]) == 2
     assert row["redone"] == 0
     # the survivors' records: both went on to the end; the killed group did not
     from _common import read_jsonl
