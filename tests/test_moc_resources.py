@@ -148,8 +148,10 @@ def test_full_shared_memory_skips_snapshots_then_resumes(tmp_path, s3):
         filler = shm / "filler"
         with open(filler, "wb") as f:
             os.posix_fallocate(f.fileno(), 0, filler_bytes)
+        # (keep_last: steps 6, 7 and 8 may all persist, and with the default 3 step 0 would be
+        # retired, as it should be, before the check below that it was committed)
         cfg = MoCConfig(storage="s3://ckpt/run", storage_options=s3.options, snapshot_dir=str(shm), interval=1,
-                        k_snapshot=2, k_persist=1)
+                        k_snapshot=2, k_persist=1, keep_last=10)
         model, opt, task = make(0)
         with CheckpointManager(cfg, model=model, optimizer=opt) as ckpt:
             train_step(model, opt, task, 0, ckpt)
