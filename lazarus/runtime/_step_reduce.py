@@ -83,9 +83,8 @@ def all_reduce_step(
     if ride:
         tail = flat[n:].double()
         out_sums = [float(x) for x in tail[: len(sums)]]
-        slots = tail[len(sums):].view(len(maxima), world) if maxima else tail[:0].view(0, world)
-        out_max = [int(x) for x in slots.max(dim=1).values.round().long()] if maxima else []
-        return out_sums, out_max
+        slots = tail[len(sums):].view(len(maxima), world)
+        return out_sums, [int(x) for x in slots.max(dim=1).values.round().long()] if maxima else []
     out_sums, out_max = [], []
     if sums:
         t = torch.tensor([float(s) for s in sums], dtype=torch.float64, device=flat.device)

@@ -328,13 +328,13 @@ class ElasticTrainer:
         sums = [sum(layer.expert_grad_sq() for layer in layers)] if self.config.grad_clip is not None else []
         # (dense: divided by the world as DDP does; replicated: times the layer's scale, as
         # the layer's own sync does, so the values are those of the separate reductions)
+        # (one rank: nothing to average, its replicated gradients are its own)
         params: list[tuple[nn.Parameter, Callable[[torch.Tensor], torch.Tensor]]] = []
-        params += [(p, lambda g: g / self.world) for p in self.reconf.dense_params()]
-        for layer in layers:
-            scale = 1.0 / layer.world_size if layer.grad_reduction == "mean" else 1.0
-            params += [(p, lambda g, s=scale: g * s) for p in layer.replicated_parameters()]
-        if self.world <= 1:
-            params = []   # nothing to average (a rank's replicated gradients are its own)
+        if self.world > 1:
+            params += [(p, lambda g: g / self.world) for p in self.reconf.dense_params()]
+            for layer in layers:
+                scale = 1.0 / layer.world_size if layer.grad_reduction == "mean" else 1.0
+                params += [(p, lambda g, s=scale: g * s) for p in layer.replicated_parameters()]
         summed, (target,) = all_reduce_step(params, sums=sums, maxima=[self._pending_generation()],
                                             rank=self.rank, world=self.world)
         return (summed[0] if summed else 0.0), target
