@@ -30,11 +30,14 @@ log = logging.getLogger("lazarus.reconfigure")
 class MocGroups:
     """Expects of the class it is mixed into: ``t`` (the trainer), ``sockets`` (this
     generation's :class:`SocketTracker`), ``_superseded`` (an Event set once a newer plan
-    arrived) and ``_store_client(spec, generation)``."""
+    arrived), ``_store_client(spec, generation)`` and the client it returns as ``_store``,
+    its sockets in ``_store_sockets``."""
 
     t: Any
     sockets: SocketTracker
     _superseded: threading.Event
+    _store: Any
+    _store_sockets: SocketTracker
 
     def _init_moc_groups(self) -> None:
         self._moc_comm: tuple[threading.Thread, dict[str, Any]] | None = None   # see _start_moc_comm
@@ -119,11 +122,23 @@ class MocGroups:
     def _drop_moc_comm(self) -> None:
         """A plan that failed: let go of the groups' thread without waiting (its groups are
         private: nothing it does later touches the next plan's). Groups it formed are
-        aborted, once it ends if it is still forming."""
+        aborted, once it ends if it is still forming.
+
+        The thread forms them on the rendezvous' store client, and torch's client runs one
+        operation at a time: a thread still waiting there for a peer that died (a store
+        wait of up to ``rendezvous_timeout``) would hold the next plan's rendezvous on the
+        same store as long (soak seed 4: a node killed while the plan for an earlier kill was
+        applied cost the survivors 30 s). So the client goes with the thread: its sockets
+        are shut (the thread's wait fails now) and the next plan connects a new one."""
         pending, self._moc_comm = self._moc_comm, None
         if pending is None:
             return
         th, box = pending
+        if th.is_alive() and self._store is not None:
+            n = self._store_sockets.shutdown_all()
+            self._store = None
+            log.info("node %s step %d gen %d: moc's groups were still connecting; their store client dropped "
+                     "(%d connections shut)", self.t.where, self.t.step, self.t.generation, n)
 
         def discard() -> None:
             th.join()
