@@ -5,7 +5,7 @@ Each run is a separate ``main.py`` process (its own work directory under ``--dir
 record as JSON beside it). The table has one row per run: seed, load, faults by kind,
 survived, time lost median / max per kind, steps lost, the longest time without a
 checkpoint reaching storage, and every check; then time lost
-per kind over all runs against the issue-28 targets (node or worker kill <= 2 s,
+per kind over all runs against the issue-28 targets (node or worker kill <= 2 s, also during a join, a reconfiguration or two within the grace,
 controller kill 0 steps and <= 2 s, storage outage 0 s). It is printed and written to
 ``benchmarks/soak/matrix.md``.
 
