@@ -94,7 +94,7 @@ soak: $(STAMP)
 	$(VPY) benchmarks/soak/main.py --minutes $(MINUTES) --seed $(SEED) --load $(LOAD)
 
 # The soak for SEEDS seeds (a count, or a comma list) x MINUTES x LOADS (not part of `make test`
-# nor `make bench`; 10 x 10 min x {0, 2}: 20 soaks of 12-15 min, 4-5 hours on 2 cores). One table: benchmarks/soak/matrix.md.
+# nor `make bench`; 10 x 10 min x {0, 2}: 20 soaks of 12-18 min, 4-5 hours on 2 cores). One table: benchmarks/soak/matrix.md.
 SEEDS ?= 10
 LOADS ?= 0,2
 soak-matrix: $(STAMP)

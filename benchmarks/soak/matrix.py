@@ -9,7 +9,7 @@ per kind over all runs against the issue-28 targets (node or worker kill <= 2 s,
 controller kill 0 steps and <= 2 s, storage outage 0 s). It is printed and written to
 ``benchmarks/soak/matrix.md``.
 
-Rerun: ``make soak-matrix`` (10 seeds x 10 minutes x {idle, --load 2}: 20 soaks of 12-15
+Rerun: ``make soak-matrix`` (10 seeds x 10 minutes x {idle, --load 2}: 20 soaks of 12-18
 minutes each, calibration and the final checks included: 4-5 hours on 2 cores), or ``python benchmarks/soak/matrix.py --seeds 7,8 --minutes 3 --loads 0,2``.
 Exit status 0 when every run passed every check, else 1.
 """
