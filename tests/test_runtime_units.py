@@ -255,6 +255,7 @@ def test_a_newer_plan_abandons_moc_groups_that_wait_for_a_dead_peer() -> None:
     th.start()
     r = object.__new__(Reconfigurer)
     r._moc_comm, r._moc_groups_wait, r._superseded = (th, box), 0.0, threading.Event()
+    r._store, r._store_sockets = None, SocketTracker()   # its store is not a rendezvous client here
     r.t = type("T", (), {"where": "n0", "step": 7, "generation": 3})()
     threading.Timer(0.3, r._superseded.set).start()
     t0 = time.monotonic()
