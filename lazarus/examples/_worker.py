@@ -47,6 +47,8 @@ def add_job_arguments(p: argparse.ArgumentParser, *, batch_size: int) -> None:
     p.add_argument("--collective-timeout", type=_duration, default=timedelta(seconds=10))
     p.add_argument("--rendezvous-timeout", type=_duration, default=timedelta(seconds=30))
     p.add_argument("--plan-timeout", type=_duration, default=timedelta(seconds=60))
+    p.add_argument("--connect-timeout", type=_duration, default=timedelta(milliseconds=300),
+                   help="ElasticConfig.connect_timeout: forming a group waits this long for any one member")
     p.add_argument("--report-every", type=int, default=10)
     p.add_argument("--metrics", default=None, help="JSON-lines metrics file written by rank 0")
     p.add_argument("--digests", default=None,
@@ -87,7 +89,8 @@ def elastic_config(args: argparse.Namespace, *, top_k: int) -> Any:
                             k_persist=args.k_persist, persist_every=args.persist_every, top_k=top_k,
                             snapshot_copies=args.snapshot_copies, keep_last=2)
     return ElasticConfig(collective_timeout=args.collective_timeout, rendezvous_timeout=args.rendezvous_timeout,
-                         plan_timeout=args.plan_timeout, report_every=args.report_every, moc=moc_cfg,
+                         plan_timeout=args.plan_timeout, connect_timeout=args.connect_timeout,
+                         report_every=args.report_every, moc=moc_cfg,
                          metrics_path=args.metrics, device=args.device, backend=args.backend,
                          lost_experts=args.lost_experts)
 

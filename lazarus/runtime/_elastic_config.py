@@ -25,6 +25,13 @@ class ElasticConfig:
             a hung host) surfaces as an error after this long; a killed one at once.
         rendezvous_timeout: how long joining a new generation may take (all members
             arriving + ``init_process_group``). Must exceed ``collective_timeout``.
+        connect_timeout: how long forming a generation's gloo group waits for any one
+            peer (its address on the store, its connection), once every member arrived.
+            gloo retries a connection up to 5 times this, and nothing interrupts it: a
+            node that dies while the group forms holds the others that long. A member
+            slower than this fails the attempt; the next attempt waits 4x longer (up to
+            ``collective_timeout``), back to this once a group formed. NCCL groups form
+            with ``collective_timeout`` (a communicator is aborted instead).
         plan_timeout: how long a survivor waits for the controller's next plan after a
             broken collective before giving up (exit status 75).
         report_every: steps between routing-count / progress reports to the controller.
@@ -62,6 +69,7 @@ class ElasticConfig:
 
     collective_timeout: timedelta = timedelta(seconds=10)
     rendezvous_timeout: timedelta = timedelta(seconds=30)
+    connect_timeout: timedelta = timedelta(milliseconds=300)
     plan_timeout: timedelta = timedelta(seconds=60)
     report_every: int = 10
     moc: Union[MoCConfig, None] = None
@@ -73,13 +81,18 @@ class ElasticConfig:
     lost_experts: Union[str, None] = None
 
     def __post_init__(self) -> None:
-        for name in ("collective_timeout", "rendezvous_timeout", "plan_timeout"):
+        for name in ("collective_timeout", "rendezvous_timeout", "plan_timeout", "connect_timeout"):
             value = getattr(self, name)
             if not isinstance(value, timedelta) or value <= timedelta(0):
                 raise ValueError(f"ElasticConfig.{name} must be a positive timedelta, got {value!r}")
         if self.rendezvous_timeout <= self.collective_timeout:
             raise ValueError(
                 f"ElasticConfig.rendezvous_timeout ({self.rendezvous_timeout}) must be longer than "
+                f"collective_timeout ({self.collective_timeout})"
+            )
+        if self.connect_timeout > self.collective_timeout:
+            raise ValueError(
+                f"ElasticConfig.connect_timeout ({self.connect_timeout}) must not exceed "
                 f"collective_timeout ({self.collective_timeout})"
             )
         if isinstance(self.report_every, bool) or not isinstance(self.report_every, int) or self.report_every < 1:

@@ -93,6 +93,7 @@ class Reconfigurer(JoinGate, MocGroups):
         self.sockets = self.aborter.sockets    # gloo connections opened by our groups
         self._store_sockets = SocketTracker()
         self._superseded = threading.Event()  # set while applying a plan once a newer one arrived
+        self._form_failures = 0   # group formations in a row that failed with nobody dying (_form_timeout)
         self._init_moc_groups()
         self._init_join_gate()
         self.rollback: dict[str, Any] | None = None   # what the newest plan's rollback did (lost_experts="replay")
@@ -228,15 +229,26 @@ class Reconfigurer(JoinGate, MocGroups):
                 raise TimeoutError(f"rendezvous of generation {plan['generation']} timed out")
             time.sleep(0.005)
         reset_group_names()   # a failed earlier attempt may have advanced the names here only
+        form = self._form_timeout()
         with self.sockets.track():
             # NCCL: cuda:nccl for device tensors, cpu:gloo for the small host agreements;
             # the watchdog's timeout is the group's (collective_timeout). With the device
             # (nccl_init_kwargs) the NCCL communicator is formed here, eagerly, inside this
             # interruptible rendezvous: init errors surface here, and a newer plan aborts a
             # half-formed (non-blocking) one instead of a first training collective doing it.
-            dist.init_process_group(t.backend.init_backend, store=dist.PrefixStore(prefix + "/pg", store),
-                                    rank=rank, world_size=world, timeout=t.config.collective_timeout,
-                                    **nccl_init_kwargs(t.backend))
+            # gloo: formed with the short connect timeout (see _form_timeout), the group's
+            # collectives then get collective_timeout.
+            try:
+                dist.init_process_group(t.backend.init_backend, store=dist.PrefixStore(prefix + "/pg", store),
+                                        rank=rank, world_size=world, timeout=form,
+                                        **nccl_init_kwargs(t.backend))
+            except Exception:
+                if not self._superseded.is_set():   # nobody died meanwhile: a slow member, wait longer next time
+                    self._form_failures += 1
+                raise
+        self._form_failures = 0
+        if form != t.config.collective_timeout:
+            dist.distributed_c10d._set_pg_timeout(t.config.collective_timeout)
         self.aborter.formed()
         if t.backend.backend == "nccl":
             self._nccl_ready(plan)
@@ -245,6 +257,20 @@ class Reconfigurer(JoinGate, MocGroups):
         # what torchrun would say, for user code that reads it (the rank changes with the plan)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), GROUP_RANK=str(members.index(t.node)),
                           LOCAL_RANK=str(t.local_rank), LOCAL_WORLD_SIZE=str(t.local_world))
+
+    def _form_timeout(self) -> timedelta:
+        """How long ``init_process_group`` waits for any one peer. gloo retries a connection
+        to a peer up to 5x its timeout and no socket shutdown stops it: a member that dies
+        while the group forms (after arriving at the counter) held the others 5x
+        ``collective_timeout`` (25 s in the soak, seed 4) while the next plan waited. Every
+        member has arrived before this, so its address and connection are due within
+        milliseconds: ``connect_timeout``, 4x longer after each attempt that failed with
+        nobody dying (a member slowed by load, a slow name lookup), ``collective_timeout`` at
+        most. NCCL: ``collective_timeout`` (its communicator is aborted instead)."""
+        cfg = self.t.config
+        if self.t.backend.backend == "nccl":
+            return cfg.collective_timeout
+        return min(cfg.connect_timeout * (4 ** min(self._form_failures, 8)), cfg.collective_timeout)
 
     def _nccl_ready(self, plan: dict[str, Any]) -> None:
         """Wait until this generation's NCCL communicator works: one all-reduce of one
