@@ -3,7 +3,8 @@
 ``run_ranks(fn, world, tmp, *args)`` starts ``world`` processes that join one gloo group
 (FileStore rendezvous, finite timeouts) and call ``fn(rank, world, *args)``; a rank's
 traceback is written to ``tmp/err.<rank>`` and reported by the parent, which kills any
-rank still alive when it returns, passed or not.
+rank still alive when it returns, passed or not. A rank that finished exits with
+``os._exit(0)`` (no interpreter finalization, see ``_entry``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing as mp
 import os
+import sys
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -34,6 +36,14 @@ def _entry(module: str, fn_name: str, rank: int, world: int, tmp: str, args: tup
     except BaseException:
         err.write_text(traceback.format_exc())
         os._exit(1)
+    # The rank's work is done and its group destroyed: leave without the interpreter's
+    # finalization, where torch objects (gloo work, tensors with Python references, held
+    # by C++ threads) are torn down in no defined order. A CI run once saw a rank that had
+    # passed everything die there with SIGABRT ("terminate called without an active
+    # exception", tests/test_moe_host_sync.py); 26 runs here, idle and loaded, did not.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn: Callable[..., Any], world: int, tmp: Path, *args: Any, join_s: float = 200) -> None:
