@@ -120,6 +120,8 @@ def test_survivors_of_a_member_killed_while_the_group_forms_fail_fast_and_form_t
         # gen 11 failed (a member died), within gloo's 5 retries of connect_timeout plus
         # process noise: far from the 25 s of 5x collective_timeout
         assert r["gen11"] != "formed", r
+        # gloo's own error, raised through (not one of our logging or bookkeeping)
+        assert r["gen11"].split(":")[0] in ("RuntimeError", "DistError", "DistNetworkError", "DistStoreError"), r
         assert r["gen11_s"] < 5 * CONNECT_S + 2.5 < COLLECTIVE_S, (n, r)
         assert r["failures_after_11"] == 1, r    # nobody superseded it: the next attempt waits longer
         assert r["failures_after_12"] == 0, r    # and once formed, back to connect_timeout

@@ -243,8 +243,12 @@ class Reconfigurer(JoinGate, MocGroups):
                                         rank=rank, world_size=world, timeout=form,
                                         **nccl_init_kwargs(t.backend))
             except Exception:
-                if not self._superseded.is_set():   # nobody died meanwhile: a slow member, wait longer next time
+                # no newer plan meanwhile: a slow member (or a death not yet planned): wait longer next time
+                if not self._superseded.is_set():
                     self._form_failures += 1
+                    log.warning("node %s step %d: the group of generation %s did not form within %.2f s per member; "
+                                "the next attempt waits %.2f s", t.where, t.step, plan["generation"],
+                                form.total_seconds(), self._form_timeout().total_seconds())
                 raise
         self._form_failures = 0
         if form != t.config.collective_timeout:
