@@ -22,8 +22,11 @@
 #include <vector>
 
 #include "dispatch_core.h"
+#include "dispatch_msg.h"
 
 namespace {
+
+using lazarus_dispatch::msg;   // error messages without iostreams (dispatch_msg.h)
 
 using lazarus_dispatch::beats;
 using lazarus_dispatch::overlap;
@@ -74,10 +77,10 @@ struct ExpertPlan {
 };
 
 void check_counts(const at::Tensor& R, const at::Tensor& T) {
-  TORCH_CHECK_VALUE(R.dim() == 2, "replicas must be a 2-D [E, N] tensor, got ", R.dim(), " dims");
-  TORCH_CHECK_VALUE(T.dim() == 2, "tokens must be a 2-D [E, N] tensor, got ", T.dim(), " dims");
-  TORCH_CHECK_VALUE(R.sizes() == T.sizes(), "replicas ", R.sizes(), " and tokens ", T.sizes(),
-                    " must have the same [E, N] shape");
+  TORCH_CHECK_VALUE(R.dim() == 2, msg("replicas must be a 2-D [E, N] tensor, got ", R.dim(), " dims"));
+  TORCH_CHECK_VALUE(T.dim() == 2, msg("tokens must be a 2-D [E, N] tensor, got ", T.dim(), " dims"));
+  TORCH_CHECK_VALUE(R.sizes() == T.sizes(), msg("replicas ", R.sizes(), " and tokens ", T.sizes(),
+                    " must have the same [E, N] shape"));
   TORCH_CHECK_VALUE(R.scalar_type() == at::kLong && T.scalar_type() == at::kLong,
                     "replicas and tokens must be int64");
   TORCH_CHECK_VALUE(R.device().is_cpu() && T.device().is_cpu(), "expected CPU tensors");
@@ -85,9 +88,8 @@ void check_counts(const at::Tensor& R, const at::Tensor& T) {
   TORCH_CHECK_VALUE(R.min().item<int64_t>() >= 0, "replicas must be non-negative");
   TORCH_CHECK_VALUE(T.min().item<int64_t>() >= 0, "tokens must be non-negative");
   const auto orphan = at::logical_and(R.sum(1) == 0, T.sum(1) > 0);
-  TORCH_CHECK_VALUE(!orphan.any().item<bool>(),
-                    "tokens routes tokens to an expert with zero replicas (expert ",
-                    orphan.nonzero().flatten()[0].item<int64_t>(), ")");
+  TORCH_CHECK_VALUE(!orphan.any().item<bool>(), msg("tokens routes tokens to an expert with zero replicas (expert ",
+                    orphan.nonzero().flatten()[0].item<int64_t>(), ")"));
 }
 
 int64_t grain(int64_t n) { return std::max<int64_t>(1, 4096 / std::max<int64_t>(n, 1)); }
@@ -124,7 +126,7 @@ std::tuple<at::Tensor, at::Tensor> dispatch_rank_cpu(const at::Tensor& replicas,
   const auto R = replicas.contiguous();
   const auto T = tokens.contiguous();
   const int64_t E = R.size(0), N = R.size(1);
-  TORCH_CHECK_VALUE(rank >= 0 && rank < N, "rank must be in [0, ", N - 1, "], got ", rank);
+  TORCH_CHECK_VALUE(rank >= 0 && rank < N, msg("rank must be in [0, ", N - 1, "], got ", rank));
   auto send = at::zeros({N, E}, R.options());
   auto recv = at::zeros({N, E}, R.options());
   const int64_t* Rp = R.data_ptr<int64_t>();
@@ -158,7 +160,7 @@ at::Tensor dispatch_permutation_cpu(const at::Tensor& experts, const at::Tensor&
   const int64_t* sp = sd.data_ptr<int64_t>();
   std::vector<int64_t> count(E, 0), start(E, 0), cursor(E, 0);
   for (int64_t m = 0; m < M; ++m) {
-    TORCH_CHECK_VALUE(xp[m] >= 0 && xp[m] < E, "experts holds id ", xp[m], " outside [0, ", E - 1, "]");
+    TORCH_CHECK_VALUE(xp[m] >= 0 && xp[m] < E, msg("experts holds id ", xp[m], " outside [0, ", E - 1, "]"));
     count[xp[m]] += 1;
   }
   for (int64_t e = 0; e < E; ++e) {
@@ -167,7 +169,7 @@ at::Tensor dispatch_permutation_cpu(const at::Tensor& experts, const at::Tensor&
       TORCH_CHECK_VALUE(sp[j * E + e] >= 0, "send must be non-negative");
       s += sp[j * E + e];
     }
-    TORCH_CHECK_VALUE(s == count[e], "send sends ", s, " tokens of expert ", e, " but experts routes ", count[e]);
+    TORCH_CHECK_VALUE(s == count[e], msg("send sends ", s, " tokens of expert ", e, " but experts routes ", count[e]));
     if (e > 0) start[e] = start[e - 1] + count[e - 1];
   }
   // Stable counting sort: tokens of each expert in their original order.

@@ -7,15 +7,18 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "dispatch_kernels.h"
+#include "dispatch_msg.h"
 
 namespace {
 
+using lazarus_dispatch::msg;   // error messages without iostreams (dispatch_msg.h)
+
 // Shapes, dtypes and devices: metadata only, never a host sync.
 void check_count_shapes_cuda(const at::Tensor& R, const at::Tensor& T) {
-  TORCH_CHECK_VALUE(R.dim() == 2, "replicas must be a 2-D [E, N] tensor, got ", R.dim(), " dims");
-  TORCH_CHECK_VALUE(T.dim() == 2, "tokens must be a 2-D [E, N] tensor, got ", T.dim(), " dims");
-  TORCH_CHECK_VALUE(R.sizes() == T.sizes(), "replicas ", R.sizes(), " and tokens ", T.sizes(),
-                    " must have the same [E, N] shape");
+  TORCH_CHECK_VALUE(R.dim() == 2, msg("replicas must be a 2-D [E, N] tensor, got ", R.dim(), " dims"));
+  TORCH_CHECK_VALUE(T.dim() == 2, msg("tokens must be a 2-D [E, N] tensor, got ", T.dim(), " dims"));
+  TORCH_CHECK_VALUE(R.sizes() == T.sizes(), msg("replicas ", R.sizes(), " and tokens ", T.sizes(),
+                    " must have the same [E, N] shape"));
   TORCH_CHECK_VALUE(R.scalar_type() == at::kLong && T.scalar_type() == at::kLong,
                     "replicas and tokens must be int64");
   TORCH_CHECK_VALUE(R.is_cuda() && T.is_cuda() && R.device() == T.device(),
@@ -33,7 +36,7 @@ void check_count_values_cuda(const at::Tensor& R, const at::Tensor& T) {
   TORCH_CHECK_VALUE(!b[2], "tokens routes tokens to an expert with zero replicas");
 }
 
-void check_cuda(cudaError_t err) { TORCH_CHECK(err == cudaSuccess, "lazarus dispatch kernel: ", cudaGetErrorString(err)); }
+void check_cuda(cudaError_t err) { TORCH_CHECK(err == cudaSuccess, msg("lazarus dispatch kernel: ", cudaGetErrorString(err))); }
 
 at::Tensor plan(const at::Tensor& R, const at::Tensor& T) {
   const int64_t E = R.size(0), N = R.size(1);
@@ -65,7 +68,7 @@ std::tuple<at::Tensor, at::Tensor> dispatch_rank_cuda(const at::Tensor& replicas
   const auto R = replicas.contiguous();
   const auto T = tokens.contiguous();
   const int64_t E = R.size(0), N = R.size(1);
-  TORCH_CHECK_VALUE(rank >= 0 && rank < N, "rank must be in [0, ", N - 1, "], got ", rank);
+  TORCH_CHECK_VALUE(rank >= 0 && rank < N, msg("rank must be in [0, ", N - 1, "], got ", rank));
   const auto ws = plan(R, T);
   auto send = at::empty({N, E}, R.options());
   auto recv = at::empty({N, E}, R.options());
@@ -95,7 +98,7 @@ at::Tensor dispatch_permutation_cuda(const at::Tensor& experts, const at::Tensor
     const auto bad = at::stack({at::logical_not(in_range).any(), (sd < 0).any(),
                                 (routed.slice(0, 0, E) != counts).any()}).cpu();
     const bool* b = bad.data_ptr<bool>();
-    TORCH_CHECK_VALUE(!b[0], "experts holds ids outside [0, ", E - 1, "]");
+    TORCH_CHECK_VALUE(!b[0], msg("experts holds ids outside [0, ", E - 1, "]"));
     TORCH_CHECK_VALUE(!b[1], "send must be non-negative");
     TORCH_CHECK_VALUE(!b[2], "send does not send exactly the tokens experts routes");
   }

@@ -285,6 +285,10 @@ class CheckpointManager:
         ``scope="local"``: this rank's tokens (the manager sums over ranks);
         ``"global"``: counts already summed over ranks and identical on every rank (what
         lazarus MoE layers report; they are wired up automatically).
+
+        ``counts`` on a GPU are summed there; at the next checkpoint or decision step they
+        are copied to the host without waiting and counted once the copy is done, so
+        calling this every step never waits for the device.
         """
         self._fed.add(layer)
         self.policy.record_routing(layer, counts, scope=scope)

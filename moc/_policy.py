@@ -66,6 +66,10 @@ class CheckpointPolicy:
         # rank, so any survivor can hand them to the next manager).
         self._pending = {layer: torch.zeros(n, dtype=torch.int64) for layer, n in self.num_experts.items()}
         self._pending_global = {layer: torch.zeros(n, dtype=torch.int64) for layer, n in self.num_experts.items()}
+        # Counts given as device tensors, summed there until the next sync: (scope, layer) ->
+        # tensor; then copied to the host without waiting: (event, host tensor, keys).
+        self._on_device: dict[tuple[str, str], torch.Tensor] = {}
+        self._in_flight: list[tuple[Any, torch.Tensor, list[tuple[str, str]]]] = []
         self.checkpoints = 0        # snapshots taken by the job
         self.persist_rounds = 0     # of which designated for storage
         self.recoveries = 0
@@ -86,24 +90,72 @@ class CheckpointPolicy:
             raise ValueError(f"scope must be 'local' or 'global', got {scope!r}")
         if layer not in self._pending:
             raise KeyError(f"unknown MoE layer {layer!r}; known: {sorted(self._pending)}")
-        t = torch.as_tensor(counts, dtype=torch.int64).reshape(-1).cpu()
+        t = torch.as_tensor(counts).reshape(-1)
         if t.numel() != self._pending[layer].numel():
             raise ValueError(f"layer {layer!r} has {self._pending[layer].numel()} experts, got {t.numel()} counts")
+        t = t.to(torch.int64)
+        if t.device.type != "cpu":
+            # Summed where they are and read at the next sync: a copy to the host here would
+            # make every step wait for the device (one call per layer per step).
+            prev = self._on_device.get((scope, layer))
+            self._on_device[(scope, layer)] = t.clone() if prev is None else prev.add_(t.to(prev.device))
+            return
         if scope == "global":
             self._pending_global[layer] += t   # counted once over the job (not summed over ranks)
         else:
             self._pending[layer] += t
+
+    def _fetch_device_counts(self, *, wait: bool) -> None:
+        """Book the counts summed on devices. Their copy to the host is issued here without
+        waiting (pinned memory, an event behind it) and booked once the event has passed:
+        at this call when ``wait`` (or when the copy is already done), else at a later one.
+        Reading them at once would make the checkpoint step wait for every kernel queued
+        before it. A count booked one decision late was routed before a snapshot it is
+        booked after: PLT then counts it as unsaved, erring on the safe side."""
+        if self._on_device:
+            by_device: dict[torch.device, list[tuple[str, str]]] = {}
+            for key, t in self._on_device.items():
+                by_device.setdefault(t.device, []).append(key)
+            for device, keys in by_device.items():
+                flat = torch.cat([self._on_device[k] for k in keys])
+                event = None
+                if device.type == "cuda":
+                    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                    with torch.cuda.device(device):
+                        host.copy_(flat, non_blocking=True)
+                        event = torch.cuda.Event()
+                        event.record()
+                else:
+                    host = flat.cpu()
+                self._in_flight.append((event, host, keys))
+            self._on_device.clear()
+        waiting = []
+        for event, host, keys in self._in_flight:
+            if event is not None and not wait and not event.query():
+                waiting.append((event, host, keys))
+                continue
+            if event is not None:
+                event.synchronize()
+            pos = 0
+            for scope, layer in keys:
+                n = self._pending[layer].numel()
+                (self._pending_global if scope == "global" else self._pending)[layer] += host[pos: pos + n]
+                pos += n
+        self._in_flight = waiting
 
     @property
     def routing_len(self) -> int:
         """Length of the flat routing-count vector (every layer's experts, in layer order)."""
         return sum(t.numel() for t in self._pending.values())
 
-    def take_routing(self, drain: Callable[[Callable[..., None]], None] | None = None) -> torch.Tensor:
+    def take_routing(self, drain: Callable[[Callable[..., None]], None] | None = None, *,
+                     wait: bool = False) -> torch.Tensor:
         """This rank's pending routing counts, flat in layer order, and zero them
-        (``drain`` first hands over counts gathered elsewhere: router taps)."""
+        (``drain`` first hands over counts gathered elsewhere: router taps). Counts given
+        on a GPU are in it once their copy to the host is done (``wait``: now)."""
         if drain is not None:
             drain(self.record_routing)
+        self._fetch_device_counts(wait=wait)
         flat = torch.cat([self._pending[l] for l in self._pending])
         if self.run.rank == 0:
             # Counted once over the job: only rank 0 brings them to the sum over ranks.
@@ -127,6 +179,7 @@ class CheckpointPolicy:
 
     def pending_state(self) -> dict[str, dict[str, list[int]]]:
         """Routing counts not yet synced, for the manager that replaces this one."""
+        self._fetch_device_counts(wait=True)
         return {"local": {l: [int(x) for x in t.tolist()] for l, t in self._pending.items()},
                 "global": {l: [int(x) for x in t.tolist()] for l, t in self._pending_global.items()}}
 
@@ -152,7 +205,7 @@ class CheckpointPolicy:
     def sync_routing(self, drain: Callable[[Callable[..., None]], None] | None = None) -> None:
         """Fold the pending per-rank routing counts into the global PLT counters
         (collective: one all-reduce; checkpoints carry the counts in their round instead)."""
-        flat = self.take_routing(drain)
+        flat = self.take_routing(drain, wait=True)
         self.comm.sum_int64(flat)
         self.fold_routing(flat)
 

@@ -238,7 +238,9 @@ class RouterTaps:
         """Hand the counts to ``record``. Raises ``ValueError`` naming the router of every
         layer whose outputs held no readable expert slots (``fed(layer)``: the user feeds
         that layer with ``record_routing``, so its router needs no reading)."""
-        layers = list(dict.fromkeys([l for l, _ in self._pending] + [l for l, _ in self._why]))
+        # A layer the user feeds is not read at all: its counts would be booked twice, and
+        # reading a reading checks values on the host (a wait for the device on a GPU).
+        layers = [l for l in dict.fromkeys([l for l, _ in self._pending] + [l for l, _ in self._why]) if not fed(l)]
         picked = {l: self._pick(l) for l in layers}
         self._pending, self._why = {}, {}
         bad = {l: why for l, why in self.unreadable.items() if not fed(l)}

@@ -4,6 +4,11 @@ is exercised by ``tests/gpu`` (``make test-gpu``)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import torch
 
 from moc._buffers import BufferPool
@@ -48,25 +53,69 @@ def test_cuda_copier_needs_a_device() -> None:
         CudaCopier([])
 
 
+def _fs_type(path: str) -> str:
+    """The file system type of ``path`` (the longest mount point above it in /proc/mounts)."""
+    best, kind = "", ""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                mount = parts[1].replace("\\040", " ")
+                if os.path.realpath(path).startswith(mount.rstrip("/") + "/") and len(mount) > len(best):
+                    best, kind = mount, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
 def test_page_locking_is_guarded_without_cuda(tmp_path) -> None:
     """``cudaHostRegister`` only where CUDA runs; elsewhere the buffer stays usable and
-    the engine keeps the thread-copy path (on a GPU machine the buffer is pinned)."""
+    the engine keeps the thread-copy path. On a GPU machine a buffer on tmpfs is pinned
+    (moc's default ``/dev/shm``) and one in an ordinary file is not: Linux refuses to pin
+    a writable shared mapping of such a file for long (seen on an H200: cudaError 1); the
+    buffer says why and stays usable."""
     with pytest.raises(ValueError, match="CPU tensor"):
         host_register(torch.empty(4, device="meta"))
+    cuda = torch.cuda.is_available()
+    where = tmp_path / "bufs"
+    if cuda and os.path.isdir("/dev/shm"):
+        where = Path(tempfile.mkdtemp(prefix="moc-pin-test-", dir="/dev/shm"))
+    pinnable = cuda and _fs_type(str(where)) == "tmpfs"
+    try:
+        pool = BufferPool(str(where))
+        buf = pool.acquire()
+        dev = torch.device("cuda", 0)
+        buf.ensure(1 << 16, pin=dev)
+        buf.settle()                                             # page-locked by the upkeep thread
+        assert buf.pinned == pinnable and buf.data.is_pinned() == pinnable, buf.pin_error
+        if cuda and not pinnable:
+            assert "cudaHostRegister" in buf.pin_error
+        buf.data[:5].copy_(torch.arange(5, dtype=torch.uint8))
+        assert bytes(buf.view(0, 5)) == bytes(range(5))
+        buf.ensure(4 << 20, pin=dev)                             # a resize re-registers (or stays unpinned)
+        buf.settle()
+        assert buf.capacity >= 4 << 20 and buf.pinned == pinnable
+        pool.remove_files()
+        assert not any(b.pinned for b in pool.buffers)
+    finally:
+        if where != tmp_path / "bufs":
+            shutil.rmtree(where, ignore_errors=True)
+
+
+def test_an_ordinary_file_is_not_page_locked_on_cuda(tmp_path) -> None:
+    """Where CUDA runs and ``tmp_path`` is an ordinary file system: the buffer is usable,
+    unpinned, and says why (without CUDA: unpinned, no CUDA call made)."""
     pool = BufferPool(str(tmp_path / "bufs"))
     buf = pool.acquire()
-    dev = torch.device("cuda", 0)
-    buf.ensure(1 << 16, pin=dev)
-    buf.settle()                                             # page-locked by the upkeep thread
-    assert buf.pinned == torch.cuda.is_available()
-    assert buf.data.is_pinned() == torch.cuda.is_available()
-    buf.data[:5].copy_(torch.arange(5, dtype=torch.uint8))
-    assert bytes(buf.view(0, 5)) == bytes(range(5))
-    buf.ensure(4 << 20, pin=dev)                             # a resize re-registers (or stays unpinned)
+    buf.ensure(1 << 16, pin=torch.device("cuda", 0))
     buf.settle()
-    assert buf.capacity >= 4 << 20 and buf.pinned == torch.cuda.is_available()
+    if torch.cuda.is_available() and _fs_type(str(tmp_path)) != "tmpfs":
+        assert not buf.pinned and "cudaHostRegister" in buf.pin_error, buf
+    elif not torch.cuda.is_available():
+        assert not buf.pinned
+    buf.data[:3].copy_(torch.arange(3, dtype=torch.uint8))
+    assert bytes(buf.view(0, 3)) == bytes(range(3))
     pool.remove_files()
-    assert not any(b.pinned for b in pool.buffers)
 
 
 def test_copy_into_is_blocking_on_the_host() -> None:

@@ -185,3 +185,21 @@ def test_real_models_route_what_their_experts_receive(tmp_path, arch, kind, laye
         ckpt.wait()
         assert {l: ckpt.plt_tracker.cum[l] for l in layers} == {l: counts[l].tolist() for l in layers}
         assert all(sum(counts[l].tolist()) > 0 for l in layers)
+
+
+def test_a_layer_the_user_feeds_is_not_read_from_its_router_too():
+    """A readable router (ids [tokens, 2]) whose layer the user also feeds with
+    ``record_routing``: the taps leave it alone (its counts booked once, not twice; no
+    reading of its values, which on a GPU would wait for the device), other layers are
+    still read."""
+    ids = torch.tensor([[0, 1], [1, 2], [3, 0]])
+    model = torch.nn.Module()
+    model.m = _Layer(lambda x: ids)
+    model.n = _Layer(lambda x: ids)
+    taps = RouterTaps(model, {"m": E, "n": E}, top_k=2)
+    model.train()
+    model.m(torch.zeros(3, 2))
+    model.n(torch.zeros(3, 2))
+    got = {}
+    taps.drain(lambda layer, c: got.__setitem__(layer, c.tolist()), fed=lambda layer: layer == "m")
+    assert got == {"n": [2, 2, 1, 1]}

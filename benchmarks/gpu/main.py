@@ -90,6 +90,7 @@ class MoE(nn.Module):
         n_exp, cap = len(self.experts), self.capacity
         gate, idx = self.router(x).float().softmax(-1).max(-1)
         onehot = F.one_hot(idx, n_exp)
+        self.last_counts = onehot.sum(0)      # tokens per expert, on the device (moc's record_routing)
         pos = ((onehot.cumsum(0) - 1) * onehot).sum(-1)
         keep = pos < cap
         slot = torch.where(keep, idx * cap + pos, torch.full_like(pos, n_exp * cap))
@@ -230,6 +231,7 @@ class DCPAsync(Method):
         self.dcp = dcp
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                    use_async_staging=True, use_non_blocking_copy=cuda))
+        self.renewed = 0
         self.response: Any = None
         self.hook = self.tr.opt.register_step_pre_hook(self._before_update)
 
@@ -238,7 +240,28 @@ class DCPAsync(Method):
         if r is not None and hasattr(r, "staging_completion"):
             r.staging_completion.result()
 
+    def _renew_if_closed(self) -> None:
+        """Some torch versions (2.11 on the H200 here) close the stager's inner
+        ``StateDictStager`` after every stage: its cache of pinned buffers is dropped and
+        its copy table cleared, so the next stage fails (``KeyError: <class 'type'>``).
+        A fresh one then, as torch would have (its pinned buffers are made anew: DCP's
+        real cost on that version); counted in the notes."""
+        from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+
+        inner = getattr(self.stager, "_state_dict_stager", None)
+        if inner is not None and hasattr(inner, "_deepcopy_dispatch") and not inner._deepcopy_dispatch:
+            cuda = self.tr.device.type == "cuda"
+            self.stager._state_dict_stager = StateDictStager(pin_memory=cuda, share_memory=False)
+            self.renewed += 1
+
+    def notes(self) -> str:
+        if not self.renewed:
+            return ""
+        return (f"DCP: torch {torch.__version__} closed the stager after each stage (its pinned buffers dropped); "
+                f"renewed {self.renewed} times")
+
     def checkpoint(self, step: int) -> None:
+        self._renew_if_closed()
         self.dir = self.root / f"dcp-{step}"
         state = {"model": self.tr.model.state_dict(), "optim": self.tr.opt.state_dict()}
         self.response = self.dcp.async_save(state, checkpoint_id=str(self.dir), async_stager=self.stager,
@@ -265,11 +288,19 @@ class MoC(Method):
                         interval=1, k_snapshot=self.k, k_persist=self.k, dynamic_k=False, keep_last=1,
                         storage_options={"fsync": False})
         self.ckpt = CheckpointManager(cfg, model=self.tr.model, optimizer=self.tr.opt)
+        self.feed()
         self.ckpt.step(self.tr.n)     # the run's first checkpoint holds every unit; K applies from the next
         self.ckpt.wait()
         self.calls: list[tuple[float, float]] = []
 
+    def feed(self) -> None:
+        """The routing counts (device tensors: moc sums them there, no host sync)."""
+        for name, m in self.tr.model.named_modules():
+            if isinstance(m, MoE):
+                self.ckpt.record_routing(name, m.last_counts)
+
     def checkpoint(self, step: int) -> None:
+        self.feed()
         self.ckpt.step(step)          # interval 1, called only on checkpoint steps
 
     def finish(self) -> None:

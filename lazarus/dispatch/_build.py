@@ -42,7 +42,7 @@ log = get_logger("lazarus.dispatch")
 BACKENDS = ("auto", "cpp", "torch")
 CPU_SOURCES = ("dispatch.cpp",)
 CUDA_SOURCES = ("dispatch_cuda.cpp", "dispatch_kernels.cu")
-HEADERS = ("dispatch_core.h", "dispatch_kernels.h")
+HEADERS = ("dispatch_core.h", "dispatch_msg.h", "dispatch_kernels.h")   # CPU needs the first two
 
 
 @dataclass
@@ -171,7 +171,7 @@ def _compile(src: Path, with_cuda: bool) -> None:
 def _missing_tools(src: Path, with_cuda: bool) -> str:
     from torch.utils import cpp_extension
 
-    needed = CPU_SOURCES + HEADERS[:1] + (CUDA_SOURCES + HEADERS[1:] if with_cuda else ())
+    needed = CPU_SOURCES + HEADERS[:2] + (CUDA_SOURCES + HEADERS[2:] if with_cuda else ())
     absent = [n for n in needed if not (src / n).exists()]
     if absent:
         return f"sources {absent} not found in {src} (set LAZARUS_CSRC)"

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 ACTIVATIONS = ("gelu", "relu", "silu")
 GRAD_REDUCTIONS = ("mean", "sum")
 TOP_K = (1, 2)
+ROUTER_DTYPES = ("float32", "input")
 
 
 def _int(name: str, value: object, lo: int) -> None:
@@ -32,6 +33,9 @@ class MoEConfig:
             size, the same average data-parallel training applies to dense gradients, so a
             step equals single-model training on the mean of the per-rank losses;
             ``"sum"`` leaves them summed (pair it with summed dense gradients).
+        router_dtype: ``"float32"`` (default) scores the router in float32 whatever the
+            model's dtype (in bf16, ties between experts' probabilities make the top-k
+            depend on the device's rounding); ``"input"`` scores in the input's dtype.
     """
 
     d_model: int
@@ -41,6 +45,7 @@ class MoEConfig:
     activation: str = "gelu"
     seed: int = 0
     grad_reduction: str = "mean"
+    router_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         _int("d_model", self.d_model, 1)
@@ -56,4 +61,8 @@ class MoEConfig:
         if self.grad_reduction not in GRAD_REDUCTIONS:
             raise ValueError(
                 f"MoEConfig.grad_reduction must be one of {list(GRAD_REDUCTIONS)}, got {self.grad_reduction!r}"
+            )
+        if self.router_dtype not in ROUTER_DTYPES:
+            raise ValueError(
+                f"MoEConfig.router_dtype must be one of {list(ROUTER_DTYPES)}, got {self.router_dtype!r}"
             )

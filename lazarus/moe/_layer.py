@@ -421,7 +421,8 @@ class MoELayer(ElasticMoE):
         super().__init__(config.num_experts, group=group, grad_reduction=config.grad_reduction)
         self.config = config
         slots = self._check_placement(placement)
-        self.router = SoftmaxRouter(config.d_model, config.num_experts, config.top_k, seed=config.seed)
+        self.router = SoftmaxRouter(config.d_model, config.num_experts, config.top_k, seed=config.seed,
+                                    score_dtype=config.router_dtype)
         self.experts = MLPExperts(config, slots[self.rank])
         self._init_placement(placement)
 

@@ -93,7 +93,7 @@ class Reconfigurer(JoinGate, MocGroups):
         self.sockets = self.aborter.sockets    # gloo connections opened by our groups
         self._store_sockets = SocketTracker()
         self._superseded = threading.Event()  # set while applying a plan once a newer one arrived
-        self._form_failures = 0   # group formations in a row that failed with nobody dying (_form_timeout)
+        self._form_failures = 0   # group formations in a row that failed with no newer plan meanwhile (_form_timeout)
         self._init_moc_groups()
         self._init_join_gate()
         self.rollback: dict[str, Any] | None = None   # what the newest plan's rollback did (lost_experts="replay")
@@ -269,7 +269,7 @@ class Reconfigurer(JoinGate, MocGroups):
         ``collective_timeout`` (25 s in the soak, seed 4) while the next plan waited. Every
         member has arrived before this, so its address and connection are due within
         milliseconds: ``connect_timeout``, 4x longer after each attempt that failed with
-        nobody dying (a member slowed by load, a slow name lookup), ``collective_timeout`` at
+        no newer plan meanwhile (a member slowed by load, a slow name lookup), ``collective_timeout`` at
         most. NCCL: ``collective_timeout`` (its communicator is aborted instead)."""
         cfg = self.t.config
         if self.t.backend.backend == "nccl":

@@ -41,6 +41,8 @@ def train_step(model, opt, task, step: int, ckpt=None, batch: int = 1024) -> flo
     loss.backward()
     opt.step()
     if ckpt is not None:
+        for layer, counts in model.routing_counts().items():   # CUDA tensors, as a model on the GPU has them
+            ckpt.record_routing(layer, counts)
         ckpt.step(step)
     return loss.item()
 
@@ -203,15 +205,16 @@ def test_restore_into_cuda_from_memory_and_from_storage(tmp_path, shm_dir) -> No
     torch.cuda.manual_seed(4321)
     torch.rand(3, device="cuda")                   # a CUDA RNG state of its own
     with CheckpointManager(cfg(tmp_path, shm_dir, interval=2), model=model, optimizer=opt) as ckpt:
-        for step in range(5):                      # checkpoints 0, 2, 4
-            train_step(model, opt, task, step, ckpt)
+        for step in range(9):                      # checkpoints 0, 2, 4, 6, 8: the first use of each of the
+            train_step(model, opt, task, step, ckpt)   # three buffers copies on the host (not page-locked yet),
+            settle(ckpt)                           # then they are: 6 and 8 copy on the side stream
         ckpt.wait()
-        assert ckpt.status()["device_snapshots_async"] >= 1
+        assert ckpt.status()["device_snapshots_async"] >= 1, ckpt.status()
         ckpt.close(keep_snapshots=True)
     torch.cuda.synchronize()
     truth = snapshot_of_now(model, opt)
-    cuda_rng = torch.cuda.get_rng_state()          # training used no CUDA randomness since step 4
-    reference_loss = train_step(model, opt, task, 5)
+    cuda_rng = torch.cuda.get_rng_state()          # training used no CUDA randomness since step 8
+    reference_loss = train_step(model, opt, task, 9)
 
     for level in ("memory", "storage"):
         if level == "storage":
@@ -222,7 +225,7 @@ def test_restore_into_cuda_from_memory_and_from_storage(tmp_path, shm_dir) -> No
         torch.cuda.manual_seed(99)
         assert not torch.equal(torch.cuda.get_rng_state(), cuda_rng)
         with CheckpointManager(cfg(tmp_path, shm_dir, interval=2), model=m2, optimizer=o2) as ck2:
-            assert ck2.restore() == 5
+            assert ck2.restore() == 9
             torch.cuda.synchronize()
             assert torch.equal(torch.cuda.get_rng_state(), cuda_rng), level
             got = snapshot_of_now(m2, o2)
@@ -234,7 +237,7 @@ def test_restore_into_cuda_from_memory_and_from_storage(tmp_path, shm_dir) -> No
             for k, st in truth["optim"].items():
                 for name, v in st.items():
                     assert torch.equal(got["optim"][k][name], v), (level, k, name)
-            assert train_step(m2, o2, task, 5) == pytest.approx(reference_loss, rel=1e-6)
+            assert train_step(m2, o2, task, 9) == pytest.approx(reference_loss, rel=1e-6)
             ck2.close(keep_snapshots=True)
         assert not live_registrations()
 
@@ -282,3 +285,35 @@ def test_fsdp2_dtensor_parameters_on_cuda(tmp_path, shm_dir) -> None:
                     assert torch.equal(got["optim"][k][name], v), (k, name)
     finally:
         dist.destroy_process_group()
+
+
+def test_record_routing_of_cuda_counts_never_waits_for_the_device(tmp_path, shm_dir) -> None:
+    """``ckpt.record_routing`` with the CUDA counts a model on the GPU has, every step:
+    no host sync in the call (torch's sync debug mode set to error), and the PLT counters
+    hold exactly the counts given once they are read."""
+    model, opt, task = make(dim=64, hidden=128)
+    layers = list(model.routing_counts())
+    given = {layer: torch.zeros(8, dtype=torch.int64) for layer in layers}
+    with CheckpointManager(cfg(tmp_path, shm_dir, interval=4, k_snapshot=2, dynamic_k=False),
+                           model=model, optimizer=opt) as ckpt:
+        for step in range(10):
+            x, y = task.batch(step, 256)
+            loss = F.cross_entropy(model(x.cuda()), y.cuda())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            counts = model.routing_counts()
+            assert all(c.is_cuda for c in counts.values())
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for layer, c in counts.items():
+                    ckpt.record_routing(layer, c)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            for layer, c in counts.items():
+                given[layer] += c.cpu()
+            ckpt.step(step)
+        ckpt.policy.sync_routing(ckpt._drain)
+        for layer in layers:
+            assert ckpt.policy.tracker.cum[layer] == given[layer].tolist(), layer
+        assert int(given[layers[0]].sum()) == 10 * 256
