@@ -214,7 +214,9 @@ class Persister:
             except Exception:  # noqa: BLE001 - reported by the snapshot engine
                 buf = None
         with self.run.lock:
-            if buf is None or buf.step != step or buf.state != READY:
+            # A buffer reserved for the next snapshot is the training thread's to refill: a
+            # lease taken on it now made that snapshot's acquire fail inside ``step()``.
+            if buf is None or buf.step != step or buf.state != READY or buf.reserved:
                 found = [b for b in self.pool.buffers if b.step == step and b.state == READY and not b.reserved]
                 buf = found[0] if found else None
             if buf is not None and (self.run.abandoned or hand.closed):
