@@ -161,6 +161,10 @@ class RouterTaps:
         self._armed: dict[str, bool] = {}
         self.unreadable: dict[str, str] = {}    # layer -> why no output of it was read
         self._why: dict[tuple[str, str], str] = {}
+        # Readings on a GPU are checked there: (event, flags copied to the host, [(layer, why)])
+        # waiting for the copy; a flag False means no reading of that layer held up.
+        self._checks: list[tuple[Any, torch.Tensor, list[tuple[str, str]]]] = []
+        self.check_on_device = False   # tests: CPU readings through the device path
         paths = {id(m): n for n, m in model.named_modules()}
         for layer, num in layers.items():
             if skip and layer in skip:
@@ -209,9 +213,22 @@ class RouterTaps:
             self._add(layer, "experts", found)
         return hook
 
+    def _failure(self, layer: str, source: str, r: _Reading) -> tuple[str, str] | None:
+        """The check reading ``r`` of ``source`` must pass: ``("overflow", why)`` (integer ids
+        beyond the layer's range), ``("dense", why)`` (more than top_k slots per token), or
+        None for an exact reading."""
+        name = self._names.get((layer, source), layer)
+        if r.overflow is not None:
+            return "overflow", (f"{name}: its integer output holds values >= "
+                                f"{self.widths.get(layer, self.layers[layer])} (not expert ids)")
+        if r.rows:
+            return "dense", (f"{name}: its float output [tokens, E] selects more than top_k = {self.top_k} "
+                             "experts per token (logits, not routing)")
+        return None
+
     def _pick(self, layer: str) -> torch.Tensor | None:
         """The layer's counts from the first reading that holds up; None (and a reason in
-        ``unreadable``) when none does."""
+        ``unreadable``) when none does. Reads the readings' values on the host."""
         why = []
         for source in ("router", "experts"):
             r = self._pending.get((layer, source))
@@ -220,29 +237,117 @@ class RouterTaps:
                 if (layer, source) in self._why:
                     why.append(f"{name}: {self._why[(layer, source)]}")
                 continue
-            if r.overflow is not None and int(r.overflow) > 0:
-                why.append(f"{name}: its integer output holds values >= {self.widths.get(layer, self.layers[layer])}"
-                           " (not expert ids)")
-                continue
-            if r.rows and int(r.counts.sum()) > r.rows * self.top_k:
-                why.append(f"{name}: its float output [tokens, E] selects more than top_k = {self.top_k} experts "
-                           "per token (logits, not routing)")
-                continue
+            failure = self._failure(layer, source, r)
+            if failure is not None:
+                kind, text = failure
+                if kind == "overflow" and int(r.overflow) > 0:
+                    why.append(text)
+                    continue
+                if kind == "dense" and int(r.counts.sum()) > r.rows * self.top_k:
+                    why.append(text)
+                    continue
             return r.counts
         if why:
             self.unreadable.setdefault(layer, "; ".join(why))
         return None
 
+    def _on_device(self, layer: str) -> torch.device | None:
+        """The GPU the layer's readings are on (None: all on the host)."""
+        for source in ("router", "experts"):
+            r = self._pending.get((layer, source))
+            if r is not None and r.counts.device.type != "cpu":
+                return r.counts.device
+        return torch.device("cpu") if self.check_on_device else None
+
+    def _pick_on(self, layer: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, str]:
+        """:meth:`_pick` without reading a value on the host: the first reading that holds
+        up is chosen on ``device``; returns (counts, held, why) with ``held`` a 0-dim bool
+        tensor, False when no reading held up (``why`` then says why, checked once the flag
+        reaches the host: :meth:`_settle_checks`)."""
+        why, chosen, held = [], None, None
+        for source in ("router", "experts"):
+            r = self._pending.get((layer, source))
+            name = self._names.get((layer, source), layer)
+            if r is None:
+                if (layer, source) in self._why:
+                    why.append(f"{name}: {self._why[(layer, source)]}")
+                continue
+            counts = r.counts.to(device, non_blocking=True)
+            ok = torch.ones((), dtype=torch.bool, device=device)
+            failure = self._failure(layer, source, r)
+            if failure is not None:
+                kind, text = failure
+                why.append(text)
+                if kind == "overflow":
+                    ok = r.overflow.to(device, non_blocking=True).reshape(()) == 0
+                else:
+                    ok = counts.sum() <= r.rows * self.top_k
+            if chosen is None:
+                chosen, held = torch.where(ok, counts, torch.zeros_like(counts)), ok
+            else:
+                use = ok & ~held
+                chosen, held = torch.where(use, counts, chosen), held | ok
+        return chosen, held, "; ".join(why)
+
+    def _settle_checks(self, *, wait: bool) -> None:
+        """Book the device checks whose flags reached the host: a layer none of whose
+        readings held up is ``unreadable`` (the drain then raises for it)."""
+        waiting = []
+        for event, flags, entries in self._checks:
+            if event is not None and not wait and not event.query():
+                waiting.append((event, flags, entries))
+                continue
+            if event is not None:
+                event.synchronize()
+            for held, (layer, why) in zip(flags.tolist(), entries):
+                if not held:
+                    self.unreadable.setdefault(layer, why or "no reading held up")
+        self._checks = waiting
+
+    def _check_later(self, held: list[tuple[str, torch.Tensor, str]]) -> None:
+        """Copy the layers' flags to the host without waiting (one copy per device)."""
+        by_device: dict[torch.device, list[tuple[str, torch.Tensor, str]]] = {}
+        for item in held:
+            by_device.setdefault(item[1].device, []).append(item)
+        for device, items in by_device.items():
+            flags = torch.stack([h for _, h, _ in items])
+            event = None
+            if device.type == "cuda":
+                host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+                with torch.cuda.device(device):
+                    host.copy_(flags, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record()
+            else:
+                host = flags.cpu()
+            self._checks.append((event, host, [(layer, why) for layer, _, why in items]))
+
     def drain(self, record: Callable[[str, torch.Tensor], None],
               fed: Callable[[str], bool] = lambda layer: False) -> None:
         """Hand the counts to ``record``. Raises ``ValueError`` naming the router of every
         layer whose outputs held no readable expert slots (``fed(layer)``: the user feeds
-        that layer with ``record_routing``, so its router needs no reading)."""
+        that layer with ``record_routing``, so its router needs no reading). Readings on a
+        GPU are handed over as device tensors and checked without waiting: a layer whose
+        readings did not hold up raises at the first drain after its check reached the host
+        (one decision late at most), its counts until then are zero."""
         # A layer the user feeds is not read at all: its counts would be booked twice, and
         # reading a reading checks values on the host (a wait for the device on a GPU).
         layers = [l for l in dict.fromkeys([l for l, _ in self._pending] + [l for l, _ in self._why]) if not fed(l)]
-        picked = {l: self._pick(l) for l in layers}
+        picked: dict[str, torch.Tensor | None] = {}
+        held = []
+        for l in layers:
+            device = self._on_device(l)
+            if device is None or not any((l, src) in self._pending for src in ("router", "experts")):
+                picked[l] = self._pick(l)
+            else:
+                # On a GPU: chosen there, checked once the flag is on the host (reading it now
+                # would make this step wait for every kernel queued before it).
+                picked[l], flag, why = self._pick_on(l, device)
+                held.append((l, flag, why))
         self._pending, self._why = {}, {}
+        if held:
+            self._check_later(held)
+        self._settle_checks(wait=False)
         bad = {l: why for l, why in self.unreadable.items() if not fed(l)}
         if bad:
             layer, why = next(iter(bad.items()))

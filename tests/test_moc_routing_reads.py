@@ -48,8 +48,16 @@ class _Layer(torch.nn.Module):
         return x
 
 
-def _drain(model, widths=None):
+@pytest.fixture(params=["host", "device"])
+def checks(request):
+    """Each drain test twice: readings checked on the host (CPU tensors), and through the
+    path GPU readings take (chosen and checked with tensor ops, the flags read after)."""
+    return request.param
+
+
+def _drain(model, widths=None, checks="host"):
     taps = RouterTaps(model, {"m": E}, top_k=2, widths=widths)
+    taps.check_on_device = checks == "device"
     model.train()
     model.m(torch.zeros(3, 2))
     got = {}
@@ -57,7 +65,7 @@ def _drain(model, widths=None):
     return got
 
 
-def test_a_slot_permutation_is_not_read_as_ids_but_the_counts_beside_it_are():
+def test_a_slot_permutation_is_not_read_as_ids_but_the_counts_beside_it_are(checks):
     """JetMoE's router returns (slot permutation, token index, gates, tokens per expert,
     logits): the list is what the experts receive; the permutation is not ids."""
     ids = torch.tensor([[0, 1], [1, 3], [1, 0]])
@@ -65,31 +73,31 @@ def test_a_slot_permutation_is_not_read_as_ids_but_the_counts_beside_it_are():
     perm = ids.reshape(-1).argsort()           # values 0..5: beyond E = 4
     model = torch.nn.Module()
     model.m = _Layer(lambda x: (perm, perm // 2, torch.ones(6), per_expert, torch.randn(3, E)))
-    assert _drain(model) == {"m": per_expert}
+    assert _drain(model, checks=checks) == {"m": per_expert}
     # The permutation alone: values >= E, refused by name, never truncated to [1, 1, ...].
     model.m = _Layer(lambda x: (perm, torch.randn(3, E)))
     with pytest.raises(ValueError, match=r"'m'.*m\.router \(_Router\).*values >= 4 \(not expert ids\)"):
-        _drain(model)
+        _drain(model, checks=checks)
 
 
-def test_zero_compute_ids_count_for_no_expert_and_beyond_them_is_an_error():
+def test_zero_compute_ids_count_for_no_expert_and_beyond_them_is_an_error(checks):
     ids = torch.tensor([[0, 5], [4, 3], [1, 1]])     # E = 4 experts + 2 zero-compute (ids 4, 5)
     model = torch.nn.Module()
     model.m = _Layer(lambda x: (torch.randn(3, 6), ids))
-    assert _drain(model, widths={"m": 6}) == {"m": [1, 2, 0, 1]}
+    assert _drain(model, widths={"m": 6}, checks=checks) == {"m": [1, 2, 0, 1]}
     with pytest.raises(ValueError, match=r"values >= 4"):
-        _drain(model)                                 # no zero-compute experts declared
+        _drain(model, checks=checks)                                 # no zero-compute experts declared
 
 
-def test_logits_fall_back_to_the_ids_the_experts_are_called_with():
+def test_logits_fall_back_to_the_ids_the_experts_are_called_with(checks):
     """DBRX's router returns float logits; the experts are called with the ids."""
     ids = torch.tensor([[2, 1], [2, 3], [0, 2]])
     model = torch.nn.Module()
     model.m = _Layer(lambda x: torch.randn(3, E), ids=ids)
-    assert _drain(model) == {"m": [1, 1, 3, 1]}
+    assert _drain(model, checks=checks) == {"m": [1, 1, 3, 1]}
     model.m = _Layer(lambda x: torch.randn(3, E))      # nothing else to read: an error naming both
     with pytest.raises(ValueError, match=r"m\.router \(_Router\): its float output.*logits"):
-        _drain(model)
+        _drain(model, checks=checks)
 
 
 def test_flattened_experts_explicit_layout_round_trip(tmp_path):
@@ -187,7 +195,7 @@ def test_real_models_route_what_their_experts_receive(tmp_path, arch, kind, laye
         assert all(sum(counts[l].tolist()) > 0 for l in layers)
 
 
-def test_a_layer_the_user_feeds_is_not_read_from_its_router_too():
+def test_a_layer_the_user_feeds_is_not_read_from_its_router_too(checks):
     """A readable router (ids [tokens, 2]) whose layer the user also feeds with
     ``record_routing``: the taps leave it alone (its counts booked once, not twice; no
     reading of its values, which on a GPU would wait for the device), other layers are
@@ -197,9 +205,33 @@ def test_a_layer_the_user_feeds_is_not_read_from_its_router_too():
     model.m = _Layer(lambda x: ids)
     model.n = _Layer(lambda x: ids)
     taps = RouterTaps(model, {"m": E, "n": E}, top_k=2)
+    taps.check_on_device = checks == "device"
     model.train()
     model.m(torch.zeros(3, 2))
     model.n(torch.zeros(3, 2))
     got = {}
     taps.drain(lambda layer, c: got.__setitem__(layer, c.tolist()), fed=lambda layer: layer == "m")
     assert got == {"n": [2, 2, 1, 1]}
+
+
+def test_device_checks_choose_the_reading_that_holds_up_per_layer():
+    """The device path over two layers at once: one whose router gives logits and whose
+    experts get ids (the ids are taken), one whose router gives ids beyond the range and
+    whose experts get nothing (unreadable: the error names its router); the flags of
+    both travel in one copy and the error comes from the drain that reads them."""
+    ids = torch.tensor([[2, 1], [2, 3], [0, 2]])
+    model = torch.nn.Module()
+    model.a = _Layer(lambda x: torch.randn(3, E), ids=ids)
+    model.b = _Layer(lambda x: torch.tensor([[0, 9], [1, 2], [3, 3]]))
+    taps = RouterTaps(model, {"a": E, "b": E}, top_k=2)
+    taps.check_on_device = True
+    model.train()
+    model.a(torch.zeros(3, 2))
+    model.b(torch.zeros(3, 2))
+    got = {}
+    with pytest.raises(ValueError, match=r"MoE layer 'b'.*b\.router \(_Router\): its integer output holds values >= 4"):
+        taps.drain(lambda layer, c: got.__setitem__(layer, c.tolist()))
+    assert taps.unreadable == {"b": "b.router (_Router): its integer output holds values >= 4 (not expert ids)"}
+    model.a(torch.zeros(3, 2))
+    taps.drain(lambda layer, c: got.__setitem__(layer, c.tolist()), fed=lambda layer: layer == "b")
+    assert got == {"a": [1, 1, 3, 1]}

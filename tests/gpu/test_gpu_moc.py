@@ -317,3 +317,60 @@ def test_record_routing_of_cuda_counts_never_waits_for_the_device(tmp_path, shm_
         for layer in layers:
             assert ckpt.policy.tracker.cum[layer] == given[layer].tolist(), layer
         assert int(given[layers[0]].sum()) == 10 * 256
+
+
+class _IdsRouter(torch.nn.Module):
+    """A router like transformers' (scores, top-k ids): moc's taps read the ids."""
+
+    def __init__(self, dim: int, experts: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, experts, bias=False)
+
+    def forward(self, x: torch.Tensor):
+        probs = self.proj(x).softmax(-1)
+        return probs, probs.topk(1, dim=-1).indices
+
+
+def test_router_taps_read_cuda_routing_without_waiting_for_the_device(tmp_path, shm_dir) -> None:
+    """Routing that only moc's taps read (no record_routing): a checkpoint's ``step()``
+    queued behind a 0.2 s device sleep returns without waiting for it (the readings are
+    chosen and checked on the GPU, their flags copied without waiting), and the PLT
+    counters end equal to the ids the routers returned."""
+    model, opt, task = make(dim=64, hidden=128)
+    for block in model.layers:                       # swap the logits router for an ids router
+        block.moe.router = _IdsRouter(64, 8).cuda()
+
+        def forward(x, moe=block.moe):
+            flat = x.reshape(-1, x.shape[-1])
+            _, idx = moe.router(flat)
+            out = torch.zeros_like(flat)
+            for e, expert in enumerate(moe.experts):
+                rows = (idx[:, 0] == e).nonzero(as_tuple=True)[0]
+                out.index_add_(0, rows, expert(flat[rows]))
+            moe.last_counts = torch.bincount(idx.reshape(-1), minlength=len(moe.experts))
+            return out.reshape(x.shape)
+        block.moe.forward = forward
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    given = {f"layers.{i}.moe": torch.zeros(8, dtype=torch.int64) for i in range(len(model.layers))}
+    with CheckpointManager(cfg(tmp_path, shm_dir, interval=2, k_snapshot=2, dynamic_k=False),
+                           model=model, optimizer=opt) as ckpt:
+        for step in range(8):
+            x, y = task.batch(step, 256)
+            loss = F.cross_entropy(model(x.cuda()), y.cuda())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            for layer, c in model.routing_counts().items():
+                given[layer] += c.cpu()
+            if step == 6:                            # a checkpoint step, buffers page-locked by now
+                settle(ckpt)
+                torch.cuda._sleep(int(0.2 * torch.cuda.clock_rate() * 1e6))
+                t0 = time.perf_counter()
+                ckpt.step(step)
+                assert time.perf_counter() - t0 < 0.2, "step() waited for the device"
+            else:
+                ckpt.step(step)
+        torch.cuda.synchronize()
+        ckpt.policy.sync_routing(ckpt._drain)
+        for layer, total in given.items():
+            assert ckpt.policy.tracker.cum[layer] == total.tolist(), layer
