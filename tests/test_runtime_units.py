@@ -295,3 +295,31 @@ def test_a_store_connect_is_given_up_on_at_once_even_inside_torchs_retry_sleeps(
     client = connect_store("127.0.0.1", server.port, timeout=timedelta(seconds=5), tracker=SocketTracker())
     client.set("k", "v")
     assert server.get("k") == b"v"
+
+
+def test_a_stale_survivor_keeps_its_own_copy_of_an_expert_nobody_holds_at_the_newest_step() -> None:
+    """A node died mid-step: rank 0 finished step 11, ranks 1 and 2 are still at 10 (stale).
+    Expert 3 of layer L survives only on rank 1 (its other replica died with the node): rank 1
+    keeps its copy, one step behind, instead of asking for it and finding no other holder
+    (``lost`` before the fix: restored from a checkpoint; seen once in make test, the
+    controller-away fault test, 4 experts lost). Rank 2, which gets expert 3 in the plan, is
+    served by rank 1; expert 0, held at step 11 by rank 0, is taken from there, not from the
+    stale copies; the dense units go to the stale ranks; a joiner keeps nothing and its
+    placeholder experts serve nobody."""
+    from lazarus.runtime._transfer import choose_moves, unit_needs
+
+    inv = [{"step": 11, "experts": {"L": [0, 1]}, "modules": ["dense/a", "dense/b"]},
+           {"step": 10, "experts": {"L": [0, 3]}, "modules": ["dense/a", "dense/b"]},
+           {"step": 10, "experts": {"L": [2, 1]}, "modules": ["dense/a", "dense/b"]},
+           {"step": -1, "experts": {"L": [2]}, "modules": []}]
+    slots = {0: {"L": [0, 1]}, 1: {"L": [0, 3]}, 2: {"L": [2, 3]}, 3: {"L": [2, 1]}}
+    needs, holders = unit_needs(inv, 11, slots)
+    assert holders["expert/L/0"] == [0] and holders["expert/L/3"] == [1] and holders["expert/L/2"] == [2]
+    assert 0 not in needs
+    assert needs[1] == ["dense/a", "dense/b", "expert/L/0"]                 # keeps 3, refreshes 0
+    assert needs[2] == ["dense/a", "dense/b", "expert/L/3"]                 # keeps 2 (nobody fresh has it)
+    assert needs[3] == ["dense/a", "dense/b", "expert/L/1", "expert/L/2"]   # a joiner keeps nothing
+    moves, missing = choose_moves(needs, holders)
+    assert missing == []
+    src = {(m.unit, m.dst): m.src for m in moves}
+    assert src[("expert/L/3", 2)] == 1 and src[("expert/L/0", 1)] == 0 and src[("expert/L/2", 3)] == 2

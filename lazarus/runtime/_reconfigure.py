@@ -61,7 +61,7 @@ from ._join_gate import JoinGate
 from ._moc_groups import MocGroups
 from ._plans import Superseded, plan_rank, plan_world
 from ._store_connect import GaveUp, connect_store
-from ._transfer import choose_moves, exchange_units, world_comm
+from ._transfer import choose_moves, exchange_units, unit_needs, world_comm
 
 if TYPE_CHECKING:
     from ._trainer import ElasticTrainer
@@ -479,29 +479,11 @@ class Reconfigurer(JoinGate, MocGroups):
         if newest < 0:
             return {}, [], newest, stats
         rank_of = {(r["node"], int(r.get("local", 0))): i for i, r in enumerate(inv)}
-        current = [i for i, r in enumerate(inv) if r["step"] == newest]
-        module_names = next(r["modules"] for r in inv if r["step"] == newest)
-        holders: dict[str, list[int]] = {m: list(current) for m in module_names}
-        for i, r in enumerate(inv):
-            for layer, experts in r["experts"].items():
-                for e in experts:
-                    holders.setdefault(f"expert/{layer}/{e}", []).append(i)
-        # Prefer holders at the newest step; a replica one step behind beats a checkpoint.
-        for unit, ranks in holders.items():
-            fresh = [i for i in ranks if inv[i]["step"] == newest]
-            holders[unit] = fresh or ranks
-        needs: dict[int, list[str]] = {}
         per_rank = {layer: rank_slots(p) for layer, p in self._placements(plan).items()}
         g = int(plan.get("gpus_per_node", 1))
-        for p in range(plan_world(plan)):
-            i = rank_of[(plan["members"][p // g], p % g)]
-            stale = inv[i]["step"] != newest
-            want = [m for m in module_names] if stale else []
-            for layer, slots in per_rank.items():
-                have = set(inv[i]["experts"].get(layer, [])) if not stale else set()
-                want += [f"expert/{layer}/{e}" for e in sorted(set(slots[p])) if e not in have]
-            if want:
-                needs[i] = want
+        slots = {rank_of[(plan["members"][p // g], p % g)]: {layer: s[p] for layer, s in per_rank.items()}
+                 for p in range(plan_world(plan))}
+        needs, holders = unit_needs(inv, newest, slots)
         moves, missing = choose_moves(needs, holders, [r["node"] for r in inv])
         lost = sorted({u for u, _ in missing if u.startswith("expert/")})
         dense_missing = [u for u, _ in missing if not u.startswith("expert/")]

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from moc._codec import TensorMeta, decode_tree, plan_tree, unit_buffer
 from moc._dist import Comm
 
-__all__ = ["Move", "choose_moves", "exchange_units", "world_comm"]
+__all__ = ["Move", "choose_moves", "exchange_units", "unit_needs", "world_comm"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,50 @@ def world_comm() -> Comm:
     if not (dist.is_available() and dist.is_initialized()):
         return Comm()
     return Comm(rank=dist.get_rank(), world=dist.get_world_size(), group=dist.group.WORLD)
+
+
+def unit_needs(inv: Sequence[Mapping[str, Any]], newest: int, slots: Mapping[int, Mapping[str, Sequence[int]]]
+               ) -> tuple[dict[int, list[str]], dict[str, list[int]]]:
+    """What each rank of the next world must receive and who can send each unit.
+
+    ``inv[i]``: rank i's ``{"step", "experts": {layer: [ids held]}, "modules": [dense unit
+    names]}`` (step -1: no state yet); ``slots[i]``: the experts of rank i's slots in the
+    plan, per layer. A rank at ``newest`` needs the experts it does not hold; a stale one
+    (a failure cut its last step short, or a joiner) needs every dense unit and every expert
+    of its slots, except one it holds that nobody holds at ``newest``: it keeps that copy,
+    one step behind, rather than have it restored from a checkpoint (asking for it, it would
+    have found no other holder and booked the expert lost). Holders at ``newest`` are
+    preferred; a unit without one is served by its stale holders. Returns ``(needs,
+    holders)`` for :func:`choose_moves`."""
+    current = [i for i, r in enumerate(inv) if r["step"] == newest]
+    module_names = next(r["modules"] for r in inv if r["step"] == newest)
+    holders: dict[str, list[int]] = {m: list(current) for m in module_names}
+    for i, r in enumerate(inv):
+        if r["step"] < 0:
+            continue          # a joiner's experts are placeholders until it is installed
+        for layer, experts in r["experts"].items():
+            for e in experts:
+                holders.setdefault(f"expert/{layer}/{e}", []).append(i)
+    for unit, ranks in holders.items():
+        fresh = [i for i in ranks if inv[i]["step"] == newest]
+        holders[unit] = fresh or ranks
+    needs: dict[int, list[str]] = {}
+    for i, per_layer in slots.items():
+        stale = inv[i]["step"] != newest
+        want = list(module_names) if stale else []
+        for layer, experts in per_layer.items():
+            held = inv[i]["experts"].get(layer, [])
+            if not stale:
+                have = set(held)
+            elif inv[i]["step"] >= 0:
+                have = {e for e in held
+                        if all(inv[j]["step"] != newest for j in holders.get(f"expert/{layer}/{e}", ()))}
+            else:
+                have = set()
+            want += [f"expert/{layer}/{e}" for e in sorted(set(experts)) if e not in have]
+        if want:
+            needs[i] = want
+    return needs, holders
 
 
 def choose_moves(needs: Mapping[int, Sequence[str]], holders: Mapping[str, Sequence[int]],
