@@ -289,3 +289,18 @@ def finish_copies(devices: Iterable[torch.device]) -> None:
     for dev in dict.fromkeys(devices):
         if dev.type == "cuda":
             runtime().synchronize_stream(dev)
+
+
+def to_host_later(t: torch.Tensor) -> tuple[object | None, torch.Tensor]:
+    """``(event, host)``: ``t`` copied to the host without waiting when it lives on a GPU
+    (into page-locked memory, a CUDA event recorded behind the copy: read ``host`` once
+    ``event.query()`` is True or after ``event.synchronize()``); a host copy and no event
+    otherwise. Small tensors only (routing counts, check flags): the memory is fresh."""
+    if t.device.type != "cuda":
+        return None, t.cpu()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    with torch.cuda.device(t.device):
+        host.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+    return event, host

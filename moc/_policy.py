@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ._config import MoCConfig
+from ._device_copy import to_host_later
 from ._dist import Comm
 from ._plt import PLTTracker
 from ._run_state import RunState
@@ -117,16 +118,7 @@ class CheckpointPolicy:
             for key, t in self._on_device.items():
                 by_device.setdefault(t.device, []).append(key)
             for device, keys in by_device.items():
-                flat = torch.cat([self._on_device[k] for k in keys])
-                event = None
-                if device.type == "cuda":
-                    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-                    with torch.cuda.device(device):
-                        host.copy_(flat, non_blocking=True)
-                        event = torch.cuda.Event()
-                        event.record()
-                else:
-                    host = flat.cpu()
+                event, host = to_host_later(torch.cat([self._on_device[k] for k in keys]))
                 self._in_flight.append((event, host, keys))
             self._on_device.clear()
         waiting = []

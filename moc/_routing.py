@@ -30,9 +30,11 @@ backward pass, and that recomputation routes no new tokens.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
+
+from ._device_copy import to_host_later
 
 __all__ = ["RouterTaps", "find_router", "GLOBAL_ROUTING_ATTR", "routing_reporters"]
 
@@ -226,17 +228,21 @@ class RouterTaps:
                              "experts per token (logits, not routing)")
         return None
 
+    def _readings(self, layer: str, why: list[str]) -> Iterator[tuple[str, _Reading]]:
+        """The layer's readings, router first; a source that gave nothing readable adds its
+        reason to ``why`` instead."""
+        for source in ("router", "experts"):
+            r = self._pending.get((layer, source))
+            if r is not None:
+                yield source, r
+            elif (layer, source) in self._why:
+                why.append(f"{self._names.get((layer, source), layer)}: {self._why[(layer, source)]}")
+
     def _pick(self, layer: str) -> torch.Tensor | None:
         """The layer's counts from the first reading that holds up; None (and a reason in
         ``unreadable``) when none does. Reads the readings' values on the host."""
-        why = []
-        for source in ("router", "experts"):
-            r = self._pending.get((layer, source))
-            name = self._names.get((layer, source), layer)
-            if r is None:
-                if (layer, source) in self._why:
-                    why.append(f"{name}: {self._why[(layer, source)]}")
-                continue
+        why: list[str] = []
+        for source, r in self._readings(layer, why):
             failure = self._failure(layer, source, r)
             if failure is not None:
                 kind, text = failure
@@ -264,14 +270,9 @@ class RouterTaps:
         up is chosen on ``device``; returns (counts, held, why) with ``held`` a 0-dim bool
         tensor, False when no reading held up (``why`` then says why, checked once the flag
         reaches the host: :meth:`_settle_checks`)."""
-        why, chosen, held = [], None, None
-        for source in ("router", "experts"):
-            r = self._pending.get((layer, source))
-            name = self._names.get((layer, source), layer)
-            if r is None:
-                if (layer, source) in self._why:
-                    why.append(f"{name}: {self._why[(layer, source)]}")
-                continue
+        why: list[str] = []
+        chosen, held = None, None
+        for source, r in self._readings(layer, why):
             counts = r.counts.to(device, non_blocking=True)
             ok = torch.ones((), dtype=torch.bool, device=device)
             failure = self._failure(layer, source, r)
@@ -310,16 +311,7 @@ class RouterTaps:
         for item in held:
             by_device.setdefault(item[1].device, []).append(item)
         for device, items in by_device.items():
-            flags = torch.stack([h for _, h, _ in items])
-            event = None
-            if device.type == "cuda":
-                host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-                with torch.cuda.device(device):
-                    host.copy_(flags, non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record()
-            else:
-                host = flags.cpu()
+            event, host = to_host_later(torch.stack([h for _, h, _ in items]))
             self._checks.append((event, host, [(layer, why) for layer, _, why in items]))
 
     def drain(self, record: Callable[[str, torch.Tensor], None],

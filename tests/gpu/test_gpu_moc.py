@@ -297,11 +297,7 @@ def test_record_routing_of_cuda_counts_never_waits_for_the_device(tmp_path, shm_
     with CheckpointManager(cfg(tmp_path, shm_dir, interval=4, k_snapshot=2, dynamic_k=False),
                            model=model, optimizer=opt) as ckpt:
         for step in range(10):
-            x, y = task.batch(step, 256)
-            loss = F.cross_entropy(model(x.cuda()), y.cuda())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            train_step(model, opt, task, step, batch=256)      # no ckpt: the test feeds it below
             counts = model.routing_counts()
             assert all(c.is_cuda for c in counts.values())
             torch.cuda.set_sync_debug_mode("error")
@@ -355,11 +351,7 @@ def test_router_taps_read_cuda_routing_without_waiting_for_the_device(tmp_path, 
     with CheckpointManager(cfg(tmp_path, shm_dir, interval=2, k_snapshot=2, dynamic_k=False),
                            model=model, optimizer=opt) as ckpt:
         for step in range(8):
-            x, y = task.batch(step, 256)
-            loss = F.cross_entropy(model(x.cuda()), y.cuda())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            train_step(model, opt, task, step, batch=256)      # no ckpt: the taps read the routing
             for layer, c in model.routing_counts().items():
                 given[layer] += c.cpu()
             if step == 6:                            # a checkpoint step, buffers page-locked by now
