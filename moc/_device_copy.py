@@ -35,16 +35,18 @@ import logging
 import threading
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Any, Callable, Generic, Iterable, Iterator, TypeVar
 
 import torch
 
 from ._cuda import HOST_REGISTER_PORTABLE, SUCCESS, runtime
 
 __all__ = ["HostCopier", "CudaCopier", "CudaCopyBatch", "HostRegistration", "copier_for", "cuda_devices",
-           "host_register", "live_registrations", "copy_into", "finish_copies"]
+           "host_register", "live_registrations", "copy_into", "finish_copies", "to_host_later", "LateCopies"]
 
 log = logging.getLogger("moc")
+
+M = TypeVar("M")
 
 
 def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[torch.device]:
@@ -291,7 +293,7 @@ def finish_copies(devices: Iterable[torch.device]) -> None:
             runtime().synchronize_stream(dev)
 
 
-def to_host_later(t: torch.Tensor) -> tuple[object | None, torch.Tensor]:
+def to_host_later(t: torch.Tensor) -> tuple[Any, torch.Tensor]:
     """``(event, host)``: ``t`` copied to the host without waiting when it lives on a GPU
     (into page-locked memory, a CUDA event recorded behind the copy: read ``host`` once
     ``event.query()`` is True or after ``event.synchronize()``); a host copy and no event
@@ -304,3 +306,39 @@ def to_host_later(t: torch.Tensor) -> tuple[object | None, torch.Tensor]:
         event = torch.cuda.Event()
         event.record()
     return event, host
+
+
+class LateCopies(Generic[M]):
+    """Small device tensors on their way to the host without waiting (routing counts, check
+    flags), each with a label: :meth:`send` joins them per device (``join``: ``torch.cat``
+    or ``torch.stack``) into one :func:`to_host_later` copy; :meth:`arrived` hands over the
+    copies whose bytes have reached the host, with their labels in the order sent, and keeps
+    the rest for a later call."""
+
+    def __init__(self, join: Callable[[list[torch.Tensor]], torch.Tensor]) -> None:
+        self._join = join
+        self._pending: list[tuple[Any, torch.Tensor, list[M]]] = []
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def send(self, items: Iterable[tuple[torch.Tensor, M]]) -> None:
+        by_device: dict[torch.device, list[tuple[torch.Tensor, M]]] = {}
+        for t, label in items:
+            by_device.setdefault(t.device, []).append((t, label))
+        for group in by_device.values():
+            event, host = to_host_later(self._join([t for t, _ in group]))
+            self._pending.append((event, host, [label for _, label in group]))
+
+    def arrived(self, *, wait: bool) -> list[tuple[torch.Tensor, list[M]]]:
+        """The copies on the host (``wait``: all of them, waiting for the device)."""
+        done, waiting = [], []
+        for event, host, labels in self._pending:
+            if event is not None and not wait and not event.query():
+                waiting.append((event, host, labels))
+                continue
+            if event is not None:
+                event.synchronize()
+            done.append((host, labels))
+        self._pending = waiting
+        return done

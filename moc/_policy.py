@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ._config import MoCConfig
-from ._device_copy import to_host_later
+from ._device_copy import LateCopies
 from ._dist import Comm
 from ._plt import PLTTracker
 from ._run_state import RunState
@@ -70,7 +70,7 @@ class CheckpointPolicy:
         # Counts given as device tensors, summed there until the next sync: (scope, layer) ->
         # tensor; then copied to the host without waiting: (event, host tensor, keys).
         self._on_device: dict[tuple[str, str], torch.Tensor] = {}
-        self._in_flight: list[tuple[Any, torch.Tensor, list[tuple[str, str]]]] = []
+        self._in_flight: LateCopies[tuple[str, str]] = LateCopies(torch.cat)
         self.checkpoints = 0        # snapshots taken by the job
         self.persist_rounds = 0     # of which designated for storage
         self.recoveries = 0
@@ -113,27 +113,14 @@ class CheckpointPolicy:
         Reading them at once would make the checkpoint step wait for every kernel queued
         before it. A count booked one decision late was routed before a snapshot it is
         booked after: PLT then counts it as unsaved, erring on the safe side."""
-        if self._on_device:
-            by_device: dict[torch.device, list[tuple[str, str]]] = {}
-            for key, t in self._on_device.items():
-                by_device.setdefault(t.device, []).append(key)
-            for device, keys in by_device.items():
-                event, host = to_host_later(torch.cat([self._on_device[k] for k in keys]))
-                self._in_flight.append((event, host, keys))
-            self._on_device.clear()
-        waiting = []
-        for event, host, keys in self._in_flight:
-            if event is not None and not wait and not event.query():
-                waiting.append((event, host, keys))
-                continue
-            if event is not None:
-                event.synchronize()
+        self._in_flight.send((t, key) for key, t in self._on_device.items())
+        self._on_device.clear()
+        for host, keys in self._in_flight.arrived(wait=wait):
             pos = 0
             for scope, layer in keys:
                 n = self._pending[layer].numel()
                 (self._pending_global if scope == "global" else self._pending)[layer] += host[pos: pos + n]
                 pos += n
-        self._in_flight = waiting
 
     @property
     def routing_len(self) -> int:

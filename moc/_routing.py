@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ._device_copy import to_host_later
+from ._device_copy import LateCopies
 
 __all__ = ["RouterTaps", "find_router", "GLOBAL_ROUTING_ATTR", "routing_reporters"]
 
@@ -165,7 +165,7 @@ class RouterTaps:
         self._why: dict[tuple[str, str], str] = {}
         # Readings on a GPU are checked there: (event, flags copied to the host, [(layer, why)])
         # waiting for the copy; a flag False means no reading of that layer held up.
-        self._checks: list[tuple[Any, torch.Tensor, list[tuple[str, str]]]] = []
+        self._checks: LateCopies[tuple[str, str]] = LateCopies(torch.stack)
         self.check_on_device = False   # tests: CPU readings through the device path
         paths = {id(m): n for n, m in model.named_modules()}
         for layer, num in layers.items():
@@ -293,26 +293,14 @@ class RouterTaps:
     def _settle_checks(self, *, wait: bool) -> None:
         """Book the device checks whose flags reached the host: a layer none of whose
         readings held up is ``unreadable`` (the drain then raises for it)."""
-        waiting = []
-        for event, flags, entries in self._checks:
-            if event is not None and not wait and not event.query():
-                waiting.append((event, flags, entries))
-                continue
-            if event is not None:
-                event.synchronize()
+        for flags, entries in self._checks.arrived(wait=wait):
             for held, (layer, why) in zip(flags.tolist(), entries):
                 if not held:
                     self.unreadable.setdefault(layer, why or "no reading held up")
-        self._checks = waiting
 
     def _check_later(self, held: list[tuple[str, torch.Tensor, str]]) -> None:
         """Copy the layers' flags to the host without waiting (one copy per device)."""
-        by_device: dict[torch.device, list[tuple[str, torch.Tensor, str]]] = {}
-        for item in held:
-            by_device.setdefault(item[1].device, []).append(item)
-        for device, items in by_device.items():
-            event, host = to_host_later(torch.stack([h for _, h, _ in items]))
-            self._checks.append((event, host, [(layer, why) for layer, _, why in items]))
+        self._checks.send((flag, (layer, why)) for layer, flag, why in held)
 
     def drain(self, record: Callable[[str, torch.Tensor], None],
               fed: Callable[[str], bool] = lambda layer: False) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from moc._buffers import BufferPool
 from moc._codec import plan_tree
-from moc._device_copy import (CudaCopier, HostCopier, copier_for, copy_into, cuda_devices, finish_copies,
+from moc._device_copy import (CudaCopier, HostCopier, LateCopies, copier_for, copy_into, cuda_devices, finish_copies,
                               host_register)
 
 import pytest
@@ -123,3 +123,50 @@ def test_copy_into_is_blocking_on_the_host() -> None:
     assert copy_into(dst, src) is False                      # only host-to-device copies are async
     assert torch.equal(dst, src)
     finish_copies([torch.device("cpu"), dst.device])         # nothing to wait for on the host
+
+
+class _Event:
+    """A copy's completion as the caller sees it: query() False until the test lets it pass."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = True
+        self.done = True
+
+
+def test_late_copies_hand_over_only_what_arrived_with_their_labels(monkeypatch) -> None:
+    import moc._device_copy as dc
+
+    events: list[_Event] = []
+
+    def later(t: torch.Tensor):
+        events.append(_Event())
+        return events[-1], t.clone()
+
+    monkeypatch.setattr(dc, "to_host_later", later)
+    copies: LateCopies[str] = LateCopies(torch.cat)
+    copies.send([(torch.tensor([1, 2]), "a"), (torch.tensor([3]), "b")])   # one device: one joined copy
+    copies.send([(torch.tensor([4]), "c")])
+    assert len(copies) == 2
+    assert copies.arrived(wait=False) == []          # nothing reached the host: kept, nothing waited for
+    assert not any(e.waited for e in events)
+    events[1].done = True
+    [(host, labels)] = copies.arrived(wait=False)
+    assert labels == ["c"] and host.tolist() == [4] and len(copies) == 1
+    [(host, labels)] = copies.arrived(wait=True)     # waits for the rest
+    assert labels == ["a", "b"] and host.tolist() == [1, 2, 3] and events[0].waited and len(copies) == 0
+
+
+def test_late_copies_of_host_tensors_arrive_at_once() -> None:
+    copies: LateCopies[int] = LateCopies(torch.stack)
+    copies.send([(torch.tensor(True), 1), (torch.tensor(False), 2)])
+    [(flags, labels)] = copies.arrived(wait=False)
+    assert flags.tolist() == [True, False] and labels == [1, 2]
+    copies.send([])
+    assert copies.arrived(wait=False) == [] and len(copies) == 0
