@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -31,13 +31,14 @@ class MocGroups:
     """Expects of the class it is mixed into: ``t`` (the trainer), ``sockets`` (this
     generation's :class:`SocketTracker`), ``_superseded`` (an Event set once a newer plan
     arrived), ``_store_client(spec, generation)`` and the client it returns as ``_store``,
-    its sockets in ``_store_sockets``."""
+    its sockets in ``_store_sockets``, and ``_drop_store(shut=)`` that forgets it."""
 
     t: Any
     sockets: SocketTracker
     _superseded: threading.Event
     _store: Any
     _store_sockets: SocketTracker
+    _drop_store: Callable[..., int]
 
     def _init_moc_groups(self) -> None:
         self._moc_comm: tuple[threading.Thread, dict[str, Any]] | None = None   # see _start_moc_comm
@@ -135,8 +136,7 @@ class MocGroups:
             return
         th, box = pending
         if th.is_alive() and self._store is not None:
-            n = self._store_sockets.shutdown_all()
-            self._store = None
+            n = self._drop_store(shut=True)
             log.info("node %s step %d gen %d: moc's groups were still connecting; their store client dropped "
                      "(%d connections shut)", self.t.where, self.t.step, self.t.generation, n)
 

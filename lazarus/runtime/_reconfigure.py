@@ -210,8 +210,15 @@ class Reconfigurer(JoinGate, MocGroups):
         try:
             self._rendezvous_inner(plan)
         except BaseException:
-            self._store = None   # it may be the store of a controller that died: reconnect next time
+            self._drop_store()   # it may be the store of a controller that died: reconnect next time
             raise
+
+    def _drop_store(self, *, shut: bool = False) -> int:
+        """Forget the store client: the next plan connects a new one. ``shut``: also shut its
+        connections (an operation waiting on it elsewhere fails now); returns how many."""
+        n = self._store_sockets.shutdown_all() if shut and self._store is not None else 0
+        self._store = None
+        return n
 
     def _rendezvous_inner(self, plan: dict[str, Any]) -> None:
         t = self.t
@@ -351,7 +358,7 @@ class Reconfigurer(JoinGate, MocGroups):
             self._superseded.clear()
             th.join()
             if interrupted:
-                self._store = None   # its connection was shut down: a new client next time
+                self._drop_store()   # its connections were shut by the watch: a new client next time
 
     # -- the plan ----------------------------------------------------------------------------
     def apply(self, plan: dict[str, Any], t_error: float | None) -> None:
