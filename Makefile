@@ -36,10 +36,10 @@ test-gpu: $(GPU_DEPS)
 	$(GPU_PY) -m pytest -q -m gpu tests/gpu
 
 demo: $(STAMP)
-	$(VPY) -m lazarus.demo --dir runs/lazarus-demo $(DEMO_ARGS)
+	$(VPY) -m examples.lazarus_demo --dir runs/lazarus-demo $(DEMO_ARGS)
 
 demo-moc: $(STAMP)
-	$(VPY) -m moc.demo --dir runs/demo
+	$(VPY) -m examples.moc_demo --dir runs/demo
 
 docs-heatmap: $(STAMP)
 	$(VPY) docs/make_inspect_heatmap.py --dir runs/inspect-heatmap -o docs/inspect_heatmap.png

@@ -335,7 +335,7 @@ class TorchSnapshot(Method):
 
 class MoC(Method):
     """``moc.CheckpointManager``. Routing counts come from the model's ``routing_counts()``
-    when it has one (``moc._toy.ToyMoE``), else from the manager's own router hooks
+    when it has one (``examples.toy_moe.ToyMoE``), else from the manager's own router hooks
     (transformers models). ``cfg_extra`` goes to :class:`moc.MoCConfig` (``top_k``...)."""
 
     syncs_ranks = True    # step() holds one all-reduce over the ranks

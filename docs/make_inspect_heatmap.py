@@ -16,6 +16,8 @@ import shutil
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository root: examples
+
 LAYERS, EXPERTS = 16, 64
 
 
@@ -24,7 +26,7 @@ def worker(store: str, shm: str, steps: int, crash: bool) -> None:
     import torch.nn.functional as F
 
     from moc import CheckpointManager, MoCConfig
-    from moc._toy import BigramTask, ToyMoE
+    from examples.toy_moe import BigramTask, ToyMoE
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

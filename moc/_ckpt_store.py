@@ -28,6 +28,7 @@ from storage_backends import Store, open_store
 
 from ._codec import (CODECS, EncodedUnit, TensorMeta, checksum, compress, decode_tree, decompress, encode_tree,
                      unit_buffer)
+from ._export import export_state
 from ._format import (
     DATA_PREFIX,
     MANIFEST_PREFIX,
@@ -484,6 +485,4 @@ class CheckpointStore:
         state dict with full tensors (fused experts and shards reassembled), the optimizer's
         state by parameter name and its param groups, each rank's extra state, and
         ``"moc": {"step", "versions"}``. ``moc export`` streams the same to a file."""
-        from ._export import export_state
-
         return export_state(self, step, progress=progress)

@@ -20,15 +20,17 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
 
-from ._ckpt_store import CheckpointStore
 from ._codec import TensorMeta, meta_tree
 from ._format import Manifest
 from ._units import _copy_box, _saved_box
+
+if TYPE_CHECKING:   # the store exports through this module (CheckpointStore.export): a type only here
+    from ._ckpt_store import CheckpointStore
 
 __all__ = ["Entry", "Piece", "Group", "ExportPlan", "TensorStream", "plan_export", "read_extras",
            "merged_param_groups", "export_state", "pick_manifest", "natural_key"]

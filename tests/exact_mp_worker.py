@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch.set_num_threads(1)
 
 from moc import CheckpointManager, MoCConfig  # noqa: E402
-from moc._toy import BigramTask  # noqa: E402
+from examples.toy_moe import BigramTask  # noqa: E402
 
 VOCAB = 32
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from moc import CheckpointManager, MoCConfig  # noqa: E402
-from moc._toy import BigramTask, ToyMoE  # noqa: E402
+from examples.toy_moe import BigramTask, ToyMoE  # noqa: E402
 
 VOCAB = 32
 

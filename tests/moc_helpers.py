@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moc._toy import BigramTask, ToyMoE
+from examples.toy_moe import BigramTask, ToyMoE
 
 
 def make(seed: int = 0, *, optimizer: str = "adamw", num_experts: int = 8, layers: int = 2, dim: int = 16, task_seed: int = 0,

@@ -24,7 +24,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from moc import CheckpointManager, MoCConfig  # noqa: E402
-from moc._toy import BigramTask, Expert  # noqa: E402
+from examples.toy_moe import BigramTask, Expert  # noqa: E402
 
 VOCAB, DIM, HIDDEN, LAYERS, EXPERTS = 32, 16, 32, 2, 8
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import moc
-from lazarus.examples import (
+from examples import (
     ByteCorpus,
     GPTConfig,
     MoEGPT,
@@ -29,7 +29,7 @@ from lazarus.examples import (
     sync_gradients,
     train_step,
 )
-from lazarus.examples.corpus import stdlib_source_files
+from examples.corpus import stdlib_source_files
 from lazarus.moe import moe_layers
 from lazarus.planning import Placement
 

@@ -87,7 +87,7 @@ def _padded(t: torch.Tensor) -> int:
 
 
 def test_window_schedule_and_bytes_per_step_match_the_formula(tmp_path):
-    from moc._toy import BigramTask, ToyMoE
+    from examples.toy_moe import BigramTask, ToyMoE
     torch.manual_seed(0)
     model = ToyMoE(vocab=32, dim=16, hidden=32, num_layers=2, num_experts=8)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -130,7 +130,7 @@ def test_window_schedule_and_bytes_per_step_match_the_formula(tmp_path):
 
 
 def test_steps_must_come_in_order_and_restore_units_is_refused(tmp_path):
-    from moc._toy import ToyMoE
+    from examples.toy_moe import ToyMoE
     model = ToyMoE(vocab=16, dim=8, hidden=8, num_layers=1, num_experts=4)
     opt = torch.optim.AdamW(model.parameters())
     cfg = MoCConfig(storage=str(tmp_path / "s"), snapshot_dir=str(tmp_path / "m"), interval=1, k_snapshot=2,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lazarus._local_cluster import LocalCluster
+from examples.local_cluster import LocalCluster
 from lazarus.runtime import ElasticConfig
 from moc import CheckpointStore, MoCConfig
 from storage_backends import open_store

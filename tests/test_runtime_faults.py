@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lazarus._local_cluster import LocalCluster
+from examples.local_cluster import LocalCluster
 
 STEPS = 70
 NODES = ["n0", "n1", "n2", "n3"]

@@ -1,7 +1,7 @@
 """Elastic training of a Hugging Face MoE model under real faults.
 
 A controller and 4 agents as processes on this machine (gloo), each agent running
-``python -m lazarus.examples.train_hf`` (a tiny random transformers Qwen3-MoE made elastic
+``python -m examples.train_hf`` (a tiny random transformers Qwen3-MoE made elastic
 by ``make_elastic``, fused experts). One node is SIGKILLed (every expert keeps a replica:
 f = 2); on the 3 nodes left some experts have a single holder, and that node is SIGKILLed
 next, so its experts come back from moc (peer memory or storage) with their lost tokens
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lazarus._local_cluster import LocalCluster
+from examples.local_cluster import LocalCluster
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,7 +29,7 @@ EXPERTS, LAYERS = 4, 2
 
 def _cluster(tmp_path: Path) -> LocalCluster:
     job = tmp_path / "job"
-    worker = [sys.executable, "-m", "lazarus.examples.train_hf", "--metrics", str(job / "metrics.jsonl"),
+    worker = [sys.executable, "-m", "examples.train_hf", "--metrics", str(job / "metrics.jsonl"),
               "--steps", str(STEPS), "--storage", str(tmp_path / "store"), "--layers", str(LAYERS),
               "--experts", str(EXPERTS), "--d-model", "32", "--d-expert", "32", "--batch-size", "12",
               "--seq-len", "32", "--corpus-bytes", str(1 << 20), "--interval", "5", "--k-snapshot", "2",

@@ -168,7 +168,7 @@ def cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
 
 def _workers(agent_pid: int) -> dict[int, tuple[int, dict[str, str]]]:
     """local rank -> (pid, environment) of an agent's worker processes."""
-    from lazarus._local_cluster import _children
+    from examples.local_cluster import _children
 
     out = {}
     for pid in _children(agent_pid):

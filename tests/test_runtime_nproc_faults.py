@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lazarus._local_cluster import LocalCluster
+from examples.local_cluster import LocalCluster
 from lazarus.planning import round_robin_gpus
 from moc._ckpt_store import CheckpointStore
 

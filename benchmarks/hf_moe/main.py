@@ -137,8 +137,8 @@ def train_router(args: dict, out: Path) -> dict[str, list[int]]:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from lazarus.examples.corpus import ByteCorpus
-    from lazarus.examples.moe_gpt import make_optimizer
+    from examples.corpus import ByteCorpus
+    from examples.moe_gpt import make_optimizer
 
     torch.set_num_threads(args["threads"])
     torch.manual_seed(0)
@@ -177,7 +177,7 @@ def _rank_main(rank: int, world: int, tmp: str, args: dict, history: dict[str, l
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from lazarus.examples.corpus import ByteCorpus
+    from examples.corpus import ByteCorpus
 
     store = dist.FileStore(str(Path(tmp) / "store"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))

@@ -54,7 +54,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
 from moc import CheckpointManager, MoCConfig  # noqa: E402
-from moc._toy import ToyMoE  # noqa: E402
+from examples.toy_moe import ToyMoE  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 
@@ -259,7 +259,7 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], rows: 
     L.append(f"Rerun: `python benchmarks/moc_overhead/main.py{flags}` "
              f"(whole run {info['wall']:.0f} s).")
     L.append("")
-    L.append(f"Model: `moc._toy.ToyMoE`, {p['layers']} MoE layers x {E} experts (dim {p['dim']}, expert hidden "
+    L.append(f"Model: `examples.toy_moe.ToyMoE`, {p['layers']} MoE layers x {E} experts (dim {p['dim']}, expert hidden "
              f"{p['hidden']}, vocab {p['vocab']}), top-1; P_e = {P_e/1e6:.1f} M expert + P_ne = {P_ne/1e6:.2f} M "
              f"non-expert parameters, fp32 + Adam = {info['state_bytes']/GB:.2f} GB of state "
              f"({100*P_e/(P_e+P_ne):.1f}% in experts). Training step ({p['tokens']} tokens, forward + backward + "

@@ -66,7 +66,7 @@ class _Arm:
 
 class LazarusArm(_Arm):
     """Controller + 4 agents + ``ElasticTrainer`` as ``make demo`` runs them
-    (:class:`lazarus._local_cluster.LocalCluster`, the example worker). The replacement
+    (:class:`examples.local_cluster.LocalCluster`, the example worker). The replacement
     node ``spare`` is a hot spare (``lazarus agent --standby``) started with the others and
     called in at the join (None: its agent starts cold at the join, like the others')."""
 
@@ -77,7 +77,7 @@ class LazarusArm(_Arm):
         self.spare = spare
         if spare is None:
             self.name = "lazarus (cold join)"
-        from lazarus._local_cluster import LocalCluster
+        from examples.local_cluster import LocalCluster
 
         worker = ["--steps", str(steps), "--storage", str(self.work / "store"), "--interval", "10",
                   "--k-snapshot", "2", "--k-persist", "1", "--persist-every", "2", "--collective-timeout", "5s",

@@ -2,7 +2,7 @@
 metrics lines every worker writes, and the analysis of a run (time lost per fault, steps
 redone or discarded, throughput before and after, goodput).
 
-Every arm trains the same byte-level MoE GPT (:mod:`lazarus.examples.moe_gpt`) on the same
+Every arm trains the same byte-level MoE GPT (:mod:`examples.moe_gpt`) on the same
 global batch per step (``ByteCorpus.batch(step, rank, world, ...)``: the batch of a step
 depends only on the seed and the step; each rank takes its ``rank::world`` slice), so a
 step is the same work whichever system runs it and however many nodes share it.
@@ -57,7 +57,7 @@ class ModelSpec:
         return self.batch_size * self.seq_len
 
     def worker_args(self) -> list[str]:
-        """The flags of ``lazarus.examples.train_elastic`` (and of our workers) for this spec."""
+        """The flags of ``examples.train_elastic`` (and of our workers) for this spec."""
         return ["--layers", str(self.layers), "--d-model", str(self.d_model), "--d-hidden", str(self.d_hidden),
                 "--experts", str(self.experts), "--top-k", str(self.top_k), "--batch-size", str(self.batch_size),
                 "--seq-len", str(self.seq_len), "--lr", str(self.lr), "--seed", str(self.seed),
@@ -76,8 +76,8 @@ class ModelSpec:
     def build(self) -> tuple[Any, Any, Any]:
         """``(model, optimizer, corpus)``: the full model on this process (every expert),
         AdamW as the Lazarus example builds it, the seeded byte corpus."""
-        from lazarus.examples.corpus import ByteCorpus
-        from lazarus.examples.moe_gpt import GPTConfig, MoEGPT, make_optimizer, single_process_placement
+        from examples.corpus import ByteCorpus
+        from examples.moe_gpt import GPTConfig, MoEGPT, make_optimizer, single_process_placement
 
         gpt = GPTConfig(d_model=self.d_model, n_layers=self.layers, num_experts=self.experts, top_k=self.top_k,
                         d_hidden=self.d_hidden, seq_len=self.seq_len, tie_head=False, seed=self.seed)

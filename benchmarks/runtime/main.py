@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from lazarus._local_cluster import LocalCluster  # noqa: E402
+from examples.local_cluster import LocalCluster  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 

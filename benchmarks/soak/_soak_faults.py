@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from _soak_env import S3Endpoint, Tmpfs, log_lines, wait_until
 
-from lazarus._local_cluster import LocalCluster
+from examples.local_cluster import LocalCluster
 
 #: kind -> (weight in the schedule, what it does)
 FAULTS: dict[str, tuple[int, str]] = {

@@ -66,7 +66,7 @@ sys.path.insert(0, str(HERE))
 from _soak_env import CpuLoad, S3Endpoint, Tmpfs, log_lines  # noqa: E402
 from _soak_faults import KINDS, MAX_NODES, MIN_NODES, TARGETS, Fault, Soak, account, measure, target_met  # noqa: E402
 
-from lazarus._local_cluster import LocalCluster  # noqa: E402
+from examples.local_cluster import LocalCluster  # noqa: E402
 
 LAYERS, EXPERTS = 2, 4
 BUCKET = "soak"

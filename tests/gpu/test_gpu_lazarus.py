@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from gpu_common import GPU, free_port
-from lazarus._local_cluster import LocalCluster
+from examples.local_cluster import LocalCluster
 from lazarus.dispatch import dispatch_counts, dispatch_device, dispatch_permutation, load_ops
 from lazarus.moe import MoEConfig, MoELayer
 from lazarus.planning import Placement

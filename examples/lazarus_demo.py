@@ -9,7 +9,7 @@ load (it never races the end of the job), and prints where the join's time went.
 
 Prints a per-event table (detection time, reconfiguration time, experts moved, where
 they came from, PLT, steps rolled back), the join's figures, the training loss, and writes
-a PNG of throughput and node count over time. Rerun: ``python -m lazarus.demo --dir runs/lazarus-demo``.
+a PNG of throughput and node count over time. Rerun: ``python -m examples.lazarus_demo --dir runs/lazarus-demo``.
 
 ``--lost-experts replay``: moc in exact mode (``MoCConfig(exact=True)``, a window of 4
 steps captured every step, every window persisted) and ``ElasticConfig(lost_experts=
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from ._local_cluster import LocalCluster
+from .local_cluster import LocalCluster
 
 
 def _singleton_holder(plan: dict[str, Any]) -> tuple[str, list[str]]:
@@ -243,7 +243,7 @@ def _plot(path: Path, steps: list[dict], timeline: list[dict]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lazarus.demo", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m examples.lazarus_demo", description=__doc__.split("\n")[0])
     p.add_argument("--dir", default="runs/lazarus-demo", help="work directory (recreated)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--quick", action="store_true", help="a smaller model (for smoke tests)")

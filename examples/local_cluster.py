@@ -1,6 +1,6 @@
 """A Lazarus job on one machine: a controller and N agents as real processes.
 
-Used by ``make demo`` (:mod:`lazarus.demo`) and the fault-injection tests. Each "node" is
+Used by ``make demo`` (:mod:`examples.lazarus_demo`) and the fault-injection tests. Each "node" is
 an agent process started in its own session, so ``kill_node`` takes down the agent and
 its worker together (SIGKILL to the process group), like a machine that vanishes;
 ``freeze_node`` stops them (SIGSTOP), like a hung host; ``kill_worker`` kills only the
@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 __all__ = ["LocalCluster"]
+
+#: the repository root (the directory holding ``examples``)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _children(pid: int) -> list[int]:
@@ -57,7 +60,7 @@ class LocalCluster:
 
     Args:
         workdir: logs, events, metrics, secret and node memory go here.
-        worker_args: arguments after ``python -m lazarus.examples.train_elastic`` (or a
+        worker_args: arguments after ``python -m examples.train_elastic`` (or a
             full command via ``worker_command``).
         controller_args: extra ``lazarus controller`` options (``--slots 4`` ...).
         agent_args: extra ``lazarus agent`` options.
@@ -76,13 +79,17 @@ class LocalCluster:
         self.secret_path.write_text(secrets.token_hex(32))
         os.chmod(self.secret_path, 0o600)
         self.worker_command = list(worker_command) if worker_command else [
-            sys.executable, "-m", "lazarus.examples.train_elastic", "--metrics", str(self.metrics_path),
+            sys.executable, "-m", "examples.train_elastic", "--metrics", str(self.metrics_path),
             *worker_args]
         self.controller_args = list(controller_args)
         self.nproc_per_node = int(nproc_per_node)
         self.agent_args = list(agent_args) + (["--nproc-per-node", str(self.nproc_per_node)]
                                               if self.nproc_per_node != 1 else [])
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        # The example workers (``python -m examples...``) import from the repository root,
+        # whatever the agents' working directory.
+        path = [p for p in self.env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        self.env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *[p for p in path if p != str(ROOT)]])
         self.controller: subprocess.Popen | None = None
         self.address = ""
         self.agents: dict[str, subprocess.Popen] = {}

@@ -1,13 +1,19 @@
-"""Examples for the elastic runtime: a byte-level MoE GPT on the stdlib source corpus.
+"""Example models, workers and demos, kept out of the installed packages (``moc``,
+``lazarus``): run them from the repository root (``python -m examples.<name>``), or put it on
+``PYTHONPATH``. The elastic runtime's example is a byte-level MoE GPT on the stdlib source corpus:
 
-* :mod:`lazarus.examples.corpus` -- :class:`ByteCorpus`, the offline corpus and its
+* :mod:`examples.corpus` -- :class:`ByteCorpus`, the offline corpus and its
   deterministic, rank-sliced data stream;
-* :mod:`lazarus.examples.moe_gpt` -- :class:`MoEGPT` on :class:`lazarus.moe.MoELayer`,
+* :mod:`examples.moe_gpt` -- :class:`MoEGPT` on :class:`lazarus.moe.MoELayer`,
   its optimizer, gradient sync and routing-skew helpers
-  (``python -m lazarus.examples.moe_gpt --steps 100`` trains it single-process);
-* :mod:`lazarus.examples.train_elastic` / :mod:`lazarus.examples.train_hf` -- workers for
+  (``python -m examples.moe_gpt --steps 100`` trains it single-process);
+* :mod:`examples.train_elastic` / :mod:`examples.train_hf` -- workers for
   ``lazarus agent``: the MoE GPT, and a transformers Qwen3-MoE made elastic with
-  :func:`lazarus.adapters.hf.make_elastic`.
+  :func:`lazarus.adapters.hf.make_elastic`;
+* :mod:`examples.local_cluster` -- :class:`LocalCluster`, a controller and N agents as real
+  processes on one machine (the demo, the fault tests, the soak and the benchmarks);
+* :mod:`examples.lazarus_demo` (``make demo``) and :mod:`examples.moc_demo` (``make demo-moc``),
+  the latter on :mod:`examples.toy_moe` (``ToyMoE``, the tests' and benchmarks' MoE model).
 
 Names are imported lazily, so running a submodule with ``-m`` does not import it twice.
 """

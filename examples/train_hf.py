@@ -4,7 +4,7 @@
 ``lazarus agent`` starts this as its worker command, exactly like ``train_elastic``::
 
     lazarus agent --controller HOST:PORT --secret-file S --node-id n0 -- \\
-        python -m lazarus.examples.train_hf --steps 300 --storage /mnt/nfs/run1
+        python -m examples.train_hf --steps 300 --storage /mnt/nfs/run1
 
 The model is built from the same config and seed on every rank (``from_config``, no
 download); each rank keeps the rows of the experts the controller's plan gives it. The
@@ -30,7 +30,7 @@ from .corpus import ByteCorpus
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m lazarus.examples.train_hf", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m examples.train_hf", description=__doc__.split("\n")[0])
     add_job_arguments(p, batch_size=12)
     p.add_argument("--layers", type=int, default=2, help="decoder layers (every one is MoE)")
     p.add_argument("--experts", type=int, default=4)

@@ -4,7 +4,7 @@
 experts it holds and who its peers are::
 
     lazarus agent --controller HOST:PORT --secret-file S --node-id n0 -- \\
-        python -m lazarus.examples.train_elastic --steps 300 --storage /mnt/nfs/run1
+        python -m examples.train_elastic --steps 300 --storage /mnt/nfs/run1
 
 Every rank trains on its slice of the same global batch (the stream depends only on the
 seed and the step), so the data of a step is the same whatever the world size.
@@ -26,7 +26,7 @@ from .moe_gpt import GPTConfig, MoEGPT, moe_layer_names
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m lazarus.examples.train_elastic", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m examples.train_elastic", description=__doc__.split("\n")[0])
     add_job_arguments(p, batch_size=16)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--moe-every", type=int, default=1)

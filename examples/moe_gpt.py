@@ -24,7 +24,7 @@ Distributed step (every rank, same global batch sliced by :class:`ByteCorpus`)::
     sync_gradients(model)          # dense: all-reduce mean; MoE: replicas + router
     opt.step()
 
-``python -m lazarus.examples.moe_gpt --steps 100`` trains single-process and prints the
+``python -m examples.moe_gpt --steps 100`` trains single-process and prints the
 loss curve, the validation loss, the step time and the routing skew per layer.
 """
 
@@ -482,7 +482,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
 
     from .corpus import ByteCorpus
 
-    ap = argparse.ArgumentParser(prog="python -m lazarus.examples.moe_gpt",
+    ap = argparse.ArgumentParser(prog="python -m examples.moe_gpt",
                                  description="Train the MoE GPT single-process on the stdlib corpus.")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch-size", type=int, default=16)

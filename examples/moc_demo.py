@@ -1,7 +1,7 @@
 """``make demo``: train a small MoE on CPU under :class:`moc.CheckpointManager`, SIGKILL it
 part-way, restart it, and show what was restored from memory and from storage.
 
-    python -m moc.demo --dir runs/demo
+    python -m examples.moc_demo --dir runs/demo
 
 Checkpoints: every 4 steps a shared-memory snapshot of 4 of 8 experts per layer; every
 second snapshot also goes to ``runs/demo/ckpt`` with 2 experts per layer (two levels,
@@ -22,9 +22,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ._config import MoCConfig
-from ._manager import CheckpointManager
-from ._toy import BigramTask, ToyMoE
+from moc import CheckpointManager, MoCConfig
+
+from .toy_moe import BigramTask, ToyMoE
 
 LAYERS, EXPERTS = 2, 8
 
@@ -86,7 +86,7 @@ def describe_restore(ckpt: CheckpointManager) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moc.demo", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m examples.moc_demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default="runs/demo", help="where checkpoints go (wiped first)")
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--kill-at", type=int, default=46, help="SIGKILL the trainer once it reaches this step")
@@ -101,8 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"moc demo: ToyMoE, {LAYERS} MoE layers x {EXPERTS} experts. Every {cfg.interval} steps: "
           f"{cfg.k_snapshot} experts/layer to shared memory; every {cfg.persist_every} snapshots: "
           f"{cfg.k_persist} experts/layer to {cfg.storage}\n")
-    cmd = [sys.executable, "-m", "moc.demo", "--dir", args.dir, "--steps", str(args.steps)]
-    proc = subprocess.Popen(cmd + ["--child", "first"], stdout=subprocess.PIPE, text=True)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root: examples
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH", "")])))
+    cmd = [sys.executable, "-m", "examples.moc_demo", "--dir", args.dir, "--steps", str(args.steps)]
+    proc = subprocess.Popen(cmd + ["--child", "first"], stdout=subprocess.PIPE, text=True, env=env)
     reached = -1
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             break
     proc.wait()
     print(f"\n  [run 1] SIGKILL at step {reached} (exit code {proc.returncode}); restarting\n")
-    proc = subprocess.run(cmd + ["--child", "second"], stdout=subprocess.PIPE, text=True, check=True)
+    proc = subprocess.run(cmd + ["--child", "second"], stdout=subprocess.PIPE, text=True, check=True, env=env)
     lines = proc.stdout.rstrip().splitlines()
     steps_at = [i for i, l in enumerate(lines) if l.startswith("step ")]
     head = lines[: steps_at[0]] if steps_at else lines

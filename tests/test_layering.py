@@ -1,0 +1,134 @@
+"""The layering rules, checked on the source (``ast``: no module is imported).
+
+storage_backends at the bottom; moc over it; lazarus over both; the examples, demos,
+benchmarks and tests on top, outside the installed packages. Nothing imports upward, and no
+two product modules import each other, directly or round a circle (imports inside functions
+count: deferring one hides a circle, it does not remove it; ``if TYPE_CHECKING:`` blocks do
+not, being types only).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: what each installed package may import from this repository
+ALLOWED = {"storage_backends": {"storage_backends"},
+           "moc": {"storage_backends", "moc"},
+           "lazarus": {"storage_backends", "moc", "lazarus"}}
+OURS = {"storage_backends", "moc", "lazarus", "examples", "benchmarks", "tests"}
+
+
+def _module(path: Path) -> tuple[str, ...]:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return parts[:-1] if parts[-1] == "__init__" else parts
+
+
+def _nodes(node: ast.AST) -> Iterator[ast.AST]:
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            continue
+        yield child
+        yield from _nodes(child)
+
+
+def imports_of(path: Path, known: set[str] = frozenset()) -> list[tuple[int, str]]:
+    """``(line, dotted name)`` of every import in ``path`` naming one of our packages,
+    relative ones resolved; ``from pkg import mod`` names ``pkg.mod`` when that is in ``known``."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    package = parts[:-1]   # of a module, and of a package's __init__ alike
+    out = []
+    for node in _nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join([*package[: len(package) - (node.level - 1)], *([node.module] if node.module else [])]
+                            if node.level else [node.module or ""])
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        out += [(node.lineno, n) for n in names if n.split(".")[0] in OURS]
+    return out
+
+
+def product_graph() -> dict[str, dict[str, int]]:
+    """module -> {product module it imports: line}."""
+    files = {".".join(_module(p)): p for pkg in ALLOWED for p in (ROOT / pkg).rglob("*.py")}
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in files.items():
+        deps: dict[str, int] = {}
+        for line, target in imports_of(path, set(files)):
+            while target and target not in files:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                deps.setdefault(target, line)
+        graph[name] = deps
+    return graph
+
+
+def circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_resolves_relative_and_deferred_imports() -> None:
+    def tops(*path: str) -> set[str]:
+        return {n.split(".")[0] for _, n in imports_of(ROOT.joinpath(*path))}
+
+    assert tops("moc", "_policy.py") == {"moc"}   # relative imports only
+    assert tops("lazarus", "runtime", "_moc_groups.py") == {"moc", "lazarus"}
+    assert tops("examples", "lazarus_demo.py") == {"examples", "moc"}
+    graph = product_graph()
+    assert "moc._export" in graph["moc._ckpt_store"]
+    assert "moc._ckpt_store" not in graph["moc._export"]   # a TYPE_CHECKING import only
+
+
+def test_circles_are_found() -> None:
+    assert circles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b": 1}, "b": {}}) == []
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_no_package_imports_upward(package: str) -> None:
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {name}"
+           for path in sorted((ROOT / package).rglob("*.py"))
+           for line, name in imports_of(path) if name.split(".")[0] not in ALLOWED[package]]
+    assert not bad, f"{package} may import only {sorted(ALLOWED[package])}: " + "; ".join(bad)
+
+
+def test_no_import_circles() -> None:
+    graph = product_graph()
+    found = circles(graph)
+    assert not found, "import circles: " + "; ".join(
+        ", ".join(f"{a} -> {b} (line {graph[a][b]})" for a in c for b in graph[a] if b in c) for c in found)
