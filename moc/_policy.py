@@ -68,7 +68,7 @@ class CheckpointPolicy:
         self._pending = {layer: torch.zeros(n, dtype=torch.int64) for layer, n in self.num_experts.items()}
         self._pending_global = {layer: torch.zeros(n, dtype=torch.int64) for layer, n in self.num_experts.items()}
         # Counts given as device tensors, summed there until the next sync: (scope, layer) ->
-        # tensor; then copied to the host without waiting: (event, host tensor, keys).
+        # tensor; then copied to the host without waiting, booked once arrived.
         self._on_device: dict[tuple[str, str], torch.Tensor] = {}
         self._in_flight: LateCopies[tuple[str, str]] = LateCopies(torch.cat)
         self.checkpoints = 0        # snapshots taken by the job

@@ -163,8 +163,8 @@ class RouterTaps:
         self._armed: dict[str, bool] = {}
         self.unreadable: dict[str, str] = {}    # layer -> why no output of it was read
         self._why: dict[tuple[str, str], str] = {}
-        # Readings on a GPU are checked there: (event, flags copied to the host, [(layer, why)])
-        # waiting for the copy; a flag False means no reading of that layer held up.
+        # Readings on a GPU are checked there, the flags copied to the host without waiting,
+        # each labelled (layer, why); a flag False means no reading of that layer held up.
         self._checks: LateCopies[tuple[str, str]] = LateCopies(torch.stack)
         self.check_on_device = False   # tests: CPU readings through the device path
         paths = {id(m): n for n, m in model.named_modules()}
