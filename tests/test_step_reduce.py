@@ -37,7 +37,8 @@ def prog_rides(rank: int, world: int, dtype_name: str, big_max: bool) -> None:
     dtype = getattr(torch, dtype_name)
     params, reference = _params(rank, dtype), _params(rank, dtype)
     posts = [lambda g: g / world, lambda g: g * 0.5, lambda g: g]
-    sums = [0.1 * (rank + 1), 2.0 ** -30 * rank]
+    values = [0.1 * (rank + 1), 2.0 ** -30 * rank]
+    sums = [values[0], torch.tensor(values[1], dtype=torch.float64)]   # a number and a 0-dim tensor alike
     maxima = [(1 << 25) + rank if big_max else 7 * (rank % 2), 3 - rank]
     calls: list[int] = []
     real = dist.all_reduce
@@ -55,7 +56,7 @@ def prog_rides(rank: int, world: int, dtype_name: str, big_max: bool) -> None:
         expected = post(flat[pos: pos + p.numel()])
         pos += p.numel()
         assert p.grad.dtype == dtype and torch.equal(p.grad, expected), (p.grad, expected)
-    s = torch.tensor(sums, dtype=torch.float64)
+    s = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(s)
     m = torch.tensor(maxima, dtype=torch.int64)
     dist.all_reduce(m, op=dist.ReduceOp.MAX)
@@ -84,6 +85,31 @@ def test_one_rank_sends_nothing_and_bad_maxima_are_refused() -> None:
     p = torch.nn.Parameter(torch.zeros(3))
     p.grad = torch.ones(3)
     assert all_reduce_step([(p, lambda g: g * 2)], sums=[1.5], maxima=[4], rank=0, world=1) == ([1.5], [4])
+    assert all_reduce_step([], sums=[torch.tensor(0.25), 1], rank=0, world=1) == ([0.25, 1.0], [])
     assert torch.equal(p.grad, torch.full((3,), 2.0))
     with pytest.raises(ValueError, match="maxima"):
         all_reduce_step([], maxima=[-1], rank=0, world=1)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_clip_total_norm_matches_torch_clipping(max_norm: float) -> None:
+    """The counted gradients' norm with the others' squared norm given is torch's total
+    norm; the factor is torch's; a norm under the limit leaves the gradients bit for bit."""
+    from lazarus.runtime._step_reduce import clip_total_norm_
+
+    gen = torch.Generator().manual_seed(3)
+    mine = [torch.randn(n, generator=gen) for n in (7, 4, 9)]
+    ref = [torch.nn.Parameter(torch.zeros_like(g)) for g in mine]
+    for p, g in zip(ref, mine):
+        p.grad = g.clone()
+    before = [g.clone() for g in mine]
+    others_sq = sum(float(g.double().pow(2).sum()) for g in mine[2:])
+    clip_total_norm_(mine[:2], mine[2:], torch.tensor(others_sq, dtype=torch.float64), max_norm)
+    torch.nn.utils.clip_grad_norm_(ref, max_norm)
+    for g, p, b in zip(mine, ref, before):
+        assert torch.allclose(g, p.grad, rtol=1e-6, atol=0), (g, p.grad)
+        if max_norm > 1e3:
+            assert torch.equal(g, b)
+    if max_norm < 1:
+        total = torch.cat(mine).norm()
+        assert total == pytest.approx(max_norm, rel=1e-5)

@@ -386,14 +386,17 @@ class ElasticMoE(nn.Module):
                 p.grad = flat[offset: offset + p.numel()].view_as(p).clone()
                 offset += p.numel()
 
-    def expert_grad_sq(self) -> float:
+    def expert_grad_sq(self) -> torch.Tensor:
         """Squared norm of this rank's share of the expert gradients: each local expert's
         squared gradient norm divided by its number of holders, so that the all-reduced
-        sum counts every expert once (gradient clipping over the whole model)."""
-        total = 0.0
-        for e in self.local_experts:
-            total += float(self.experts.flat_grad(e).double().pow(2).sum()) / len(self._holders[e])
-        return total
+        sum counts every expert once (gradient clipping over the whole model). A float64
+        0-dim tensor where the experts are: summed there, never read on the host here (on a
+        GPU each read would wait for the device, once per expert per layer per step)."""
+        parts = [self.experts.flat_grad(e).double().pow(2).sum() / len(self._holders[e]) for e in self.local_experts]
+        if not parts:
+            device = next((p.device for p in self.parameters()), torch.device("cpu"))
+            return torch.zeros((), dtype=torch.float64, device=device)
+        return torch.stack(parts).sum()
 
 
 class MoELayer(ElasticMoE):

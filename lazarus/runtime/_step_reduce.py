@@ -18,6 +18,10 @@ maximum must be an integer in ``[0, 2**24]`` for ``float32``, exact there). Othe
 ``bfloat16`` / ``float16`` model, or no flat at all) each goes in its own all-reduce as before
 (``float64`` sum, ``int64`` max): the results are the same either way but for the sum's
 rounding (``float32`` there).
+
+The sums may be device tensors (0-dim): they are written into the flat on the device, and
+the results come to the host in one copy, so the step waits for the device once, where it
+must (the agreed plan is read on the host), not once per scalar.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_step"]
+__all__ = ["all_reduce_step", "clip_total_norm_"]
 
 #: Largest integer every float32 between 0 and it represents exactly.
 _F32_EXACT = 1 << 24
@@ -36,7 +40,7 @@ _F32_EXACT = 1 << 24
 def all_reduce_step(
     grads: Sequence[tuple[torch.nn.Parameter, Callable[[torch.Tensor], torch.Tensor]]],
     *,
-    sums: Sequence[float] = (),
+    sums: Sequence[float | torch.Tensor] = (),
     maxima: Sequence[int] = (),
     rank: int,
     world: int,
@@ -50,7 +54,7 @@ def all_reduce_step(
     Args:
         grads: ``(parameter, post)`` pairs, the same parameters in the same order on every
             rank.
-        sums: floats to add up over the ranks.
+        sums: floats (or 0-dim tensors, on the gradients' device) to add up over the ranks.
         maxima: integers ``>= 0`` to take the maximum of over the ranks.
         rank, world: this rank and the group's size (``world == 1``: nothing is sent).
     """
@@ -60,7 +64,7 @@ def all_reduce_step(
         for p, post in grads:
             if p.grad is not None:
                 p.grad = post(p.grad)
-        return [float(s) for s in sums], [int(m) for m in maxima]
+        return _host(_stack(sums, torch.device("cpu"))) if sums else [], [int(m) for m in maxima]
     parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p, _ in grads]
     flat = torch.cat(parts) if parts else torch.zeros(0)
     ride = flat.dtype in (torch.float32, torch.float64) and (
@@ -69,7 +73,7 @@ def all_reduce_step(
     if ride and (sums or maxima):
         extra = torch.zeros(len(sums) + world * len(maxima), dtype=flat.dtype, device=flat.device)
         if sums:
-            extra[: len(sums)] = torch.tensor([float(s) for s in sums], dtype=torch.float64)
+            extra[: len(sums)] = _stack(sums, flat.device)
         for i, m in enumerate(maxima):
             extra[len(sums) + i * world + rank] = float(int(m))
         flat = torch.cat([flat, extra])
@@ -81,17 +85,47 @@ def all_reduce_step(
         p.grad = post(flat[pos: pos + k]).view_as(p)
         pos += k
     if ride:
-        tail = flat[n:].double()
-        out_sums = [float(x) for x in tail[: len(sums)]]
+        tail = flat[n:].double().cpu()   # the one wait for the device
         slots = tail[len(sums):].view(len(maxima), world)
-        return out_sums, [int(x) for x in slots.max(dim=1).values.round().long()] if maxima else []
+        return _host(tail[: len(sums)]), [int(x) for x in slots.max(dim=1).values.round().long()] if maxima else []
     out_sums, out_max = [], []
     if sums:
-        t = torch.tensor([float(s) for s in sums], dtype=torch.float64, device=flat.device)
+        t = _stack(sums, flat.device)
         dist.all_reduce(t, group=group)
-        out_sums = [float(x) for x in t]
+        out_sums = _host(t)
     if maxima:
         t = torch.tensor([int(m) for m in maxima], dtype=torch.int64, device=flat.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        out_max = [int(x) for x in t]
+        out_max = [int(x) for x in t.cpu()]
     return out_sums, out_max
+
+
+def _stack(sums: Sequence[float | torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sums as one float64 vector on ``device``: tensors never read on the host, numbers
+    filled in there (a copy from pageable host memory would wait for the device)."""
+    return torch.stack([s.to(device=device, dtype=torch.float64).reshape(()) if isinstance(s, torch.Tensor)
+                        else torch.full((), float(s), dtype=torch.float64, device=device) for s in sums])
+
+
+def _host(t: torch.Tensor) -> list[float]:
+    return [float(x) for x in t.cpu().tolist()]
+
+
+def clip_total_norm_(counted: Sequence[torch.Tensor], others: Sequence[torch.Tensor], others_sq: float | torch.Tensor,
+                     max_norm: float) -> None:
+    """Scale ``counted`` and ``others`` (gradients, in place) by ``max_norm / total`` when the
+    total norm exceeds ``max_norm`` (``+ 1e-6``, as torch's ``clip_grad_norm_``): ``total`` is
+    the norm of ``counted`` together with ``others_sq``, the squared norm of ``others``
+    given (the experts': each counted once over the ranks, summed by the step's
+    all-reduce). Computed where the gradients are and never read on the host (on a GPU
+    each read would wait for the device); a factor of 1.0 leaves them bit for bit."""
+    grads = [*counted, *others]
+    if not grads:
+        return
+    device = grads[0].device
+    total_sq = torch.as_tensor(others_sq, dtype=torch.float64).to(device)
+    for g in counted:
+        total_sq = total_sq + g.pow(2).sum().to(device=device, dtype=torch.float64)
+    coef = (max_norm / (total_sq.sqrt() + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device))

@@ -39,7 +39,7 @@ from ._backend import TrainerBackend, nccl_environment, resolve_backend
 from ._elastic_config import ElasticConfig
 from ._lazy_dynamo import defer_dynamo_import
 from ._reconfigure import Reconfigurer, Superseded
-from ._step_reduce import all_reduce_step
+from ._step_reduce import all_reduce_step, clip_total_norm_
 
 __all__ = ["ElasticTrainer", "is_collective_error"]
 
@@ -343,22 +343,15 @@ class ElasticTrainer:
         """Clip by the norm of the whole model's gradient, each expert counted once (not
         once per replica; ``expert_sq``: their squared norm, summed over the ranks with the
         step's all-reduce): the same coefficient on every rank, so replicas and dense
-        weights stay identical."""
+        weights stay identical. Computed where the gradients are, never read on the host (on
+        a GPU a read per parameter would wait for the device each time)."""
         model = self.model
         assert model is not None
-        dense_sq = sum(float(p.grad.pow(2).sum()) for p in self.reconf.dense_params() if p.grad is not None)
-        grads = [p.grad for p in self.reconf.dense_params() if p.grad is not None]
+        squared = [p.grad for p in self.reconf.dense_params() if p.grad is not None]
         for _, layer in moe_layers(model):
-            for p in layer.replicated_parameters():    # router, shared experts
-                if p.grad is not None:
-                    dense_sq += float(p.grad.pow(2).sum())
-                    grads.append(p.grad)
-            grads += [p.grad for p in layer.experts.parameters() if p.grad is not None]
-        total = (dense_sq + expert_sq) ** 0.5
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
+            squared += [p.grad for p in layer.replicated_parameters() if p.grad is not None]   # router, shared
+        experts = [p.grad for _, layer in moe_layers(model) for p in layer.experts.parameters() if p.grad is not None]
+        clip_total_norm_(squared, experts, expert_sq, max_norm)
 
     def _report_pause(self, t_end: float) -> None:
         """How long a between-steps plan kept this member from training: from the end of

@@ -139,6 +139,34 @@ def _fused_layer(dtype: torch.dtype):
     return Toy().to(dtype)
 
 
+def test_gradient_clipping_never_waits_for_the_device() -> None:
+    """The step's clipping on the GPU: the experts' squared norm (one per expert, every layer)
+    and the clip factor stay on the device (sync debug mode "error" around them); the
+    gradients equal torch's clip_grad_norm_ of the same gradients."""
+    from lazarus.runtime._step_reduce import clip_total_norm_
+
+    cfg = MoEConfig(d_model=64, d_hidden=128, num_experts=8, top_k=2, seed=3)
+    layer = MoELayer(cfg, Placement([list(range(8))])).cuda()
+    x = torch.randn(512, 64, device="cuda")
+    layer(x).square().sum().backward()
+    expert_grads = [p.grad for p in layer.experts.parameters() if p.grad is not None]
+    dense = [p.grad for p in layer.replicated_parameters() if p.grad is not None]
+    reference = [torch.nn.Parameter(g.detach().clone()) for g in [*dense, *expert_grads]]
+    for p, g in zip(reference, [*dense, *expert_grads]):
+        p.grad = g.clone()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        expert_sq = layer.expert_grad_sq()
+        clip_total_norm_(dense, expert_grads, expert_sq, 0.01)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert expert_sq.is_cuda and expert_sq.dtype == torch.float64
+    torch.nn.utils.clip_grad_norm_(reference, 0.01)
+    for g, p in zip([*dense, *expert_grads], reference):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-8)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fused", [False, True])
 def test_moe_layer_with_the_cuda_kernel_equals_the_cpu_op(dtype: torch.dtype, fused: bool) -> None:
