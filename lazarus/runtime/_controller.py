@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from ._config import ControllerConfig
@@ -189,13 +190,16 @@ class Controller(Resumable):
         asyncio.run(main())
         return 0
 
-    def start_in_thread(self, timeout: float = 60.0) -> tuple[int, int]:
-        """Serve in a daemon thread; returns ``(port, store_port)`` once listening."""
+    def start_in_thread(self, timeout: timedelta = timedelta(seconds=60)) -> tuple[int, int]:
+        """Serve in a daemon thread; returns ``(port, store_port)`` once listening (raises
+        ``TimeoutError`` when it is not within ``timeout``)."""
+        if not isinstance(timeout, timedelta):
+            raise TypeError(f"start_in_thread: timeout must be a datetime.timedelta, got {timeout!r}")
         self._thread = threading.Thread(target=lambda: asyncio.run(self._serve_quiet()),
                                         name="lazarus-controller", daemon=True)
         self._thread.start()
-        if not self._ready.wait(timeout):
-            raise TimeoutError(f"controller did not start within {timeout}s")
+        if not self._ready.wait(timeout.total_seconds()):
+            raise TimeoutError(f"controller did not start within {timeout}")
         if self._start_error is not None:
             raise self._start_error
         assert self.port is not None and self.store_port is not None
