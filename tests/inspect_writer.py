@@ -17,7 +17,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository root: examples
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from moc import CheckpointManager, MoCConfig  # noqa: E402
 from moc_helpers import make, train_step  # noqa: E402
