@@ -16,6 +16,16 @@ import torch.distributed as dist
 
 __all__ = ["Comm"]
 
+# Bytes of each rank's JSON that :meth:`Comm.gather_json` carries in its first (often only)
+# round: up to 64 KiB a rank, the round's total held near 1 MiB in large worlds.
+GATHER_INLINE_MAX = 1 << 16
+GATHER_ROUND_BYTES = 1 << 20
+
+
+def gather_inline(world: int) -> int:
+    """Bytes per rank that ride in :meth:`Comm.gather_json`'s first round for ``world`` ranks."""
+    return max(4096, min(GATHER_INLINE_MAX, GATHER_ROUND_BYTES // max(world, 1)))
+
 
 @dataclass
 class Comm:
@@ -94,20 +104,31 @@ class Comm:
         return self.world > 1
 
     def gather_json(self, value: Any, *, persist: bool = False) -> list[Any]:
-        """Every rank's ``value`` (JSON-able), in rank order, on every rank."""
+        """Every rank's ``value`` (JSON-able), in rank order, on every rank. One all-gather
+        when every rank's encoding fits :func:`gather_inline` bytes (the common case: each
+        round costs every rank a wait for the slowest), a second for the rest otherwise."""
         if not self.distributed:
             return [value]
         group = self.persist_group if persist else self.group
-        payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        self._all_gather(sizes, size, group)
-        longest = int(max(s.item() for s in sizes))
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        padded[: payload.numel()] = payload
-        out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world)]
-        self._all_gather(out, padded, group)
-        return [json.loads(bytes(o[: int(s.item())].numpy()).decode()) for o, s in zip(out, sizes)]
+        data = json.dumps(value).encode()
+        head = gather_inline(self.world)
+        first = torch.zeros(8 + head, dtype=torch.uint8)
+        first[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        if data:
+            first[8: 8 + min(len(data), head)] = torch.frombuffer(bytearray(data[:head]), dtype=torch.uint8)
+        out = [torch.empty(8 + head, dtype=torch.uint8) for _ in range(self.world)]
+        self._all_gather(out, first, group)
+        sizes = [int(o[:8].clone().view(torch.int64).item()) for o in out]
+        parts = [bytes(o[8: 8 + min(n, head)].numpy()) for o, n in zip(out, sizes)]
+        rest = max(sizes) - head
+        if rest > 0:   # some rank's value is longer: the remainders, padded to the longest
+            tail = torch.zeros(rest, dtype=torch.uint8)
+            if len(data) > head:
+                tail[: len(data) - head] = torch.frombuffer(bytearray(data[head:]), dtype=torch.uint8)
+            more = [torch.empty(rest, dtype=torch.uint8) for _ in range(self.world)]
+            self._all_gather(more, tail, group)
+            parts = [p + bytes(m[: max(0, n - head)].numpy()) for p, m, n in zip(parts, more, sizes)]
+        return [json.loads(p.decode()) for p in parts]
 
     def gather_bytes(self, payload: bytes, lengths: list[int]) -> list[bytes]:
         """Every rank's ``payload`` in rank order (training-thread group), in ONE all-gather:

@@ -303,9 +303,11 @@ class CheckpointManager:
         (transformers, Megatron) are tapped with forward hooks."""
         lazarus_layers = set()
         self._fed: set[str] = set()
+        self._reporters: list[tuple[torch.nn.Module, Any]] = []   # (layer, the hook set on it here)
         for name, layer in routing_reporters(self.model):
             if name in self.num_experts:
                 layer.routing_hook = (lambda counts, _n=name: self.policy.record_routing(_n, counts, scope="global"))
+                self._reporters.append((layer, layer.routing_hook))
                 lazarus_layers.add(name)
         owners = {}
         for layer in self.layout.layers:
@@ -579,8 +581,16 @@ class CheckpointManager:
             raise SystemExit(128 + signal.SIGTERM)
 
     def _release_hooks(self) -> None:
+        """Leave the model and optimizer as found: nothing of theirs refers to this manager
+        once it is closed or detached (its successor hooks in afresh)."""
         if self._hook is not None:
             self._hook.remove()
+            self._hook = None
+        for layer, hook in self._reporters:
+            if layer.routing_hook is hook:
+                layer.routing_hook = None
+        self._reporters = []
+        self._taps.remove()
         if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._old_sigterm)
 
@@ -604,7 +614,6 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._release_hooks()
-            self._taps.remove()
             self.engine.shutdown(wait=True)
             self.persister.shutdown(wait=True)
             if self.exact is not None:

@@ -34,6 +34,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError as FuturesCancelled
 from concurrent.futures import TimeoutError as FuturesTimeout
 from datetime import timedelta
 from typing import Any
@@ -523,13 +524,19 @@ class SnapshotEngine:
         copies into its buffer are done (:meth:`quiesce`)."""
         fut = self.in_flight
         if fut is not None:
+            # exception(), not result(): a re-raised exception would carry this frame (and
+            # its callers', the manager's) in the traceback the future keeps for its other
+            # readers (the persist thread), keeping the detached manager alive with it.
             try:
-                fut.result(timeout=grace.total_seconds())
+                exc = fut.exception(timeout=grace.total_seconds())
             except FuturesTimeout:
                 log.warning("rank %d: background snapshot still blocked at reconfiguration; abandoned",
                             self.run.rank)
-            except Exception as exc:  # noqa: BLE001 - the group is gone; the snapshot stays in memory
-                log.warning("rank %d: in-flight snapshot abandoned at reconfiguration: %s", self.run.rank, exc)
+            except FuturesCancelled:
+                pass
+            else:
+                if exc is not None:   # the group is gone; the snapshot stays in memory
+                    log.warning("rank %d: in-flight snapshot abandoned at reconfiguration: %s", self.run.rank, exc)
             self.in_flight = None
         self.quiesce()
 

@@ -457,3 +457,34 @@ def test_a_persist_never_leases_the_buffer_reserved_for_the_next_snapshot(tmp_pa
         pool.release(buf)
         with pool.lock:
             buf.state = FREE                         # nothing was copied into it: free again
+
+
+@pytest.mark.parametrize("end", ["close", "detach"])
+def test_a_closed_or_detached_manager_leaves_no_hook_on_the_model(tmp_path, end) -> None:
+    """Its successor hooks in afresh, and nothing of the model's keeps the old manager
+    alive (a Lazarus reconfiguration frees the old one's process groups off the training
+    thread; a hook left behind kept it alive and booked routing into a dead manager)."""
+    import gc
+    import weakref
+
+    model, opt, task = make(layers=2)
+    reporter = model.layers[0].moe            # reports its own routing, as Lazarus's layers do
+    reporter.reports_global_routing = True
+    reporter.routing_hook = None
+    ckpt = CheckpointManager(cfg_for(tmp_path, interval=1), model=model, optimizer=opt)
+    assert reporter.routing_hook is not None                      # wired to this manager
+    assert model.layers[1].moe.router._forward_hooks               # the other layer's router is tapped
+    train_step(model, opt, task, 1, ckpt)
+    if end == "close":
+        ckpt.close()
+    else:
+        handover = ckpt.detach()
+        assert handover.pool is not None
+    assert reporter.routing_hook is None
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert not opt._optimizer_step_pre_hooks
+    ref = weakref.ref(ckpt)
+    del ckpt
+    gc.collect()
+    assert ref() is None
+    train_step(model, opt, task, 2)                                # the model trains on without it

@@ -233,6 +233,44 @@ def test_private_moc_groups_run_every_collective_and_stay_out_of_torch_distribut
 
 
 @pytest.mark.timeout(60)
+def test_gather_json_takes_one_round_when_small_and_two_when_any_rank_is_long() -> None:
+    import torch.distributed as dist
+    from moc._dist import GATHER_INLINE_MAX, gather_inline
+    assert gather_inline(2) == GATHER_INLINE_MAX and gather_inline(1 << 20) == 4096   # held near 1 MiB a round
+    comms = _private_comm_pair(dist.HashStore())
+    rounds = {0: 0, 1: 0}
+    for rank, c in comms.items():
+        inner = c._all_gather
+
+        def counted(out, t, group, _inner=inner, _rank=rank) -> None:
+            rounds[_rank] += 1
+            _inner(out, t, group)
+        c._all_gather = counted
+    long_value = {"s": "\u00e9x" * gather_inline(2), "n": list(range(500))}   # longer than the inline size
+    small = {0: {"r": 0}, 1: ""}
+    results: dict[int, list] = {}
+
+    def run(rank: int) -> None:
+        c = comms[rank]
+        results[rank] = [c.gather_json(small[rank])]
+        results[rank].append(rounds[rank])
+        results[rank].append(c.gather_json(long_value if rank == 1 else None, persist=True))
+        results[rank].append(rounds[rank])
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    for rank in range(2):
+        first, after_small, second, after_long = results[rank]
+        assert first == [{"r": 0}, ""] and after_small == 1        # both fit: one round
+        assert second == [None, long_value] and after_long == 3    # one rank's is long: two rounds
+    for c in comms.values():
+        c.destroy()
+
+
+@pytest.mark.timeout(60)
 def test_a_newer_plan_abandons_moc_groups_that_wait_for_a_dead_peer() -> None:
     # A peer died while moc's groups connected: gloo would wait for it up to 5x the connect
     # timeout and nothing can interrupt that wait. A newer plan must not: the groups'

@@ -24,13 +24,15 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch.distributed as dist
 
-__all__ = ["SocketTracker", "GroupAborter", "AbortReport", "nccl_backends", "nccl_errors", "reset_group_names"]
+__all__ = ["SocketTracker", "GroupAborter", "AbortReport", "nccl_backends", "nccl_errors", "reset_group_names",
+           "release_in_background"]
 
 log = logging.getLogger("lazarus.trainer")
 
@@ -48,6 +50,19 @@ def reset_group_names() -> None:
         from torch.distributed import distributed_c10d as c10d
 
         c10d._world.group_count = 0
+
+
+def release_in_background(objs: list[Any], *, name: str) -> threading.Thread:
+    """Drop the references in ``objs`` (emptied here) from a daemon thread, which then
+    holds the last ones if the caller holds none: destroying a gloo process group waits for
+    its connections to close (70-100 ms for moc's three private groups on a quiet machine,
+    waiting with the GIL released), time the members of a healthy group would otherwise
+    spend at a step boundary when a plan replaces their groups. Returns the thread."""
+    box = list(objs)
+    objs.clear()
+    th = threading.Thread(target=box.clear, name=name, daemon=True)
+    th.start()
+    return th
 
 
 def _socket_fds() -> dict[int, str]:

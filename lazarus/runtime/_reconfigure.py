@@ -55,7 +55,7 @@ from moc import CheckpointManager
 from storage_backends import open_store
 from moc._units import apply_partial, capture_unit, discover_units
 
-from ._abort import GroupAborter, SocketTracker, nccl_errors, reset_group_names
+from ._abort import GroupAborter, SocketTracker, nccl_errors, release_in_background, reset_group_names
 from ._backend import nccl_init_kwargs
 from ._join_gate import JoinGate
 from ._moc_groups import MocGroups
@@ -129,15 +129,20 @@ class Reconfigurer(JoinGate, MocGroups):
         if not planned:
             gc.collect()  # drop the last references so the broken group's sockets close now
         t2 = time.time()
+        retired: list[Any] = []   # freed off this thread (see release_in_background)
         if t.ckpt is not None:
             try:
                 self.handover = t.ckpt.detach()
             except Exception as exc:  # noqa: BLE001
                 log.warning("node %s: moc detach failed: %s", t.where, exc)
+            retired.append(t.ckpt)
             t.ckpt = None
         if self._live_comm is not None:   # moc's private groups (their sockets are shut already)
             self._live_comm.destroy()
+            retired.append(self._live_comm)
             self._live_comm = None
+        if retired:
+            release_in_background(retired, name=f"lazarus-release-{t.generation}")
         log.info("node %s step %d gen %d: retired in %.3f s (group %.3f, gc %.3f, moc detach %.3f)", t.where, t.step,
                  t.generation, time.time() - t0, t1 - t0, t2 - t1, time.time() - t2)
 
