@@ -5,6 +5,7 @@ end-of-run digests the fault tests compare."""
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -112,6 +113,15 @@ def write_digests(args: argparse.Namespace, trainer: Any, node: str, t0: float) 
     os.replace(path + ".tmp", path)
 
 
+def imports_done() -> None:
+    """Turn the collector back on if the entry module turned it off for its imports
+    (``python -m examples.train_elastic``), with the import heap frozen out of its passes
+    (it lives as long as the process); a no-op where it is on."""
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
+
+
 def run_job(args: argparse.Namespace, cfg: Any, *, layout: Any, build_model: Any, loss_fn: Any, node: str) -> int:
     """Train under Lazarus until ``--steps`` (AdamW of ``moe_gpt.make_optimizer`` at
     ``--lr``), then write ``--digests``; the worker's exit status."""
@@ -119,6 +129,7 @@ def run_job(args: argparse.Namespace, cfg: Any, *, layout: Any, build_model: Any
 
     from .moe_gpt import make_optimizer
 
+    imports_done()
     trainer = ElasticTrainer(cfg, layout=layout, build_model=build_model,
                              make_optimizer=lambda model: make_optimizer(model, lr=args.lr))
     if args.slow_while:

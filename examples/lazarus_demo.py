@@ -191,6 +191,11 @@ def join_figures(t_called: float, node: str, events: list[dict], metrics: list[d
         worst = max(pauses, key=lambda m: m["stall_s"] / m["typical_step_s"])
         line += (f"; each member's own stall at most {worst['stall_s']:.2f} s = "
                  f"{worst['stall_s'] / worst['typical_step_s']:.1f} of its steps")
+        waited = max((m for m in pauses if m.get("wait_s") is not None),
+                     key=lambda m: m["wait_s"] / m["typical_step_s"], default=None)
+        if waited is not None:   # last step's end -> training again
+            line += (f", not training at most {waited['wait_s']:.2f} s = "
+                     f"{waited['wait_s'] / waited['typical_step_s']:.1f} of its steps")
     return line
 
 

@@ -232,19 +232,23 @@ SUBCOMMANDS: dict[str, Registrar] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or (``only``) just one subcommand's: registering one
+    imports its module (``simulate``'s brings numpy and the planner), and an agent
+    starting on a joining node should not pay for the others before it starts its worker."""
     parser = _Parser(prog="lazarus", description="Lazarus: elastic, fault-tolerant MoE training.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    for register in SUBCOMMANDS.values():
-        register(sub)
+    for name, register in SUBCOMMANDS.items():
+        if only is None or name == only:
+            register(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lazarus`` console script; returns the exit status."""
-    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(only=argv[0] if argv and argv[0] in SUBCOMMANDS else None)
     prog = "lazarus"
     try:
         args = parser.parse_args(argv)

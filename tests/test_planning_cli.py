@@ -122,3 +122,16 @@ def test_subprocess_ok_and_error() -> None:
     assert bad.returncode == 2
     assert bad.stdout == ""
     assert bad.stderr.count("\n") == 1 and bad.stderr.startswith("lazarus plan: error: ")
+
+
+def test_one_subcommand_imports_only_its_own_module() -> None:
+    """``lazarus agent`` starts a joining node's worker first thing: building the other
+    subcommands' parsers (the simulator's brings numpy and the planner) only delays it.
+    The full parser still lists every subcommand."""
+    code = ("import sys; from lazarus.cli import main; rc = main(['agent', '--help']); "
+            "print(rc, sorted(m for m in ('numpy', 'torch', 'lazarus.sim', 'lazarus.planning') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "0 []"
+    full = subprocess.run([sys.executable, "-m", "lazarus.cli", "--help"], capture_output=True, text=True, timeout=60)
+    assert full.returncode == 0 and all(name in full.stdout for name in SUBCOMMANDS)

@@ -167,6 +167,8 @@ def test_a_hot_spare_registers_only_when_called_in_and_joins_warm(tmp_path: Path
         for m in pauses:
             assert 0 < m["reconfigure_s"] < m["gap_s"] and m["typical_step_s"] > 0
             assert abs(m["stall_s"] - max(0.0, m["gap_s"] - m["typical_step_s"])) < 3e-4
+            # not training: the agreement and the switch, inside the gap (its first step after)
+            assert abs(m["wait_s"] - m["agree_s"] - m["reconfigure_s"]) < 3e-4 and m["wait_s"] < m["gap_s"]
         assert not _failure_reconfigs(c)
         _finish(c, tmp_path, NODES, steps=steps)
         _survivors_not_restarted(c, NODES[:3])

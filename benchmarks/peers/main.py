@@ -182,6 +182,12 @@ def _join_detail(arm: Any, f: Fault, first: float | None) -> dict[str, Any]:
                 out["member_stall_steps"] = round(max(m["stall_s"] / m["typical_step_s"] for m in pauses
                                                       if m["typical_step_s"] > 0), 2) if any(
                     m["typical_step_s"] > 0 for m in pauses) else None
+                # the time each member did not train (last step's end -> training again), in its steps
+                waits = [m["wait_s"] / m["typical_step_s"] for m in pauses
+                         if m.get("wait_s") is not None and m["typical_step_s"] > 0]
+                out["member_wait_steps"] = round(max(waits), 2) if waits else None
+                out["member_wait_max_s"] = max((m["wait_s"] for m in pauses if m.get("wait_s") is not None),
+                                               default=None)
     else:
         start = next((r for r in arm.records() if r.get("kind") == "start" and r["t"] >= f.t), None)
         ready = next((r for r in arm.records() if r.get("kind") == "ready" and r["t"] >= f.t), None)
@@ -241,13 +247,14 @@ def table(results: list[dict[str, Any]]) -> str:
                          f"{r['redone']} / {r['discarded']} | {_f(r['steps_per_s_before'], 1)} | "
                          f"{_f(r['steps_per_s_after'], 1)} |")
     lines += ["", "| system | goodput (tokens/s) | steps | seconds (first to last commit) | join: start -> "
-              "training (s) | members' longest stall while it joined (s) | each member's own stall, in its steps |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+              "training (s) | members' longest stall while it joined (s) | each member's own stall, in its steps "
+              "| each member's own wait (not training), in its steps |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for res in results:
         j = res.get("join") or {}
         lines.append(f"| {res['system']} | {_f(res['goodput'], 0)} | {res['steps']} | {_f(res['seconds'], 1)} | "
                      f"{_f(j.get('join_to_train_s'))} | {_f(j.get('members_stall_s'))} | "
-                     f"{_f(j.get('member_stall_steps'))} |")
+                     f"{_f(j.get('member_stall_steps'))} | {_f(j.get('member_wait_steps'))} |")
     return "\n".join(lines)
 
 
@@ -278,7 +285,11 @@ def target_notes(results: list[dict[str, Any]]) -> list[str]:
         j = (by.get(name) or {}).get("join") or {}
         if j.get("member_stall_steps") is not None:
             out.append(f"target: {name}: members' longest own stall while the node joined {j['member_stall_max_s']:.3f} s "
-                       f"= {j['member_stall_steps']:.2f} of their steps (target <= 1)")
+                       f"= {j['member_stall_steps']:.2f} of their steps (target <= 1; it counts a first step in "
+                       f"the larger world slower than their steps before it too)")
+        if j.get("member_wait_steps") is not None:
+            out.append(f"target: {name}: members' longest own wait (last step's end -> training again) "
+                       f"{j['member_wait_max_s']:.3f} s = {j['member_wait_steps']:.2f} of their steps (target <= 1)")
     return out
 
 

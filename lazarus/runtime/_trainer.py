@@ -356,8 +356,11 @@ class ElasticTrainer:
     def _report_pause(self, t_end: float) -> None:
         """How long a between-steps plan kept this member from training: from the end of
         its last step before the plan to the end of its first step after it, less its
-        typical (median) step, measured the same way (from one step's end to the next's).
-        Every rank appends one ``member_pause`` metrics record."""
+        typical (median) step, measured the same way (from one step's end to the next's):
+        ``stall_s``, which also counts a first step slower than before (a world that grew
+        on shared cores); ``wait_s``: from the end of its last step to training again (the
+        agreement and the reconfiguration). Every rank appends one ``member_pause``
+        metrics record."""
         p, self._paused = self._paused, None
         assert p is not None
         steps = sorted(self._step_s)
@@ -366,6 +369,7 @@ class ElasticTrainer:
         self._metric({"kind": "member_pause", "t": t_end, "node": self.where, "rank": self.rank,
                       "generation": self.generation, "reason": p["reason"], "gap_s": round(gap, 4),
                       "typical_step_s": round(typical, 4), "stall_s": round(max(0.0, gap - typical), 4),
+                      "wait_s": round(p["t_resumed"] - p["t_last"], 4),
                       "agree_s": round(p["t_agreed"] - p["t_last"], 4),
                       "reconfigure_s": round(p["t_resumed"] - p["t_agreed"], 4)})
 
