@@ -21,6 +21,7 @@ Run: ``make bench-peers`` or ``python benchmarks/peers/main.py [--quick] [--json
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import platform
@@ -343,6 +344,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     ModelSpec.add_arguments(p)
     args = p.parse_args(argv)
+    # Every process it starts imports the project: from bytecode, as an installed wheel does
+    # (an editable install under PYTHONDONTWRITEBYTECODE would compile it again in each).
+    for pkg in ("lazarus", "moc", "storage_backends", "examples", "benchmarks"):
+        compileall.compile_dir(str(ROOT / pkg), quiet=2, workers=0)
     systems = [s for s in args.systems.split(",") if s]
     for s in systems:
         if s not in SYSTEMS:
