@@ -118,3 +118,4 @@ check-install:
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info
+	find . -name __pycache__ -prune -exec rm -rf {} +
