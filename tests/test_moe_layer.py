@@ -309,3 +309,37 @@ def test_the_model_wide_sync_matches_each_layers_own(tmp_path: Path) -> None:
 @pytest.mark.timeout(170)
 def test_replica_sums_of_mixed_dtypes_travel_in_one_exchange(tmp_path: Path) -> None:
     run_ranks(prog_mixed_dtype_replicas, 3, tmp_path, join_s=JOIN_S)
+
+
+def test_experts_given_their_state_are_never_initialised(monkeypatch) -> None:
+    """A reconfiguration hands a rank its new experts' states (from peers or moc): building
+    them must not draw initial weights only to overwrite them (for a large expert that is
+    seconds of CPU per expert, every join). The state given is what the layer then holds."""
+    from lazarus.moe._comm import building_for
+
+    cfg = MoEConfig(d_model=8, d_hidden=16, num_experts=4, top_k=1)
+    given = {e: {n: torch.full(t.shape, float(e + 1)) + torch.arange(t.numel()).view(t.shape) / 100
+                 for n, t in Expert(cfg, e).state_dict().items()} for e in range(4)}
+    fills: list[str] = []
+    real_uniform = torch.Tensor.uniform_
+    monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, *a, **k: (   # meta tensors hold no values
+        fills.append("uniform_") if self.device.type != "meta" else None, real_uniform(self, *a, **k))[1])
+    with building_for(0, 2):   # rank 0 of 2, no process group: set_placement with states given
+        layer = MoELayer(cfg, Placement([[0, 1], [2, 3]], num_experts=4))
+        assert fills, "a new layer draws its experts' initial weights"
+        fills.clear()
+        placeholders = layer.initial_expert_states([2, 3])
+        layer.set_placement(Placement([[2, 3], [0, 1]], num_experts=4), expert_states=placeholders)
+        assert fills == [] and layer.local_experts == [2, 3]
+        assert all(float(t.abs().sum()) == 0 for e in (2, 3) for t in layer.experts[str(e)].state_dict().values())
+        layer.set_placement(Placement([[0, 1], [2, 3]], num_experts=4), expert_states=given)
+        layer.set_placement(Placement([[2, 3], [0, 1]], num_experts=4), expert_states=given)
+    assert fills == []
+    assert layer.local_experts == [2, 3]
+    for e in (2, 3):
+        for n, t in layer.experts[str(e)].state_dict().items():
+            torch.testing.assert_close(t, given[e][n])
+    with pytest.raises(ValueError, match=r"expert state must have exactly the keys"):
+        layer.experts.state_to_flat(2, {"w1.weight": given[2]["w1.weight"]})
+    with pytest.raises(ValueError, match=r"'w1.weight' must have shape"):
+        layer.experts.state_to_flat(2, {**given[2], "w1.weight": torch.zeros(3, 3)})

@@ -135,6 +135,20 @@ class LocalExperts(nn.Module, ABC):
         return list(self.parameters())
 
 
+def _uninitialised_expert(config: MoEConfig, *, device: torch.device | None, dtype: torch.dtype | None) -> Expert:
+    """An :class:`Expert` whose parameters are allocated, not initialised: built on the meta
+    device, each parameter then replaced by an empty one (``Module.to_empty`` would do the
+    same, but its first call imports torch's symbolic shapes: 0.25 s of a quiet core)."""
+    with torch.device("meta"):
+        expert = Expert(config)
+    for module in expert.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(
+                torch.empty(p.shape, device=device, dtype=dtype if dtype is not None else p.dtype),
+                requires_grad=p.requires_grad))
+    return expert
+
+
 class MLPExperts(LocalExperts, nn.ModuleDict):
     """Per-expert :class:`~lazarus.moe.Expert` modules keyed by global id (``experts.<e>.``);
     an expert's initial weights depend only on ``(config.seed, e)``."""
@@ -142,8 +156,18 @@ class MLPExperts(LocalExperts, nn.ModuleDict):
     def __init__(self, config: MoEConfig, ids: Sequence[int]) -> None:
         LocalExperts.__init__(self, config.num_experts)
         self.config = config
+        self._layout: list[tuple[str, torch.Size]] | None = None
         for e in sorted(set(ids)):
             self[str(e)] = Expert(config, e)
+
+    def param_layout(self) -> list[tuple[str, torch.Size]]:
+        """``(name, shape)`` of an expert's parameters in parameter order, from an expert
+        built on the meta device (no memory, no initialisation)."""
+        if self._layout is None:
+            with torch.device("meta"):
+                holder = Expert(self.config)
+            self._layout = [(n, p.shape) for n, p in holder.named_parameters()]
+        return self._layout
 
     @property
     def expert_ids(self) -> list[int]:
@@ -170,7 +194,7 @@ class MLPExperts(LocalExperts, nn.ModuleDict):
             p.grad = g.clone()
 
     def _shapes_without_experts(self) -> list[torch.Size]:
-        return [p.shape for p in Expert(self.config).parameters()]
+        return [shape for _, shape in self.param_layout()]
 
     def reassign(self, ids: Sequence[int], flats: Mapping[int, torch.Tensor]) -> None:
         mine = sorted(set(ids))
@@ -180,25 +204,41 @@ class MLPExperts(LocalExperts, nn.ModuleDict):
         for e in mine:
             if str(e) in self:
                 continue
-            expert = Expert(self.config, e)
-            if ref is not None:
-                expert = expert.to(device=ref.device, dtype=ref.dtype)
             if e in flats:
+                # Its state is given: allocated, never initialised (an initialisation thrown
+                # away is 2 random fills of each weight, seconds for a large expert on a CPU).
+                expert = _uninitialised_expert(self.config, device=ref.device if ref is not None else None,
+                                               dtype=ref.dtype if ref is not None else None)
                 torch.nn.utils.vector_to_parameters(flats[e].to(expert.w1.weight), expert.parameters())
+            else:
+                expert = Expert(self.config, e)
+                if ref is not None:
+                    expert = expert.to(device=ref.device, dtype=ref.dtype)
             self[str(e)] = expert
 
     def initial_flat(self, e: int) -> torch.Tensor:
-        return torch.nn.utils.parameters_to_vector(Expert(self.config, e).parameters()).detach()
+        """Zeros, as for fused experts: a placeholder is always restored over (from a peer
+        or a checkpoint), so drawing expert ``e``'s seeded initial weights would be wasted."""
+        ref = next(iter(self.parameters()), None)
+        return torch.zeros(self.expert_numel, dtype=ref.dtype if ref is not None else torch.get_default_dtype(),
+                           device=ref.device if ref is not None else None)
 
     def state_to_flat(self, e: int, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        holder = Expert(self.config)
-        holder.load_state_dict(dict(state))
-        return torch.nn.utils.parameters_to_vector(holder.parameters()).detach()
+        layout = self.param_layout()
+        if set(state) != {n for n, _ in layout}:
+            raise ValueError(f"expert state must have exactly the keys {[n for n, _ in layout]}, got {sorted(state)}")
+        for n, shape in layout:
+            if tuple(state[n].shape) != tuple(shape):
+                raise ValueError(f"expert state {n!r} must have shape {tuple(shape)}, got {tuple(state[n].shape)}")
+        return torch.cat([state[n].detach().reshape(-1) for n, _ in layout])
 
     def flat_to_state(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        holder = Expert(self.config)
-        torch.nn.utils.vector_to_parameters(flat, holder.parameters())
-        return {k: v.detach() for k, v in holder.state_dict().items()}
+        out, offset = {}, 0
+        for n, shape in self.param_layout():
+            size = math.prod(shape)
+            out[n] = flat[offset: offset + size].view(shape)
+            offset += size
+        return out
 
 
 class GroupedExperts(LocalExperts):
