@@ -479,7 +479,8 @@ class Reconfigurer(JoinGate, MocGroups):
         t = self.t
         comm = world_comm()
         has_state = t.model is not None and not self.stateless
-        modules = sorted(u.name for u in discover_units(t.model).modules()) if has_state else []
+        layout = discover_units(t.model) if has_state else None
+        modules = sorted(u.name for u in layout.modules()) if layout is not None else []
         inv = comm.gather_json({"node": t.node, "local": t.local_rank, "step": t.step if has_state else -1,
                                 "experts": self._held(), "modules": modules, "built": t.model is not None})
         newest = max(r["step"] for r in inv)
@@ -502,8 +503,7 @@ class Reconfigurer(JoinGate, MocGroups):
         if dense_missing:
             raise RuntimeError(f"no rank holds dense units {dense_missing[:3]} at step {newest}")
         trees = {}
-        if has_state:
-            layout = discover_units(t.model)
+        if layout is not None:
             state = t.model.state_dict(keep_vars=True)
             for m in moves:
                 if m.src == comm.rank and m.unit not in trees:
