@@ -184,6 +184,15 @@ def test_choose_moves_prefers_a_holder_on_the_destinations_node() -> None:
     assert sorted(m.src for m in moves) == [4, 5]
 
 
+def _on_both_ranks(fn) -> None:
+    """``fn(rank)`` for ranks 0 and 1 at once, one thread each (a collective needs both)."""
+    threads = [threading.Thread(target=fn, args=(r,)) for r in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+
+
 def _private_comm_pair(store, form_timeout: timedelta = timedelta(seconds=20)):
     from moc._dist import Comm
     out: dict[int, Comm] = {}
@@ -191,11 +200,7 @@ def _private_comm_pair(store, form_timeout: timedelta = timedelta(seconds=20)):
     def form(rank: int) -> None:
         out[rank] = Comm.create_private(store, rank, 2, timedelta(seconds=5), form_timeout=form_timeout)
 
-    threads = [threading.Thread(target=form, args=(r,)) for r in range(2)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(30)
+    _on_both_ranks(form)
     return out
 
 
@@ -217,11 +222,7 @@ def test_private_moc_groups_run_every_collective_and_stay_out_of_torch_distribut
                          "x": c.exchange(send, [1, 1], [1, 1]).tolist()}
         c.barrier()
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(30)
+    _on_both_ranks(run)
     for rank in range(2):
         r = results[rank]
         assert r["json"] == [{"r": 0}, {"r": 1}] and r["persist"] == [0, 1] and r["any"] is True
@@ -257,11 +258,7 @@ def test_gather_json_takes_one_round_when_small_and_two_when_any_rank_is_long() 
         results[rank].append(c.gather_json(long_value if rank == 1 else None, persist=True))
         results[rank].append(rounds[rank])
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(30)
+    _on_both_ranks(run)
     for rank in range(2):
         first, after_small, second, after_long = results[rank]
         assert first == [{"r": 0}, ""] and after_small == 1        # both fit: one round
