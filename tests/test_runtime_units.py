@@ -358,3 +358,43 @@ def test_a_stale_survivor_keeps_its_own_copy_of_an_expert_nobody_holds_at_the_ne
     assert missing == []
     src = {(m.unit, m.dst): m.src for m in moves}
     assert src[("expert/L/3", 2)] == 1 and src[("expert/L/0", 1)] == 0 and src[("expert/L/2", 3)] == 2
+
+
+_EXIT_AFTER_RELEASE = """
+import sys, threading
+from datetime import timedelta
+import torch.distributed as dist
+from moc._dist import Comm
+from lazarus.runtime._abort import release_in_background
+
+retired = []
+for k in range(5):
+    store, comms = dist.PrefixStore(str(k), dist.HashStore()), {}
+
+    def form(rank):
+        comms[rank] = Comm.create_private(store, rank, 2, timedelta(seconds=10))
+        comms[rank].gather_json(rank)   # both ranks: the groups connected and used
+
+    threads = [threading.Thread(target=form, args=(r,)) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    for c in comms.values():
+        c.destroy()
+    retired += comms.values()
+release_in_background(retired, name="release")
+sys.exit(0)   # at once, as a worker leaving the job right after retiring its groups
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_process_exiting_right_after_releasing_groups_exits_cleanly() -> None:
+    """The retired groups are destroyed in a thread; a worker that leaves the job exits
+    right after. The interpreter must wait for that thread: exiting while a gloo group's
+    destructor ran in it aborted the process (SIGABRT, seen in the soak on a spot notice)."""
+    import subprocess
+    import sys
+
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", _EXIT_AFTER_RELEASE], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0 and "terminate called" not in out.stderr, (out.returncode, out.stderr[-2000:])

@@ -53,14 +53,19 @@ def reset_group_names() -> None:
 
 
 def release_in_background(objs: list[Any], *, name: str) -> threading.Thread:
-    """Drop the references in ``objs`` (emptied here) from a daemon thread, which then
-    holds the last ones if the caller holds none: destroying a gloo process group waits for
-    its connections to close (70-100 ms for moc's three private groups on a quiet machine,
+    """Drop the references in ``objs`` (emptied here) from another thread, which then holds
+    the last ones if the caller holds none: destroying a gloo process group waits for its
+    connections to close (70-100 ms for moc's three private groups on a quiet machine,
     waiting with the GIL released), time the members of a healthy group would otherwise
-    spend at a step boundary when a plan replaces their groups. Returns the thread."""
+    spend at a step boundary when a plan replaces their groups. Returns the thread.
+
+    Not a daemon: the interpreter waits for it at exit. A process that left the job right
+    after retiring its groups otherwise exited while a destructor ran in the thread, and
+    the C++ runtime aborted it (``terminate called without an active exception``, SIGABRT:
+    a worker leaving on a spot notice in the soak)."""
     box = list(objs)
     objs.clear()
-    th = threading.Thread(target=box.clear, name=name, daemon=True)
+    th = threading.Thread(target=box.clear, name=name, daemon=False)
     th.start()
     return th
 
