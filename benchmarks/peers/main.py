@@ -139,6 +139,14 @@ def run_system(system: str, work: Path, spec: ModelSpec, steps: int, faults: Seq
     return res
 
 
+def _worst(pauses: list[dict[str, Any]], key: str) -> tuple[float | None, float | None]:
+    """The longest ``key`` of the members' pause records, in seconds and in each member's
+    own typical steps (None where no record has it)."""
+    have = [m for m in pauses if m.get(key) is not None]
+    steps = [m[key] / m["typical_step_s"] for m in have if m["typical_step_s"] > 0]
+    return (max(m[key] for m in have) if have else None), (round(max(steps), 2) if steps else None)
+
+
 def _join_detail(arm: Any, f: Fault, first: float | None) -> dict[str, Any]:
     """Where a join's time goes, from what each system records; and the longest the
     existing members went between two commits while it joined, less a normal step."""
@@ -176,19 +184,12 @@ def _join_detail(arm: Any, f: Fault, first: float | None) -> dict[str, Any]:
                       and m.get("generation") == rec["generation"] and m.get("node") != node]
             if pauses:
                 out["member_stall_s"] = {m["node"]: m["stall_s"] for m in sorted(pauses, key=lambda m: m["node"])}
-                out["member_stall_max_s"] = max(m["stall_s"] for m in pauses)
                 out["member_typical_step_s"] = max(m["typical_step_s"] for m in pauses)
                 out["member_reconfigure_s"] = max(m["reconfigure_s"] for m in pauses)
-                # the join's cost to the members in their own steps (target: at most 1)
-                out["member_stall_steps"] = round(max(m["stall_s"] / m["typical_step_s"] for m in pauses
-                                                      if m["typical_step_s"] > 0), 2) if any(
-                    m["typical_step_s"] > 0 for m in pauses) else None
-                # the time each member did not train (last step's end -> training again), in its steps
-                waits = [m["wait_s"] / m["typical_step_s"] for m in pauses
-                         if m.get("wait_s") is not None and m["typical_step_s"] > 0]
-                out["member_wait_steps"] = round(max(waits), 2) if waits else None
-                out["member_wait_max_s"] = max((m["wait_s"] for m in pauses if m.get("wait_s") is not None),
-                                               default=None)
+                # the join's cost to the members in their own steps (target: at most 1): their stall, and
+                # the time they did not train (last step's end -> training again)
+                for key in ("stall", "wait"):
+                    out[f"member_{key}_max_s"], out[f"member_{key}_steps"] = _worst(pauses, f"{key}_s")
     else:
         start = next((r for r in arm.records() if r.get("kind") == "start" and r["t"] >= f.t), None)
         ready = next((r for r in arm.records() if r.get("kind") == "ready" and r["t"] >= f.t), None)
