@@ -154,8 +154,9 @@ class CheckpointManager:
                                       "run_id": uuid.uuid4().hex[:16],
                                       "handover": handover.state if handover is not None else None})
         self.inventory = Inventory.from_gathered(model, layout, told)
-        if self.rank == 0:
-            log.info("rank %d step -: expert layout %s", self.rank, self.inventory.info["description"])
+        if self.rank == 0:   # once a run: a manager replacing another (handover) has the same layout
+            log.log(logging.DEBUG if handover is not None else logging.INFO, "rank %d step -: expert layout %s",
+                    self.rank, self.inventory.info["description"])
         if handover is not None and handover.store is not None and handover.storage == str(cfg.storage):
             store = handover.store
         else:

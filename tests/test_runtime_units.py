@@ -398,3 +398,102 @@ def test_a_process_exiting_right_after_releasing_groups_exits_cleanly() -> None:
         out = subprocess.run([sys.executable, "-c", _EXIT_AFTER_RELEASE], capture_output=True, text=True,
                              timeout=60)
         assert out.returncode == 0 and "terminate called" not in out.stderr, (out.returncode, out.stderr[-2000:])
+
+
+def _on_ranks(n: int, fn) -> None:
+    """``fn(rank)`` for ranks ``0..n-1`` at once, one thread each."""
+    threads = [threading.Thread(target=fn, args=(r,)) for r in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+
+
+class _CountingBoard:
+    """A StoreBoard that records which ranks each reader asked for."""
+
+    def __init__(self, store, prefix: str) -> None:
+        from lazarus.runtime._transfer import StoreBoard
+        self.inner = StoreBoard(store, prefix, timedelta(seconds=20))
+        self.reads: dict[int, list[int]] = {}
+        self.posts: list[int] = []
+
+    def post(self, rank: int, text: str) -> None:
+        self.posts.append(rank)
+        self.inner.post(rank, text)
+
+    def read(self, ranks):
+        self.reads[threading.get_ident()] = list(ranks)
+        return self.inner.read(ranks)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("via", ["board", "gather"])
+def test_units_move_with_their_descriptions_from_each_sender(via: str) -> None:
+    """Two holders send a unit of the same name (different contents and shapes) to two
+    receivers: each receiver decodes what its own sender described. With a board no
+    all-gather runs and a receiver reads only its senders' posts."""
+    import torch
+    import torch.distributed as dist
+    from moc._dist import Comm
+    from lazarus.runtime._transfer import exchange_units
+
+    store = dist.HashStore()
+    comms: dict[int, Comm] = {}
+    _on_ranks(4, lambda r: comms.__setitem__(r, Comm.create_private(dist.PrefixStore("g", store), r, 4,
+                                                                    timedelta(seconds=10))))
+    rounds = {r: 0 for r in range(4)}
+    for rank, c in comms.items():
+        inner = c._all_gather
+
+        def counted(out, t, group, _inner=inner, _rank=rank) -> None:
+            rounds[_rank] += 1
+            _inner(out, t, group)
+        c._all_gather = counted
+    moves = [Move("u", 0, 2), Move("v", 0, 2), Move("u", 1, 3)]          # sorted by destination
+    trees = {0: {"u": {"model": {"w": torch.zeros(2)}}, "v": {"model": {"w": torch.arange(4.0).view(2, 2)},
+                                                               "step": 7}},
+             1: {"u": {"model": {"w": torch.ones(3)}}}, 2: {}, 3: {}}
+    board = _CountingBoard(dist.PrefixStore("b", store), "units") if via == "board" else None
+    got: dict[int, dict] = {}
+    _on_ranks(4, lambda r: got.__setitem__(r, exchange_units(moves, trees[r], comms[r], board=board)))
+    assert sorted(got) == [0, 1, 2, 3] and got[0] == {} and got[1] == {}
+    assert torch.equal(got[2]["u"]["model"]["w"], torch.zeros(2)) and got[2]["v"]["step"] == 7
+    assert torch.equal(got[2]["v"]["model"]["w"], torch.arange(4.0).view(2, 2))
+    assert torch.equal(got[3]["u"]["model"]["w"], torch.ones(3))    # its sender's, not rank 0's "u"
+    if via == "board":
+        assert rounds == {r: 0 for r in range(4)}                    # no all-gather
+        assert sorted(board.posts) == [0, 1] and sorted(board.reads.values()) == [[0], [1]]
+    else:
+        assert all(n == 1 for n in rounds.values())
+    for c in comms.values():
+        c.destroy()
+
+
+@pytest.mark.timeout(60)
+def test_a_retired_gloo_group_is_handed_back_for_its_destructor_to_run_elsewhere() -> None:
+    """``GroupAborter.retire`` tears the groups down and returns them still referenced (a
+    gloo group's destructor waits ~10 ms for its I/O loop): the caller frees them off the
+    training thread, and torch.distributed is free for the next generation at once."""
+    import torch
+    import torch.distributed as dist
+    from lazarus.runtime._abort import GroupAborter, registered_groups, release_in_background
+
+    for gen in range(2):
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{gen}", dist.HashStore()), rank=0, world_size=1)
+        sub = dist.new_group([0])
+        world = dist.group.WORLD
+        assert {id(g) for g in registered_groups()} == {id(world), id(sub)}
+        report = GroupAborter("gloo").retire()
+        assert report.teardown == "destroy" and not dist.is_initialized()
+        assert {id(g) for g in report.groups} == {id(world), id(sub)}
+        del world, sub
+        th = release_in_background(report.groups, name="release-test")
+        assert report.groups == []
+        th.join(10)
+        assert not th.is_alive()
+    t = torch.ones(1)
+    dist.init_process_group("gloo", store=dist.PrefixStore("after", dist.HashStore()), rank=0, world_size=1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    assert t.item() == 1.0

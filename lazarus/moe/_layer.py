@@ -209,7 +209,7 @@ class ElasticMoE(nn.Module):
         with torch.no_grad():
             self.experts.reassign(sorted(set(new[self.rank])), states)
         self._set_slots(new)
-        log.info("set_placement: added %s, removed %s", added, removed)
+        log.debug("set_placement: added %s, removed %s", added, removed)
         return added, removed
 
     def initial_expert_states(self, experts: Sequence[int]) -> dict[int, dict[str, torch.Tensor]]:

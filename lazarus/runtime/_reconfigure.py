@@ -5,7 +5,11 @@
 2. Rendezvous on the plan's store prefix: every member adds itself to a counter, then
    ``init_process_group`` on a ``PrefixStore`` of that generation. A newer plan arriving
    meanwhile aborts the wait (:class:`Superseded`).
-3. Inventory (one JSON all-gather): each rank's step and the experts it holds. The state
+3. Inventory: each rank's step and the experts it holds, written to the store with the
+   rendezvous's arrival and read back with it (worlds up to :data:`STORE_INVENTORY_WORLD`;
+   one JSON all-gather otherwise, and on the current group for leaves); what each rank
+   then sends is described through the same store (a receiver waits for its senders
+   only). The state
    of the newest step wins: ranks behind it (joiners, or ranks that did not apply the
    step that broke) receive the dense modules from a rank at that step; every expert a
    rank must hold under the new plan and lacks comes from a surviving holder, the fetches
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -61,7 +66,7 @@ from ._join_gate import JoinGate
 from ._moc_groups import MocGroups
 from ._plans import Superseded, plan_rank, plan_world
 from ._store_connect import GaveUp, connect_store
-from ._transfer import choose_moves, exchange_units, unit_needs, world_comm
+from ._transfer import StoreBoard, choose_moves, exchange_units, read_all, unit_needs, world_comm
 
 if TYPE_CHECKING:
     from ._trainer import ElasticTrainer
@@ -73,6 +78,13 @@ log = logging.getLogger("lazarus.reconfigure")
 
 #: Longest single connect to a rendezvous store (then a newer plan is looked for, and again).
 STORE_CONNECT_ATTEMPT = timedelta(seconds=1)
+
+#: Largest world whose inventory travels through the rendezvous store (each rank writes
+#: its entry as it arrives and reads every entry once all have arrived: no collective
+#: round after the group forms, 10-25 ms of every member's wait on 2 loaded cores). Past
+#: it the store would serve world x world entries from one server: an all-gather's ring
+#: spreads that load instead.
+STORE_INVENTORY_WORLD = 64
 
 
 class Reconfigurer(JoinGate, MocGroups):
@@ -87,6 +99,7 @@ class Reconfigurer(JoinGate, MocGroups):
         self._dense: list[nn.Parameter] | None = None
         self._store = None
         self._store_key: tuple[Any, ...] | None = None
+        self._board_store = None   # a second client of the same store (_board_client)
         self.group_store: tuple[Any, ...] | None = None   # the store the current group formed on
         self._hosted = None   # the rendezvous store this worker hosts (host_store)
         self.aborter = GroupAborter(trainer.backend.backend)
@@ -118,18 +131,18 @@ class Reconfigurer(JoinGate, MocGroups):
         # once instead of waiting out its timeout, and so do this process's own background
         # threads. NCCL groups are then aborted, never destroyed (that can hang).
         t0 = time.time()
+        retired: list[Any] = []   # freed off this thread (see release_in_background)
+        report = None
         if dist.is_initialized():
-            r = self.aborter.retire()
-            log.info("node %s step %d gen %d: %s group retired (%d NCCL communicators aborted, %d connections "
-                     "shut, teardown %s, %.3f s)", t.where, t.step, t.generation, r.backend, r.nccl_aborted,
-                     r.sockets_shut, r.teardown or "none", time.time() - t0)
+            report = self.aborter.retire()
+            retired.extend(report.groups)   # their destructors: ~10 ms a group
+            report.groups.clear()
         else:
             self.aborter.interrupt()
         t1 = time.time()
         if not planned:
             gc.collect()  # drop the last references so the broken group's sockets close now
         t2 = time.time()
-        retired: list[Any] = []   # freed off this thread (see release_in_background)
         if t.ckpt is not None:
             try:
                 self.handover = t.ckpt.detach()
@@ -143,8 +156,11 @@ class Reconfigurer(JoinGate, MocGroups):
             self._live_comm = None
         if retired:
             release_in_background(retired, name=f"lazarus-release-{t.generation}")
-        log.info("node %s step %d gen %d: retired in %.3f s (group %.3f, gc %.3f, moc detach %.3f)", t.where, t.step,
-                 t.generation, time.time() - t0, t1 - t0, t2 - t1, time.time() - t2)
+        group = ("none" if report is None else
+                 f"{report.backend} {report.teardown or 'none'}, {report.nccl_aborted} NCCL communicators aborted, "
+                 f"{report.sockets_shut} connections shut")
+        log.info("node %s step %d gen %d: retired in %.3f s (group %.3f: %s; gc %.3f, moc detach %.3f)", t.where,
+                 t.step, t.generation, time.time() - t0, t1 - t0, group, t2 - t1, time.time() - t2)
 
     def host_store(self) -> dict[str, Any] | None:
         """Host this node's rendezvous store (local rank 0, when the agent says at which
@@ -211,9 +227,12 @@ class Reconfigurer(JoinGate, MocGroups):
                                        f"{generation} did not answer within {limit}: "
                                        f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}") from None
 
-    def _rendezvous(self, plan: dict[str, Any]) -> None:
+    def _rendezvous(self, plan: dict[str, Any], inventory: dict[str, Any] | None = None) -> list[Any] | None:
+        """Form the plan's group; with ``inventory`` (this rank's entry) and a world of at
+        most :data:`STORE_INVENTORY_WORLD`, return every rank's entry in rank order, read
+        from the store as the rendezvous completes (None: gather it on the group)."""
         try:
-            self._rendezvous_inner(plan)
+            return self._rendezvous_inner(plan, inventory)
         except BaseException:
             self._drop_store()   # it may be the store of a controller that died: reconnect next time
             raise
@@ -222,15 +241,38 @@ class Reconfigurer(JoinGate, MocGroups):
         """Forget the store client: the next plan connects a new one. ``shut``: also shut its
         connections (an operation waiting on it elsewhere fails now); returns how many."""
         n = self._store_sockets.shutdown_all() if shut and self._store is not None else 0
-        self._store = None
+        self._store = self._board_store = None
         return n
 
-    def _rendezvous_inner(self, plan: dict[str, Any]) -> None:
+    def _board_client(self, plan: dict[str, Any]) -> Any:
+        """A second client of the plan's store, for the units' descriptions
+        (:class:`._transfer.StoreBoard`). The first one is shared with the thread forming
+        moc's groups, and a client waiting for a key is held until it is set: a rank
+        waiting for a peer's post there would block its own groups' connection, which the
+        peer's groups wait for before it can post (a cycle until the timeout). Made once
+        per store; its sockets are shut with the first client's.
+
+        Connected in the rendezvous, before this plan's group forms: a socket that appears
+        while a group forms is counted as that group's (:class:`SocketTracker` compares the
+        process's descriptors), and it would be shut when the group retires (then the
+        next plan's descriptions found this client's connection shut: "Broken pipe")."""
+        self._store_client(plan["store"], int(plan["generation"]))
+        if self._board_store is None or self._board_key != self._store_key:
+            self._board_store = self._connect_store(str(plan["store"]["host"]), int(plan["store"]["port"]),
+                                                    int(plan["generation"]))
+            self._board_key = self._store_key
+        return self._board_store
+
+    def _rendezvous_inner(self, plan: dict[str, Any], inventory: dict[str, Any] | None) -> list[Any] | None:
         t = self.t
         members = plan["members"]
         rank, world = plan_rank(plan, t.node, t.local_rank, t.local_world), plan_world(plan)
         store = self._store_client(plan["store"], int(plan["generation"]))
         prefix = plan["prefix"]
+        by_store = inventory is not None and world <= STORE_INVENTORY_WORLD
+        if by_store:   # written before the arrival is counted: all are there once all arrived
+            store.set(f"{prefix}/inventory/{rank}", json.dumps(inventory))
+            self._board_client(plan)   # now: see _board_client
         store.add(f"{prefix}/arrived", 1)
         deadline = time.monotonic() + t.config.rendezvous_timeout.total_seconds()
         while store.add(f"{prefix}/arrived", 0) < world:
@@ -240,6 +282,9 @@ class Reconfigurer(JoinGate, MocGroups):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rendezvous of generation {plan['generation']} timed out")
             time.sleep(0.005)
+        gathered = None
+        if by_store:
+            gathered = [json.loads(v) for v in read_all(store, [f"{prefix}/inventory/{r}" for r in range(world)])]
         reset_group_names()   # a failed earlier attempt may have advanced the names here only
         form = self._form_timeout()
         with self.sockets.track():
@@ -273,6 +318,7 @@ class Reconfigurer(JoinGate, MocGroups):
         # what torchrun would say, for user code that reads it (the rank changes with the plan)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), GROUP_RANK=str(members.index(t.node)),
                           LOCAL_RANK=str(t.local_rank), LOCAL_WORLD_SIZE=str(t.local_world))
+        return gathered
 
     def _form_timeout(self) -> timedelta:
         """How long ``init_process_group`` waits for any one peer. gloo retries a connection
@@ -423,11 +469,12 @@ class Reconfigurer(JoinGate, MocGroups):
             self.retire_group(planned=plan.get("mode") == "between_steps")
             timings["retire"] = time.time() - t1
             t1 = time.time()
-            self._rendezvous(plan)
+            mine = self._inventory_entry()
+            inventory = self._rendezvous(plan, mine[0])
             timings["rendezvous"] = time.time() - t1
             self._start_moc_comm(plan)
             t1 = time.time()
-            received, lost, newest, stats = self._migrate(plan, members)
+            received, lost, newest, stats = self._migrate(plan, members, mine=mine, inventory=inventory)
             timings["migrate"] = time.time() - t1
         t1 = time.time()
         self._install(plan, received, newest)
@@ -473,16 +520,29 @@ class Reconfigurer(JoinGate, MocGroups):
         return {name: [e for e in layer.local_experts if f"expert/{name}/{e}" not in self.unrestored]
                 for name, layer in moe_layers(t.model)}
 
-    def _migrate(self, plan: dict[str, Any], group_members: list[str]):
-        """Move units so every member of ``plan`` holds what it needs at the newest step.
-        Runs on the current group, whose ranks are ``group_members``."""
+    def _inventory_entry(self) -> tuple[dict[str, Any], Any]:
+        """This rank's inventory entry (node, step, the units it holds) and its model's unit
+        layout (None without state)."""
         t = self.t
-        comm = world_comm()
         has_state = t.model is not None and not self.stateless
         layout = discover_units(t.model) if has_state else None
         modules = sorted(u.name for u in layout.modules()) if layout is not None else []
-        inv = comm.gather_json({"node": t.node, "local": t.local_rank, "step": t.step if has_state else -1,
-                                "experts": self._held(), "modules": modules, "built": t.model is not None})
+        return ({"node": t.node, "local": t.local_rank, "step": t.step if has_state else -1,
+                 "experts": self._held(), "modules": modules, "built": t.model is not None}, layout)
+
+    def _migrate(self, plan: dict[str, Any], group_members: list[str], *,
+                 mine: tuple[dict[str, Any], Any] | None = None, inventory: list[Any] | None = None):
+        """Move units so every member of ``plan`` holds what it needs at the newest step.
+        Runs on the current group, whose ranks are ``group_members``. ``mine``: this rank's
+        inventory entry and layout (:meth:`_inventory_entry`), ``inventory``: every rank's,
+        read at the rendezvous (else gathered here)."""
+        t = self.t
+        comm = world_comm()
+        entry, layout = mine if mine is not None else self._inventory_entry()
+        inv = inventory if inventory is not None else comm.gather_json(entry)
+        if len(inv) != comm.world or inv[comm.rank] != entry:
+            raise RuntimeError(f"inventory of generation {plan['generation']} does not match the group: "
+                               f"{len(inv)} entries for {comm.world} ranks")
         newest = max(r["step"] for r in inv)
         # A joiner that built its model before the rendezvous (_prepare_join) installs the
         # state at once: only one still to build is waited for at the store barrier.
@@ -505,10 +565,15 @@ class Reconfigurer(JoinGate, MocGroups):
         trees = {}
         if layout is not None:
             state = t.model.state_dict(keep_vars=True)
+            params = dict(t.model.named_parameters())   # once: capture_unit would list them per unit
             for m in moves:
                 if m.src == comm.rank and m.unit not in trees:
-                    trees[m.unit] = capture_unit(layout.units[m.unit], t.model, t.optimizer, state=state)
-        received = exchange_units(moves, trees, comm, device=t.backend.transfer_device)
+                    trees[m.unit] = capture_unit(layout.units[m.unit], t.model, t.optimizer, state=state,
+                                                 params=params)
+        # read at the rendezvous: the descriptions of what moves go through its store too
+        board = (StoreBoard(self._board_store, f"{plan['prefix']}/units", t.config.collective_timeout)
+                 if inventory is not None and self._board_store is not None else None)
+        received = exchange_units(moves, trees, comm, device=t.backend.transfer_device, board=board)
         stats["moved"] = sum(1 for m in moves if m.unit.startswith("expert/"))
         # expert copies that moved between two GPUs of one node (never over the network)
         stats["same_node_moved"] = sum(1 for m in moves if m.unit.startswith("expert/")
@@ -551,8 +616,9 @@ class Reconfigurer(JoinGate, MocGroups):
                     if layout is None:
                         layout = discover_units(t.model)
                         state = t.model.state_dict(keep_vars=True)
-                    carried += [capture_unit(layout.expert_unit(name, e), t.model, t.optimizer, state=state)
-                                for e in keep]
+                        params = dict(t.model.named_parameters())
+                    carried += [capture_unit(layout.expert_unit(name, e), t.model, t.optimizer, state=state,
+                                             params=params) for e in keep]
                 # Placeholders: the received units (below) and moc (for lost experts) overwrite them.
                 layer.set_placement(new, expert_states=layer.initial_expert_states(added))
         old = t.optimizer

@@ -1,6 +1,7 @@
 """Moving unit states (an expert's weights + optimizer state, a dense module) between
-ranks after a reconfiguration: one JSON all-gather describing what is sent, one uneven
-``all_to_all_single`` of raw bytes. Pickle-free, like everything that crosses the wire.
+ranks after a reconfiguration: a JSON description of what each rank sends (one all-gather,
+or a :class:`Board` the receivers read from), one uneven ``all_to_all_single`` of raw
+bytes. Pickle-free, like everything that crosses the wire.
 
 Units are moc's (``expert/<layer>/<e>``, ``module/<name>``), captured with
 :func:`moc._units.capture_unit`, so the same trees moc checkpoints are what peers send.
@@ -8,8 +9,10 @@ Units are moc's (``expert/<layer>/<e>``, ``module/<name>``), captured with
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from datetime import timedelta
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,7 +20,43 @@ import torch.distributed as dist
 from moc._codec import TensorMeta, decode_tree, plan_tree, unit_buffer
 from moc._dist import Comm
 
-__all__ = ["Move", "choose_moves", "exchange_units", "unit_needs", "world_comm"]
+__all__ = ["Board", "Move", "StoreBoard", "choose_moves", "exchange_units", "read_all", "unit_needs", "world_comm"]
+
+
+class Board(Protocol):
+    """Where senders post what they send and receivers read it, instead of an all-gather
+    (every rank waiting for every other): a receiver waits only for its senders' posts."""
+
+    def post(self, rank: int, text: str) -> None:
+        """Publish rank ``rank``'s description (once per exchange)."""
+
+    def read(self, ranks: Sequence[int]) -> list[str]:
+        """The descriptions of ``ranks``, in that order, waiting until each is posted."""
+
+
+def read_all(store: Any, keys: Sequence[str]) -> list[str]:
+    """The values of ``keys`` (all set) in a torch.distributed ``Store``, as text: one
+    round trip where the store has ``multi_get`` (torch >= 2.4)."""
+    multi_get = getattr(store, "multi_get", None)
+    raw = multi_get(list(keys)) if multi_get is not None else [store.get(k) for k in keys]
+    return [bytes(v).decode() for v in raw]
+
+
+class StoreBoard:
+    """A :class:`Board` on a torch.distributed ``Store`` (the rendezvous's), one key per
+    rank under ``prefix`` (unique to the exchange); a read waits up to ``timeout``, what
+    the all-gather it replaces would have waited."""
+
+    def __init__(self, store: Any, prefix: str, timeout: timedelta) -> None:
+        self.store, self.prefix, self.timeout = store, prefix, timeout
+
+    def post(self, rank: int, text: str) -> None:
+        self.store.set(f"{self.prefix}/{rank}", text)
+
+    def read(self, ranks: Sequence[int]) -> list[str]:
+        keys = [f"{self.prefix}/{r}" for r in ranks]
+        self.store.wait(keys, self.timeout)
+        return read_all(self.store, keys)
 
 
 @dataclass(frozen=True)
@@ -108,28 +147,41 @@ def choose_moves(needs: Mapping[int, Sequence[str]], holders: Mapping[str, Seque
 
 
 def exchange_units(moves: Sequence[Move], trees: Mapping[str, Any], comm: Comm | None = None, *,
-                   device: torch.device | str = "cpu") -> dict[str, Any]:
+                   device: torch.device | str = "cpu", board: Board | None = None) -> dict[str, Any]:
     """Run ``moves`` (identical list on every rank; collective). ``trees`` holds the state
     trees of the units this rank sends; returns the trees this rank receives.
 
     ``device`` (the same on every rank) holds the bytes in flight: ``"cpu"`` for gloo, the
-    rank's CUDA device for NCCL, where the received trees' tensors then live too."""
+    rank's CUDA device for NCCL, where the received trees' tensors then live too.
+    ``board``: the descriptions go through it (each rank reads only its senders'),
+    otherwise through one all-gather of every rank's."""
     comm = comm or world_comm()
     device = torch.device(device)
     rank, world = comm.rank, comm.world
     if not moves:
         return {}
     plans = {m.unit: plan_tree(trees[m.unit]) for m in moves if m.src == rank}
-    described: dict[str, Any] = {}
-    for d in comm.gather_json({u: {"skeleton": p.skeleton, "tensors": [t.to_json() for t in p.tensors],
-                                   "nbytes": p.nbytes} for u, p in sorted(plans.items())}):
-        described.update(d)
+    mine = {u: {"skeleton": p.skeleton, "tensors": [t.to_json() for t in p.tensors], "nbytes": p.nbytes}
+            for u, p in sorted(plans.items())}
+    # what each sender sends, by rank: a unit two holders send (to two receivers) is
+    # described by each
+    described: dict[int, dict[str, Any]]
+    if board is None:
+        described = dict(enumerate(comm.gather_json(mine)))
+    else:
+        if mine:
+            board.post(rank, json.dumps(mine))
+        senders = sorted({m.src for m in moves if m.dst == rank and m.src != rank})
+        described = {rank: mine}
+        described.update(zip(senders, (json.loads(text) for text in board.read(senders)) if senders else ()))
     send_parts: list[torch.Tensor] = []
     send_splits, recv_splits = [0] * world, [0] * world
     if any(a.dst > b.dst for a, b in zip(moves, moves[1:])):
         raise ValueError("moves must be sorted by destination rank (all_to_all_single layout)")
     for m in moves:
-        n = int(described[m.unit]["nbytes"])
+        if rank not in (m.src, m.dst):
+            continue
+        n = int(described[m.src][m.unit]["nbytes"])
         if m.src == rank:
             buf = torch.empty(n, dtype=torch.uint8, device=device)
             plans[m.unit].copy_range(0, n, buf)
@@ -149,7 +201,7 @@ def exchange_units(moves: Sequence[Move], trees: Mapping[str, Any], comm: Comm |
     for m in moves:
         if m.dst != rank:
             continue
-        meta = described[m.unit]
+        meta = described[m.src][m.unit]
         n = int(meta["nbytes"])
         if device.type == "cpu":
             data, view = unit_buffer(n)
