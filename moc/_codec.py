@@ -216,6 +216,10 @@ def encode_tree(tree: Any) -> EncodedUnit:
     return EncodedUnit(plan.skeleton, plan.tensors, buffers, plan.nbytes, plan.itemsize)
 
 
+#: Bytes per element of each dtype in :data:`DTYPES` (looked up per decoded tensor).
+_ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() for d in DTYPES.values()}
+
+
 def unit_buffer(nbytes: int) -> tuple[torch.Tensor, memoryview]:
     """An uninitialised byte buffer for a unit (no zero-fill pass) and a writable view."""
     t = torch.empty(nbytes, dtype=torch.uint8)
@@ -239,7 +243,7 @@ def decode_tree(skeleton: Any, tensors: list[TensorMeta], data: bytearray | byte
         if dtype is None:
             raise ValueError(f"unknown dtype {meta.dtype!r} in checkpoint; known: {sorted(DTYPES)}")
         numel = math.prod(meta.shape)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = _ITEMSIZE[dtype]
         if numel * itemsize != meta.nbytes or meta.offset + meta.nbytes > len(buf):
             raise ValueError(f"tensor {i} metadata does not fit the unit's bytes")
         if numel == 0:

@@ -55,25 +55,39 @@ class DaemonExecutor:
         if wait:
             self._thread.join(timeout)
 
+    def join(self, timeout: float | None = None) -> bool:
+        """After :meth:`shutdown`: wait up to ``timeout`` seconds for the thread to end;
+        True once it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def _run(self) -> None:
         while True:
             item = self._jobs.get()
             if item is None:
                 return
-            fut, fn, args = item
-            result: Any = None
-            error: BaseException | None = None
-            running = fut.set_running_or_notify_cancel()
-            if running:
-                try:
-                    result = fn(*args)
-                except BaseException as exc:  # noqa: BLE001 - handed to the future's owner
-                    error = exc
-            # Idle before the future resolves: whoever saw it done sees the executor idle.
-            with self._lock:
-                self._pending -= 1
-            if running:
-                if error is not None:
-                    fut.set_exception(error)
-                else:
-                    fut.set_result(result)
+            self._run_one(*item)
+            # Nothing of a finished job stays referenced here while idle: the thread is a
+            # daemon, and dropping the last reference to an object that owns a process
+            # group from it while the interpreter exits aborts the process (its destructor
+            # releases the GIL; taking it back during finalisation ends the thread inside
+            # C++: "terminate called without an active exception").
+            del item
+
+    def _run_one(self, fut: Future, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        result: Any = None
+        error: BaseException | None = None
+        running = fut.set_running_or_notify_cancel()
+        if running:
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the future's owner
+                error = exc
+        # Idle before the future resolves: whoever saw it done sees the executor idle.
+        with self._lock:
+            self._pending -= 1
+        if running:
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)

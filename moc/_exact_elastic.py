@@ -6,6 +6,7 @@ onto other ranks or another placement (``restore(reshard=True)``, read by
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from ._errors import CheckpointError
@@ -40,6 +41,12 @@ class ElasticExact:
         if r is not None:
             self._drop(r)
         return state
+
+    def join(self, timeout: float) -> bool:
+        """After :meth:`detach`: wait up to ``timeout`` seconds (in all) for the persist
+        threads to end; True once they have."""
+        deadline = time.monotonic() + timeout
+        return all(ex.join(max(0.0, deadline - time.monotonic())) for ex in (self._persist, self._io))
 
     def adopt(self, states: list[dict[str, Any] | None]) -> None:
         """Continue the bookkeeping of the exact managers this one replaces (every rank's

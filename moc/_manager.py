@@ -545,6 +545,19 @@ class CheckpointManager:
         self.persister.shutdown(wait=False)
         return Handover(pool=self.engine.pool, state=state, store=self.persister.store, storage=str(self.cfg.storage))
 
+    def join_threads(self, timeout: timedelta = timedelta(seconds=5)) -> bool:
+        """After :meth:`detach` or :meth:`close`: wait up to ``timeout`` (in all) for the
+        background threads to end (a job left behind on storage that hangs keeps its thread);
+        True once they have. A process about to exit calls it (off its training thread, as
+        :func:`lazarus.runtime._abort.release_in_background` does): daemon threads still at
+        work while the interpreter finalises abort it as soon as they leave a C++ call."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        left = lambda: max(0.0, deadline - time.monotonic())   # noqa: E731
+        done = self.persister.join(left())
+        if self.exact is not None:
+            done = self.exact.join(left()) and done
+        return done
+
     # -- waiting, flushing, closing ------------------------------------------------------
     def wait(self, *, flush: bool = True) -> None:
         """Block until the newest snapshot is in storage; raise if it cannot be written.

@@ -354,6 +354,12 @@ class Persister:
                 log.warning("rank %d: in-flight persist abandoned at reconfiguration: %s", self.run.rank, exc)
             self.in_flight = None
 
+    def join(self, timeout: float) -> bool:
+        """After ``shutdown(wait=False)``: wait up to ``timeout`` seconds (in all) for both
+        threads to end; True once they have."""
+        deadline = time.monotonic() + timeout
+        return all(ex.join(max(0.0, deadline - time.monotonic())) for ex in (self._exec, self._io))
+
     def shutdown(self, *, wait: bool = True, timeout: float = 30.0) -> None:
         """Stop the threads; ``wait``: up to ``timeout`` seconds each (the caller already
         waited ``persist_timeout`` for the job in flight). A job still stuck on storage

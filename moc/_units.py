@@ -209,6 +209,9 @@ def _copy_box(dst: torch.Tensor, dst_off: Sequence[int], src: torch.Tensor, src_
     """Copy the intersection of two boxes given in global coordinates; return its size.
 
     A host-to-device copy is non-blocking: :func:`_apply` waits for all of them at the end."""
+    if dst.shape == src.shape and tuple(dst_off) == tuple(src_off):   # the same box: the common case
+        copy_into(dst, src)
+        return dst.numel()
     sd, ss = [], []
     for i in range(dst.dim()):
         lo = max(dst_off[i], src_off[i])
@@ -283,7 +286,14 @@ def _assemble_state(key: str, p: torch.nn.Parameter, pieces: list[tuple[dict[str
             target = local_tensor(lv) if isinstance(lv, torch.Tensor) else None
             if target is None or tuple(target.shape) != tuple(p_local) or target.dtype != v0.dtype:
                 lv = None
-                target = torch.zeros(p_local, dtype=v0.dtype, device=local_tensor(p).device)
+                device = local_tensor(p).device
+                whole = _saved_box(v0, vals[0][1]) if len(vals) == 1 and rows is None else None
+                if whole is not None and whole[0].device == device and tuple(whole[0].shape) == tuple(p_local) \
+                        and tuple(whole[1]) == tuple(p_off):
+                    target = whole[0].clone(memory_format=torch.contiguous_format)   # it covers it all
+                    vals = []
+                else:
+                    target = torch.zeros(p_local, dtype=v0.dtype, device=device)
             for v, place, _ in vals:
                 src, src_off, _ = _saved_box(v, place)
                 if rows is None:

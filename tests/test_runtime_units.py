@@ -497,3 +497,29 @@ def test_a_retired_gloo_group_is_handed_back_for_its_destructor_to_run_elsewhere
     dist.all_reduce(t)
     dist.destroy_process_group()
     assert t.item() == 1.0
+
+
+@pytest.mark.timeout(30)
+def test_an_idle_daemon_executor_holds_nothing_of_its_finished_jobs() -> None:
+    """A moc persist thread (a daemon) must not hold the last reference to a retired
+    manager: dropped there while the interpreter exits, a process group's destructor
+    aborted a worker leaving the job (SIGABRT at exit)."""
+    import time
+    import weakref
+    from moc._daemon import DaemonExecutor
+
+    class Owner:
+        def work(self, x: int) -> int:
+            return x + 1
+
+    ex = DaemonExecutor("test-executor")
+    owner = Owner()
+    ref = weakref.ref(owner)
+    assert ex.submit(owner.work, 1).result(timeout=10) == 2
+    del owner
+    deadline = time.monotonic() + 5
+    while ref() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ref() is None     # the job's bound method died with the job, not at the next one
+    ex.shutdown(wait=False)
+    assert ex.join(5)

@@ -27,7 +27,7 @@ import socket
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch.distributed as dist
 
@@ -52,7 +52,7 @@ def reset_group_names() -> None:
         c10d._world.group_count = 0
 
 
-def release_in_background(objs: list[Any], *, name: str) -> threading.Thread:
+def release_in_background(objs: list[Any], *, name: str, settle: Sequence[Callable[[], Any]] = ()) -> threading.Thread:
     """Drop the references in ``objs`` (emptied here) from another thread, which then holds
     the last ones if the caller holds none: destroying a gloo process group waits for its
     connections to close (70-100 ms for moc's three private groups on a quiet machine,
@@ -62,10 +62,26 @@ def release_in_background(objs: list[Any], *, name: str) -> threading.Thread:
     Not a daemon: the interpreter waits for it at exit. A process that left the job right
     after retiring its groups otherwise exited while a destructor ran in the thread, and
     the C++ runtime aborted it (``terminate called without an active exception``, SIGABRT:
-    a worker leaving on a spot notice in the soak)."""
-    box = list(objs)
+    a worker leaving on a spot notice in the soak).
+
+    ``settle``: called first, in the thread (a retired moc manager's ``join_threads``): the
+    objects' own daemon threads must have let go of them before the references here are
+    dropped, or the last one could be dropped in a daemon thread while the interpreter
+    exits (the same abort; a leaving worker's persist thread, seen in
+    ``test_spot_notice_hands_both_workers_experts_over_and_the_node_leaves``)."""
+    box, calls = list(objs), list(settle)
     objs.clear()
-    th = threading.Thread(target=box.clear, name=name, daemon=False)
+
+    def release() -> None:
+        for call in calls:
+            try:
+                call()
+            except Exception as exc:  # noqa: BLE001 - freeing goes on
+                log.warning("%s: %s", name, exc)
+        calls.clear()
+        box.clear()
+
+    th = threading.Thread(target=release, name=name, daemon=False)
     th.start()
     return th
 

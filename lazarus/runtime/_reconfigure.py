@@ -100,6 +100,7 @@ class Reconfigurer(JoinGate, MocGroups):
         self._store = None
         self._store_key: tuple[Any, ...] | None = None
         self._board_store = None   # a second client of the same store (_board_client)
+        self._board_key: tuple[Any, ...] | None = None
         self.group_store: tuple[Any, ...] | None = None   # the store the current group formed on
         self._hosted = None   # the rendezvous store this worker hosts (host_store)
         self.aborter = GroupAborter(trainer.backend.backend)
@@ -132,6 +133,7 @@ class Reconfigurer(JoinGate, MocGroups):
         # threads. NCCL groups are then aborted, never destroyed (that can hang).
         t0 = time.time()
         retired: list[Any] = []   # freed off this thread (see release_in_background)
+        settle: list[Callable[[], Any]] = []
         report = None
         if dist.is_initialized():
             report = self.aborter.retire()
@@ -149,13 +151,14 @@ class Reconfigurer(JoinGate, MocGroups):
             except Exception as exc:  # noqa: BLE001
                 log.warning("node %s: moc detach failed: %s", t.where, exc)
             retired.append(t.ckpt)
+            settle.append(t.ckpt.join_threads)   # its daemon threads let go of it first
             t.ckpt = None
         if self._live_comm is not None:   # moc's private groups (their sockets are shut already)
             self._live_comm.destroy()
             retired.append(self._live_comm)
             self._live_comm = None
         if retired:
-            release_in_background(retired, name=f"lazarus-release-{t.generation}")
+            release_in_background(retired, name=f"lazarus-release-{t.generation}", settle=settle)
         group = ("none" if report is None else
                  f"{report.backend} {report.teardown or 'none'}, {report.nccl_aborted} NCCL communicators aborted, "
                  f"{report.sockets_shut} connections shut")
