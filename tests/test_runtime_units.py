@@ -184,13 +184,30 @@ def test_choose_moves_prefers_a_holder_on_the_destinations_node() -> None:
     assert sorted(m.src for m in moves) == [4, 5]
 
 
-def _on_both_ranks(fn) -> None:
-    """``fn(rank)`` for ranks 0 and 1 at once, one thread each (a collective needs both)."""
-    threads = [threading.Thread(target=fn, args=(r,)) for r in range(2)]
+def _on_ranks(n: int, fn) -> None:
+    """``fn(rank)`` for ranks ``0..n-1`` at once, one thread each (a collective needs all)."""
+    threads = [threading.Thread(target=fn, args=(r,)) for r in range(n)]
     for th in threads:
         th.start()
     for th in threads:
         th.join(30)
+
+
+def _on_both_ranks(fn) -> None:
+    _on_ranks(2, fn)
+
+
+def _count_gathers(comms) -> dict[int, int]:
+    """Count each comm's all-gather rounds (by rank) from now on."""
+    rounds = {rank: 0 for rank in comms}
+    for rank, c in comms.items():
+        inner = c._all_gather
+
+        def counted(out, t, group, _inner=inner, _rank=rank) -> None:
+            rounds[_rank] += 1
+            _inner(out, t, group)
+        c._all_gather = counted
+    return rounds
 
 
 def _private_comm_pair(store, form_timeout: timedelta = timedelta(seconds=20)):
@@ -239,14 +256,7 @@ def test_gather_json_takes_one_round_when_small_and_two_when_any_rank_is_long() 
     from moc._dist import GATHER_INLINE_MAX, gather_inline
     assert gather_inline(2) == GATHER_INLINE_MAX and gather_inline(1 << 20) == 4096   # held near 1 MiB a round
     comms = _private_comm_pair(dist.HashStore())
-    rounds = {0: 0, 1: 0}
-    for rank, c in comms.items():
-        inner = c._all_gather
-
-        def counted(out, t, group, _inner=inner, _rank=rank) -> None:
-            rounds[_rank] += 1
-            _inner(out, t, group)
-        c._all_gather = counted
+    rounds = _count_gathers(comms)
     long_value = {"s": "\u00e9x" * gather_inline(2), "n": list(range(500))}   # longer than the inline size
     small = {0: {"r": 0}, 1: ""}
     results: dict[int, list] = {}
@@ -400,15 +410,6 @@ def test_a_process_exiting_right_after_releasing_groups_exits_cleanly() -> None:
         assert out.returncode == 0 and "terminate called" not in out.stderr, (out.returncode, out.stderr[-2000:])
 
 
-def _on_ranks(n: int, fn) -> None:
-    """``fn(rank)`` for ranks ``0..n-1`` at once, one thread each."""
-    threads = [threading.Thread(target=fn, args=(r,)) for r in range(n)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(30)
-
-
 class _CountingBoard:
     """A StoreBoard that records which ranks each reader asked for."""
 
@@ -442,14 +443,7 @@ def test_units_move_with_their_descriptions_from_each_sender(via: str) -> None:
     comms: dict[int, Comm] = {}
     _on_ranks(4, lambda r: comms.__setitem__(r, Comm.create_private(dist.PrefixStore("g", store), r, 4,
                                                                     timedelta(seconds=10))))
-    rounds = {r: 0 for r in range(4)}
-    for rank, c in comms.items():
-        inner = c._all_gather
-
-        def counted(out, t, group, _inner=inner, _rank=rank) -> None:
-            rounds[_rank] += 1
-            _inner(out, t, group)
-        c._all_gather = counted
+    rounds = _count_gathers(comms)
     moves = [Move("u", 0, 2), Move("v", 0, 2), Move("u", 1, 3)]          # sorted by destination
     trees = {0: {"u": {"model": {"w": torch.zeros(2)}}, "v": {"model": {"w": torch.arange(4.0).view(2, 2)},
                                                                "step": 7}},
