@@ -478,12 +478,14 @@ def test_a_retired_gloo_group_is_handed_back_for_its_destructor_to_run_elsewhere
         sub = dist.new_group([0])
         world = dist.group.WORLD
         assert {id(g) for g in registered_groups()} == {id(world), id(sub)}
-        report = GroupAborter("gloo").retire()
+        aborter = GroupAborter("gloo")
+        report = aborter.retire()
         assert report.teardown == "destroy" and not dist.is_initialized()
-        assert {id(g) for g in report.groups} == {id(world), id(sub)}
+        groups = aborter.take_retired()
+        assert {id(g) for g in groups} == {id(world), id(sub)} and aborter.take_retired() == []
         del world, sub
-        th = release_in_background(report.groups, name="release-test")
-        assert report.groups == []
+        th = release_in_background(groups, name="release-test")
+        assert groups == []
         th.join(10)
         assert not th.is_alive()
     t = torch.ones(1)

@@ -26,7 +26,7 @@ import os
 import socket
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch.distributed as dist
@@ -236,9 +236,6 @@ class AbortReport:
     nccl_aborted: int = 0       # NCCL backends whose communicators were aborted
     sockets_shut: int = 0       # gloo TCP connections shut down
     teardown: str = ""          # "abort" (torch's _abort_process_group), "destroy", or "" (none)
-    #: gloo: the destroyed groups, still referenced, for the caller to free where it likes
-    #: (their destructors wait ~10 ms per group for gloo's I/O loop: release_in_background)
-    groups: list[Any] = field(default_factory=list, repr=False)
 
 
 class GroupAborter:
@@ -255,6 +252,7 @@ class GroupAborter:
         self.backend = backend
         self.sockets = SocketTracker()
         self.interrupted = False     # set before the communicators are aborted
+        self._retired: list[Any] = []   # gloo groups torn down by retire(), still referenced
 
     def formed(self) -> None:
         """A new generation's groups exist: nothing of them has been interrupted."""
@@ -312,6 +310,13 @@ class GroupAborter:
         report.sockets_shut = self.sockets.shutdown_all()
         return report
 
+    def take_retired(self) -> list[Any]:
+        """The gloo groups :meth:`retire` tore down, still referenced (and forgotten here):
+        the caller frees them where it likes. A gloo group's destructor waits ~10 ms for
+        its I/O loop (:func:`release_in_background` runs it off the training thread)."""
+        out, self._retired = self._retired, []
+        return out
+
     def retire(self) -> AbortReport:
         """Interrupt, then drop the default group and every subgroup: NCCL with torch's
         process-group abort (never a destroy of a broken communicator), gloo with
@@ -326,7 +331,7 @@ class GroupAborter:
                 _abort_process_group()
                 report.teardown = "abort"
             else:
-                report.groups = registered_groups()
+                self._retired += registered_groups()
                 dist.destroy_process_group()
                 report.teardown = "destroy"
         except Exception as exc:  # noqa: BLE001 - already broken

@@ -137,8 +137,7 @@ class Reconfigurer(JoinGate, MocGroups):
         report = None
         if dist.is_initialized():
             report = self.aborter.retire()
-            retired.extend(report.groups)   # their destructors: ~10 ms a group
-            report.groups.clear()
+            retired.extend(self.aborter.take_retired())   # their destructors: ~10 ms a group
         else:
             self.aborter.interrupt()
         t1 = time.time()
