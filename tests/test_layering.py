@@ -127,6 +127,16 @@ def test_no_package_imports_upward(package: str) -> None:
     assert not bad, f"{package} may import only {sorted(ALLOWED[package])}: " + "; ".join(bad)
 
 
+def test_lazarus_uses_only_public_moc_names() -> None:
+    """lazarus reaches moc through its public modules (``moc``, ``moc.elastic``, ...), never
+    an underscore module: moc may then rearrange its inside without breaking the runtime."""
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {name}"
+           for path in sorted((ROOT / "lazarus").rglob("*.py"))
+           for line, name in imports_of(path, {"moc." + p.stem for p in (ROOT / "moc").glob("_*.py")})
+           if name.split(".")[0] == "moc" and any(part.startswith("_") for part in name.split(".")[1:])]
+    assert not bad, "lazarus may import only moc's public modules: " + "; ".join(bad)
+
+
 def test_no_import_circles() -> None:
     graph = product_graph()
     found = circles(graph)

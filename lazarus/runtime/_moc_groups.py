@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from moc._dist import Comm
+from moc.elastic import Comm
 
 from ._abort import SocketTracker
 from ._plans import Superseded

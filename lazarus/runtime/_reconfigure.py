@@ -58,7 +58,7 @@ from lazarus.moe._placement import rank_slots
 from lazarus.planning import Placement
 from moc import CheckpointManager
 from storage_backends import open_store
-from moc._units import apply_partial, capture_unit, discover_units
+from moc.elastic import apply_partial, capture_unit, discover_units
 
 from ._abort import GroupAborter, SocketTracker, nccl_errors, release_in_background, reset_group_names
 from ._backend import nccl_init_kwargs

@@ -17,8 +17,8 @@ from typing import Any, Mapping, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from moc._codec import TensorMeta, decode_tree, plan_tree, unit_buffer
-from moc._dist import Comm
+from moc.elastic import TensorMeta, decode_tree, plan_tree, unit_buffer
+from moc.elastic import Comm
 
 __all__ = ["Board", "Move", "StoreBoard", "choose_moves", "exchange_units", "read_all", "unit_needs", "world_comm"]
 

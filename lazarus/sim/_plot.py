@@ -17,7 +17,7 @@ COLORS = {
 def plot_timelines(timelines: dict[str, list[tuple[float, float, str, int]]], path: str | Path,
                    title: str = "") -> None:
     """Write ``path``: per system a bar of buckets over time and the nodes computing."""
-    from moc._optional import import_optional
+    from moc.elastic import import_optional
 
     matplotlib = import_optional("matplotlib", "lazarus simulate --png")
     matplotlib.use("Agg")
