@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lazarus.runtime._abort import GroupAborter  # noqa: E402
-from lazarus.runtime._trainer import is_collective_error  # noqa: E402
+from lazarus.runtime.worker._abort import GroupAborter  # noqa: E402
+from lazarus.runtime.worker._trainer import is_collective_error  # noqa: E402
 
 
 def main() -> None:

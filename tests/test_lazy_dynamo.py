@@ -1,4 +1,4 @@
-"""The worker's deferred ``torch._dynamo`` import (lazarus.runtime._lazy_dynamo), each case
+"""The worker's deferred ``torch._dynamo`` import (lazarus.runtime.worker._lazy_dynamo), each case
 in a fresh interpreter (pytest's own process may have imported dynamo already)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _run(code: str, **env: str) -> str:
 def test_training_with_torch_optim_never_imports_dynamo_and_compile_still_works() -> None:
     out = _run("""
         import sys, torch
-        from lazarus.runtime._lazy_dynamo import defer_dynamo_import, dynamo_loaded
+        from lazarus.runtime.worker._lazy_dynamo import defer_dynamo_import, dynamo_loaded
         assert defer_dynamo_import()
         import torch.distributed as dist
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)   # clears trace_rules' caches
@@ -66,13 +66,13 @@ def test_training_with_torch_optim_never_imports_dynamo_and_compile_still_works(
 def test_the_deferral_can_be_turned_off_and_never_replaces_a_loaded_dynamo() -> None:
     out = _run("""
         import torch
-        from lazarus.runtime._lazy_dynamo import defer_dynamo_import, dynamo_loaded
+        from lazarus.runtime.worker._lazy_dynamo import defer_dynamo_import, dynamo_loaded
         print("off:", defer_dynamo_import(), dynamo_loaded())
     """, LAZARUS_DEFER_DYNAMO="0")
     assert "off: False False" in out, out
     out = _run("""
         import torch, torch._dynamo, sys
-        from lazarus.runtime._lazy_dynamo import defer_dynamo_import
+        from lazarus.runtime.worker._lazy_dynamo import defer_dynamo_import
         real = sys.modules["torch._dynamo"]
         print("loaded first:", defer_dynamo_import(), sys.modules["torch._dynamo"] is real)
     """)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from lazarus.moe import rank_slots
 from lazarus.planning import Placement, deal_gpus, round_robin_gpus, same_node_moves
-from lazarus.runtime._planner import LayerSpec, applied_holdings, compute_plan
+from lazarus.runtime.controller._planner import LayerSpec, applied_holdings, compute_plan
 
 
 @st.composite

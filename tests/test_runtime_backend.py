@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from lazarus.runtime import ElasticConfig
-from lazarus.runtime._abort import GroupAborter
-from lazarus.runtime._backend import (NCCL_SETTINGS, TrainerBackend, local_cuda_index, nccl_init_kwargs,
-                                      resolve_backend)
+from lazarus.runtime.worker._abort import GroupAborter
+from lazarus.runtime.worker._backend import (NCCL_SETTINGS, TrainerBackend, local_cuda_index, nccl_init_kwargs,
+                                             resolve_backend)
 
 from conftest import free_port
 
@@ -76,7 +76,7 @@ def test_nccl_or_cuda_without_cuda_is_refused_with_the_reason() -> None:
 _WORKER_ENV = """
 import json, os, sys
 from datetime import timedelta
-from lazarus.runtime._backend import nccl_environment
+from lazarus.runtime.worker._backend import nccl_environment
 applied = nccl_environment("node t", init_timeout=timedelta(seconds=float(sys.argv[1])))
 print(json.dumps({"applied": applied, "env": {k: v for k, v in os.environ.items() if k.startswith("TORCH_NCCL_")}}))
 """

@@ -1,5 +1,5 @@
 """Forming a generation's gloo group when a member dies in the middle of it
-(lazarus/runtime/_reconfigure.py ``_form_timeout``).
+(lazarus/runtime/worker/_reconfigure.py ``_form_timeout``).
 
 gloo retries a connection to a peer up to 5x the group's timeout and no socket shutdown
 stops it: formed with ``collective_timeout`` (5 s in the soak), the survivors of a node
@@ -50,7 +50,7 @@ def _plan(generation: int, members: list[str], port: int) -> dict:
 
 
 def _member(node: str, port: int, out: str) -> None:
-    from lazarus.runtime._reconfigure import Reconfigurer
+    from lazarus.runtime.worker._reconfigure import Reconfigurer
 
     result: dict = {"node": node}
     try:

@@ -5,7 +5,7 @@ forming; on one member ``init_process_group`` had already taken a group name (to
 per-process counter, reset only when WORLD is destroyed), on the others not. Every later
 generation's group then waited for store keys the other members never wrote, and the job
 never trained again. Two real gloo processes: rank 0 fails one formation alone, then both
-form a group, without and with :func:`lazarus.runtime._abort.reset_group_names`.
+form a group, without and with :func:`lazarus.runtime.worker._abort.reset_group_names`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lazarus.runtime._abort import reset_group_names
+from lazarus.runtime.worker._abort import reset_group_names
 from rank_harness import run_ranks
 
 

@@ -1,4 +1,4 @@
-"""moc's groups formed in a thread during a reconfiguration (lazarus/runtime/_moc_groups.py):
+"""moc's groups formed in a thread during a reconfiguration (lazarus/runtime/worker/_moc_groups.py):
 a plan that fails while they connect must not leave the thread holding the rendezvous'
 store client, which the next plan's rendezvous uses (soak seed 4: 30 s lost)."""
 
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from lazarus.runtime._reconfigure import Reconfigurer
+from lazarus.runtime.worker._reconfigure import Reconfigurer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lazarus.moe._placement import rank_slots  # noqa: E402
 from lazarus.planning import Placement  # noqa: E402
 from lazarus.runtime import AgentChannel, AgentConfig, Controller, ControllerConfig  # noqa: E402
-from lazarus.runtime._planner import InsufficientSlots, LayerSpec, compute_plan, rank_layout  # noqa: E402
-from lazarus.runtime._reconfigure import plan_rank, plan_world  # noqa: E402
+from lazarus.runtime.controller._planner import InsufficientSlots, LayerSpec, compute_plan, rank_layout  # noqa: E402
+from lazarus.runtime.worker._reconfigure import plan_rank, plan_world  # noqa: E402
 from lazarus.runtime._wire import recv_frame, send_frame  # noqa: E402
 from test_runtime_control import SECRET, Cluster, wait_for  # noqa: E402
 

@@ -22,7 +22,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lazarus.runtime._reconfigure import plan_rank, plan_world  # noqa: E402
+from lazarus.runtime.worker._reconfigure import plan_rank, plan_world  # noqa: E402
 from test_runtime_control import Cluster, saved_state, wait_for  # noqa: E402
 from test_runtime_nproc import _gone, _workers  # noqa: E402
 

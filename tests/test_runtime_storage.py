@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lazarus.runtime._reconfigure import Reconfigurer
+from lazarus.runtime.worker._reconfigure import Reconfigurer
 from moc import CheckpointManager, MoCConfig
 from moc_helpers import make
 from storage_backends.testing import StorageProxy

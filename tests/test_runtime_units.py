@@ -10,10 +10,10 @@ from datetime import timedelta
 import pytest
 
 from lazarus.runtime import ElasticConfig, is_collective_error
-from lazarus.runtime._abort import SocketTracker
-from lazarus.runtime._state import STATE_FILE, read_state, write_state
-from lazarus.runtime._agent_worker import RestartPolicy, describe_exit, exit_status, last_error_line
-from lazarus.runtime._transfer import Move, choose_moves
+from lazarus.runtime.worker._abort import SocketTracker
+from lazarus.runtime.controller._state import STATE_FILE, read_state, write_state
+from lazarus.runtime.agent._agent_worker import RestartPolicy, describe_exit, exit_status, last_error_line
+from lazarus.runtime.worker._transfer import Move, choose_moves
 from moc import MoCConfig
 from moc._restore import plan_units
 
@@ -285,7 +285,7 @@ def test_a_newer_plan_abandons_moc_groups_that_wait_for_a_dead_peer() -> None:
     import time
 
     import torch.distributed as dist
-    from lazarus.runtime._reconfigure import Reconfigurer, Superseded
+    from lazarus.runtime.worker._reconfigure import Reconfigurer, Superseded
     from moc._dist import Comm
     store = dist.HashStore()
     box: dict = {"sockets": SocketTracker()}
@@ -318,7 +318,7 @@ def test_a_store_connect_is_given_up_on_at_once_even_inside_torchs_retry_sleeps(
     import time
 
     import torch.distributed as dist
-    from lazarus.runtime._store_connect import GaveUp, connect_store
+    from lazarus.runtime.worker._store_connect import GaveUp, connect_store
     mute = socket.socket()
     mute.bind(("127.0.0.1", 0))
     mute.listen(16)
@@ -351,7 +351,7 @@ def test_a_stale_survivor_keeps_its_own_copy_of_an_expert_nobody_holds_at_the_ne
     served by rank 1; expert 0, held at step 11 by rank 0, is taken from there, not from the
     stale copies; the dense units go to the stale ranks; a joiner keeps nothing and its
     placeholder experts serve nobody."""
-    from lazarus.runtime._transfer import choose_moves, unit_needs
+    from lazarus.runtime.worker._transfer import choose_moves, unit_needs
 
     inv = [{"step": 11, "experts": {"L": [0, 1]}, "modules": ["dense/a", "dense/b"]},
            {"step": 10, "experts": {"L": [0, 3]}, "modules": ["dense/a", "dense/b"]},
@@ -375,7 +375,7 @@ import sys, threading
 from datetime import timedelta
 import torch.distributed as dist
 from moc._dist import Comm
-from lazarus.runtime._abort import release_in_background
+from lazarus.runtime.worker._abort import release_in_background
 
 retired = []
 for k in range(5):
@@ -414,7 +414,7 @@ class _CountingBoard:
     """A StoreBoard that records which ranks each reader asked for."""
 
     def __init__(self, store, prefix: str) -> None:
-        from lazarus.runtime._transfer import StoreBoard
+        from lazarus.runtime.worker._transfer import StoreBoard
         self.inner = StoreBoard(store, prefix, timedelta(seconds=20))
         self.reads: dict[int, list[int]] = {}
         self.posts: list[int] = []
@@ -437,7 +437,7 @@ def test_units_move_with_their_descriptions_from_each_sender(via: str) -> None:
     import torch
     import torch.distributed as dist
     from moc._dist import Comm
-    from lazarus.runtime._transfer import exchange_units
+    from lazarus.runtime.worker._transfer import exchange_units
 
     store = dist.HashStore()
     comms: dict[int, Comm] = {}
@@ -471,7 +471,7 @@ def test_a_retired_gloo_group_is_handed_back_for_its_destructor_to_run_elsewhere
     training thread, and torch.distributed is free for the next generation at once."""
     import torch
     import torch.distributed as dist
-    from lazarus.runtime._abort import GroupAborter, registered_groups, release_in_background
+    from lazarus.runtime.worker._abort import GroupAborter, registered_groups, release_in_background
 
     for gen in range(2):
         dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{gen}", dist.HashStore()), rank=0, world_size=1)

@@ -1,4 +1,4 @@
-"""The trainer's one all-reduce per step (``lazarus.runtime._step_reduce.all_reduce_step``):
+"""The trainer's one all-reduce per step (``lazarus.runtime.worker._step_reduce.all_reduce_step``):
 gradients, a sum and a maximum in one collective where the flat's dtype carries them, the
 same results as separate collectives, and the fallback where it cannot (3 gloo ranks,
 ``rank_harness.run_ranks``)."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lazarus.runtime._step_reduce import all_reduce_step
+from lazarus.runtime.worker._step_reduce import all_reduce_step
 from rank_harness import run_ranks
 
 
@@ -95,7 +95,7 @@ def test_one_rank_sends_nothing_and_bad_maxima_are_refused() -> None:
 def test_clip_total_norm_matches_torch_clipping(max_norm: float) -> None:
     """The counted gradients' norm with the others' squared norm given is torch's total
     norm; the factor is torch's; a norm under the limit leaves the gradients bit for bit."""
-    from lazarus.runtime._step_reduce import clip_total_norm_
+    from lazarus.runtime.worker._step_reduce import clip_total_norm_
 
     gen = torch.Generator().manual_seed(3)
     mine = [torch.randn(n, generator=gen) for n in (7, 4, 9)]

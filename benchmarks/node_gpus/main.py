@@ -5,7 +5,7 @@ Writes ``results.md`` and ``moves.png`` next to this file and prints the table.
 
 Workload: the AWS P3 spot trace in ``../shared/traces/aws-p3-32nodes.csv`` (up to 32
 nodes over ~11 h, one node added or removed per row) replayed through the controller's
-planner (:func:`lazarus.runtime._planner.compute_plan`): 8 GPUs per node, 4 MoE layers of
+planner (:func:`lazarus.runtime.controller._planner.compute_plan`): 8 GPUs per node, 4 MoE layers of
 64 experts, c = 16 slots per node (2 per GPU), f = 2, Zipf loads (s = 1, a different hot
 set per layer). Every membership change is one plan; survivors keep what the last plan gave
 them, joiners hold nothing. Events that leave fewer than 4 nodes (64 experts need 64 slots)
@@ -37,7 +37,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lazarus.planning import same_node_moves  # noqa: E402
-from lazarus.runtime._planner import LayerSpec, applied_holdings, compute_plan  # noqa: E402
+from lazarus.runtime.controller._planner import LayerSpec, applied_holdings, compute_plan  # noqa: E402
 from lazarus.sim import load_trace  # noqa: E402
 
 TRACE = next((p for p in (ROOT.parent / "shared" / "traces" / "aws-p3-32nodes.csv",

@@ -15,6 +15,11 @@
   ``ElasticConfig.lost_experts``).
 * ``_wire`` — length-prefixed, HMAC-SHA256-authenticated JSON frames (no pickle).
 
+The code is laid out by the process that runs it: :mod:`.controller`, :mod:`.agent` and
+:mod:`.worker` (the training process); at this level only what they share: the wire format
+(``_wire``), the controller's and agents' configs (``_config``), the plan (``_plans``) and
+the command lines (``_cli``).
+
 The trainer names load lazily, so the controller and agents never import torch's
 training stack; so does :class:`Controller` (the planner, numpy), so that an agent starts
 its worker 0.3-1 s sooner (the worker's imports are most of a cold join).
@@ -22,8 +27,6 @@ its worker 0.3-1 s sooner (the worker's imports are most of a cold join).
 CLI: ``lazarus controller`` and ``lazarus agent`` (see ``lazarus <cmd> --help``).
 """
 
-from ._agent import Agent
-from ._channel import AgentChannel
 from ._config import AgentConfig, ControllerConfig, parse_duration
 from ._wire import (
     BadMacError,
@@ -32,12 +35,14 @@ from ._wire import (
     MalformedMessageError,
     ProtocolError,
 )
+from .agent._agent import Agent
+from .worker._channel import AgentChannel
 
 _LAZY = {
-    "Controller": ("._controller", "Controller"),
-    "ElasticTrainer": ("._trainer", "ElasticTrainer"),
-    "ElasticConfig": ("._elastic_config", "ElasticConfig"),
-    "is_collective_error": ("._trainer", "is_collective_error"),
+    "Controller": (".controller._controller", "Controller"),
+    "ElasticTrainer": (".worker._trainer", "ElasticTrainer"),
+    "ElasticConfig": (".worker._elastic_config", "ElasticConfig"),
+    "is_collective_error": (".worker._trainer", "is_collective_error"),
 }
 
 

@@ -1,4 +1,8 @@
-"""``lazarus controller`` and ``lazarus agent`` subcommands."""
+"""``lazarus controller`` and ``lazarus agent`` subcommands.
+
+Shared by both processes' command lines, so it lives beside the configs it fills
+(:mod:`._config`): each subcommand imports only its own process's package
+(:mod:`.controller` or :mod:`.agent`) when it runs."""
 
 from __future__ import annotations
 
@@ -141,7 +145,7 @@ _CONTROLLER_OPTIONS = {
 
 
 def _run_controller(args: argparse.Namespace) -> int:
-    from ._controller import Controller
+    from .controller._controller import Controller
 
     secret = _read_secret(args.secret_file)
     try:
@@ -260,7 +264,7 @@ _AGENT_OPTIONS = {
 
 
 def _run_agent(args: argparse.Namespace) -> int:
-    from ._agent import Agent
+    from .agent._agent import Agent
 
     cmd = list(args.worker_command)
     if cmd and cmd[0] == "--":

@@ -3,7 +3,7 @@
 Both ranks use cuda:0 as two separate hosts: a distinct ``NCCL_HOSTID`` per process (so
 NCCL does not refuse two ranks on one GPU), sockets on loopback, the P2P and SHM transports
 off (the test sets the environment). The group is formed as the trainer forms it: the
-NCCL settings of ``lazarus.runtime._backend``, ``init_process_group`` with ``device_id``
+NCCL settings of ``lazarus.runtime.worker._backend``, ``init_process_group`` with ``device_id``
 (eager, non-blocking communicator) and the ``_nccl_ready``-style probe. The ranks all-reduce
 until the test SIGKILLs or SIGSTOPs rank 1; rank 0 then polls NCCL's watchdog the way the
 trainer's watcher does, aborts its communicators, and prints how long its blocked
@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from lazarus.runtime._abort import GroupAborter  # noqa: E402
-from lazarus.runtime._backend import TrainerBackend, nccl_environment, nccl_init_kwargs  # noqa: E402
+from lazarus.runtime.worker._abort import GroupAborter  # noqa: E402
+from lazarus.runtime.worker._backend import TrainerBackend, nccl_environment, nccl_init_kwargs  # noqa: E402
 
 
 def main() -> None:

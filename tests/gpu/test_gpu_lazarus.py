@@ -34,9 +34,9 @@ from examples.local_cluster import LocalCluster
 from lazarus.dispatch import dispatch_counts, dispatch_device, dispatch_permutation, load_ops
 from lazarus.moe import MoEConfig, MoELayer
 from lazarus.planning import Placement
-from lazarus.runtime._abort import GroupAborter, nccl_backends
-from lazarus.runtime._backend import (NCCL_SETTINGS, TrainerBackend, nccl_environment, nccl_init_kwargs,
-                                      resolve_backend)
+from lazarus.runtime.worker._abort import GroupAborter, nccl_backends
+from lazarus.runtime.worker._backend import (NCCL_SETTINGS, TrainerBackend, nccl_environment, nccl_init_kwargs,
+                                             resolve_backend)
 
 pytestmark = GPU
 
@@ -143,7 +143,7 @@ def test_gradient_clipping_never_waits_for_the_device() -> None:
     """The step's clipping on the GPU: the experts' squared norm (one per expert, every layer)
     and the clip factor stay on the device (sync debug mode "error" around them); the
     gradients equal torch's clip_grad_norm_ of the same gradients."""
-    from lazarus.runtime._step_reduce import clip_total_norm_
+    from lazarus.runtime.worker._step_reduce import clip_total_norm_
 
     cfg = MoEConfig(d_model=64, d_hidden=128, num_experts=8, top_k=2, seed=3)
     layer = MoELayer(cfg, Placement([list(range(8))])).cuda()

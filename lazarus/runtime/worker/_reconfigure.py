@@ -60,11 +60,11 @@ from moc import CheckpointManager
 from storage_backends import open_store
 from moc.elastic import apply_partial, capture_unit, discover_units
 
+from .._plans import Superseded, plan_rank, plan_world
 from ._abort import GroupAborter, SocketTracker, nccl_errors, release_in_background, reset_group_names
 from ._backend import nccl_init_kwargs
 from ._join_gate import JoinGate
 from ._moc_groups import MocGroups
-from ._plans import Superseded, plan_rank, plan_world
 from ._store_connect import GaveUp, connect_store
 from ._transfer import StoreBoard, choose_moves, exchange_units, read_all, unit_needs, world_comm
 

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from ._config import ControllerConfig
+from .._config import ControllerConfig
+from .._wire import ConnectionClosed, MalformedMessageError, ProtocolError, encode_frame, read_frame
 from ._membership import _Node, _req
 from ._resume import Resumable
-from ._wire import ConnectionClosed, MalformedMessageError, ProtocolError, encode_frame, read_frame
 
 __all__ = ["Controller"]
 

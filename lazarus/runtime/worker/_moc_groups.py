@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from moc.elastic import Comm
 
+from .._plans import Superseded
 from ._abort import SocketTracker
-from ._plans import Superseded
 
 __all__ = ["MocGroups"]
 

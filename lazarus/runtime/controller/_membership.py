@@ -26,11 +26,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._wire import MalformedMessageError, store_address
 from ._planner import InsufficientSlots, LayerSpec, applied_holdings, compute_plan, max_replica_load, rank_layout
-from ._wire import MalformedMessageError, store_address
 
 if TYPE_CHECKING:
-    from ._config import ControllerConfig
+    from .._config import ControllerConfig
     from ._controller import _Conn
 
 __all__ = ["Membership"]

@@ -67,11 +67,11 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from .._config import AgentConfig
+from .._wire import (PLAN_MAX_MESSAGE_BYTES, ConnectionClosed, MalformedMessageError, ProtocolError, encode_frame,
+                     read_frame, store_address)
 from ._agent_worker import (RestartPolicy, WorkerGroup, WorkerProcess, describe_exit, exit_status, spawn_worker,
                             worker_env)
-from ._config import AgentConfig
-from ._wire import (PLAN_MAX_MESSAGE_BYTES, ConnectionClosed, MalformedMessageError, ProtocolError, encode_frame,
-                    read_frame, store_address)
 
 __all__ = ["Agent"]
 

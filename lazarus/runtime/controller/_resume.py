@@ -32,8 +32,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from .._wire import MalformedMessageError, store_address
 from ._membership import Membership, _Node, _req
-from ._wire import MalformedMessageError, store_address
 
 if TYPE_CHECKING:
     from ._controller import _Conn

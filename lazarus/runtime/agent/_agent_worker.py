@@ -9,7 +9,7 @@ together (torchrun's rule: one worker down, the node's others are stopped and th
 group restarts as a new incarnation). Membership stays per node.
 
 A worker is started with one end of a socketpair in ``LAZARUS_AGENT_FD`` (see
-:mod:`._channel`). Its stderr goes through the agent, which copies it to its own stderr
+:mod:`lazarus.runtime.worker._channel`). Its stderr goes through the agent, which copies it to its own stderr
 unchanged and keeps the last :data:`STDERR_TAIL_BYTES`, so that an agent giving up on a
 crash loop can say *why* the worker keeps dying (``RuntimeError: CUDA out of memory``)
 rather than only *that* it does.

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._wire import DEFAULT_MAX_MESSAGE_BYTES, ConnectionClosed, ProtocolError, recv_frame, send_frame
+from .._wire import DEFAULT_MAX_MESSAGE_BYTES, ConnectionClosed, ProtocolError, recv_frame, send_frame
 
 __all__ = ["AgentChannel", "EXIT_AGENT_LOST"]
 

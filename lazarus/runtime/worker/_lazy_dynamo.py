@@ -62,7 +62,7 @@ class _DeferredDynamo(types.ModuleType):
     from the real module (imported on first need)."""
 
     def __init__(self) -> None:
-        super().__init__(_NAME, "torch._dynamo, imported when first needed (lazarus.runtime._lazy_dynamo)")
+        super().__init__(_NAME, "torch._dynamo, imported when first needed (lazarus.runtime.worker._lazy_dynamo)")
         self.__dict__["_real"] = None
 
     def _load(self) -> types.ModuleType:

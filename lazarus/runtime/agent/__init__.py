@@ -1,0 +1,17 @@
+"""The agent process (one per node): ``lazarus agent``.
+
+Everything here runs in the agent, on its asyncio event loop: registering with the
+controller, heartbeats, starting and watching the node's workers, relaying plans down and
+reports up.
+
+* ``_agent`` — :class:`Agent`;
+* ``_agent_worker`` — the agent's side of its worker processes (spawn, stderr relay,
+  exit status, the restart policy).
+
+The agent never imports torch, numpy or the planner (its worker's start-up is most of a
+cold join): no module here imports :mod:`lazarus.runtime.worker` or
+:mod:`lazarus.runtime.controller`. Kept light: nothing is imported here; the public name
+is :class:`lazarus.runtime.Agent`.
+"""
+
+__all__: list[str] = []
