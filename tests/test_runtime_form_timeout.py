@@ -44,9 +44,11 @@ def _trainer(node: str) -> SimpleNamespace:
                            channel=SimpleNamespace(latest_plan=lambda: None))
 
 
-def _plan(generation: int, members: list[str], port: int) -> dict:
-    return {"generation": generation, "members": members, "prefix": f"lazarus/gen{generation}",
-            "store": {"host": "127.0.0.1", "port": port}}
+def _plan(generation: int, members: list[str], port: int):
+    from lazarus.runtime._plan import Plan
+
+    return Plan.from_wire({"generation": generation, "members": members, "prefix": f"lazarus/gen{generation}",
+                           "store": {"host": "127.0.0.1", "port": port}})
 
 
 def _member(node: str, port: int, out: str) -> None:

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
+from lazarus.runtime._plan import Plan
 from lazarus.runtime.worker._reconfigure import Reconfigurer
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,7 +37,8 @@ def test_a_failed_plan_leaves_no_store_client_held_by_moc_groups_still_connectin
         r = Reconfigurer(_trainer(rendezvous_s), build_model=None, make_optimizer=None)
         spec = {"host": "127.0.0.1", "port": server.port}
         # generation 11: rank 0 of 2 forms moc's groups; rank 1 died, its keys never come
-        r._start_moc_comm({"prefix": "lazarus/gen11", "store": spec, "generation": 11})
+        r._start_moc_comm(Plan.from_wire({"prefix": "lazarus/gen11", "store": spec, "generation": 11,
+                                           "members": ["n3", "n4"]}))
         assert r._moc_comm is not None
         thread = r._moc_comm[0]
         time.sleep(1.0)

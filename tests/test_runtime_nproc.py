@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lazarus.moe._placement import rank_slots  # noqa: E402
 from lazarus.planning import Placement  # noqa: E402
 from lazarus.runtime import AgentChannel, AgentConfig, Controller, ControllerConfig  # noqa: E402
-from lazarus.runtime.controller._planner import InsufficientSlots, LayerSpec, compute_plan, rank_layout  # noqa: E402
-from lazarus.runtime.worker._reconfigure import plan_rank, plan_world  # noqa: E402
+from lazarus.runtime._plan import Plan, rank_layout  # noqa: E402
 from lazarus.runtime._wire import recv_frame, send_frame  # noqa: E402
+from lazarus.runtime.controller._planner import InsufficientSlots, LayerSpec, compute_plan  # noqa: E402
 from test_runtime_control import SECRET, Cluster, wait_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,18 +40,24 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_ranks_are_contiguous_per_node() -> None:
     assert rank_layout(["n0", "n1", "n2"], 2) == {"n0": [0, 1], "n1": [2, 3], "n2": [4, 5]}
     assert rank_layout(["x", "y"], 1) == {"x": [0], "y": [1]}
-    plan = {"generation": 3, "members": ["n0", "n1", "n2"], "gpus_per_node": 2}
-    assert plan_world(plan) == 6
-    assert [plan_rank(plan, n, lr, 2) for n in plan["members"] for lr in (0, 1)] == list(range(6))
-    assert plan_world({"members": ["a", "b"]}) == 2 and plan_rank({"members": ["a", "b"]}, "b", 0, 1) == 1
+    plan = _plan(["n0", "n1", "n2"], gpus_per_node=2)
+    assert plan.world == 6 and plan.ranks == rank_layout(plan.members, 2)
+    assert [plan.rank(n, lr, 2) for n in plan.members for lr in (0, 1)] == list(range(6))
+    assert _plan(["a", "b"]).world == 2 and _plan(["a", "b"]).rank("b", 0, 1) == 1
+
+
+def _plan(members: list[str], **fields) -> Plan:
+    """A plan message's required fields, and ``fields``."""
+    return Plan.from_wire({"generation": 3, "members": members, "store": {"host": "127.0.0.1", "port": 1},
+                           "prefix": "lazarus/gen3", **fields})
 
 
 def test_a_plan_for_another_worker_count_is_refused() -> None:
-    plan = {"generation": 3, "members": ["n0", "n1"], "gpus_per_node": 2}
+    plan = _plan(["n0", "n1"], gpus_per_node=2)
     with pytest.raises(RuntimeError, match="2 workers per node but node n1 runs 4"):
-        plan_rank(plan, "n1", 0, 4)
+        plan.rank("n1", 0, 4)
     with pytest.raises(RuntimeError, match="local rank 2"):
-        plan_rank(plan, "n1", 2, 2)
+        plan.rank("n1", 2, 2)
 
 
 def test_plan_spreads_node_slots_over_its_ranks_and_replicas_over_nodes() -> None:

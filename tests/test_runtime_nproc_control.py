@@ -22,7 +22,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lazarus.runtime.worker._reconfigure import plan_rank, plan_world  # noqa: E402
+from lazarus.runtime._plan import Plan  # noqa: E402
 from test_runtime_control import Cluster, saved_state, wait_for  # noqa: E402
 from test_runtime_nproc import _gone, _workers  # noqa: E402
 
@@ -76,9 +76,11 @@ def _kill_controller(c: Cluster, nodes: tuple[str, ...] = ("a", "b", "c")) -> No
 def _check_ranks(plan: dict[str, Any], members: list[str]) -> None:
     """The plan's ranks: contiguous per node, G per node, in member order."""
     assert plan["members"] == members and plan["gpus_per_node"] == G
-    assert plan["world_size"] == plan_world(plan) == G * len(members)
+    typed = Plan.from_wire(plan)
+    assert plan["world_size"] == typed.world == G * len(members)
     assert plan["ranks"] == {m: list(range(i * G, (i + 1) * G)) for i, m in enumerate(members)}
-    assert [plan_rank(plan, m, lr, G) for m in members for lr in range(G)] == list(range(G * len(members)))
+    assert [typed.rank(m, lr, G) for m in members for lr in range(G)] == list(range(G * len(members)))
+    assert typed.to_wire() == plan
 
 
 @pytest.mark.timeout(60)

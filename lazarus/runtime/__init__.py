@@ -17,7 +17,7 @@
 
 The code is laid out by the process that runs it: :mod:`.controller`, :mod:`.agent` and
 :mod:`.worker` (the training process); at this level only what they share: the wire format
-(``_wire``), the controller's and agents' configs (``_config``), the plan (``_plans``) and
+(``_wire``), the controller's and agents' configs (``_config``), the plan (``_plan``) and
 the command lines (``_cli``).
 
 The trainer names load lazily, so the controller and agents never import torch's

@@ -68,6 +68,7 @@ from collections import OrderedDict
 from typing import Any
 
 from .._config import AgentConfig
+from .._plan import Plan
 from .._wire import (PLAN_MAX_MESSAGE_BYTES, ConnectionClosed, MalformedMessageError, ProtocolError, encode_frame,
                      read_frame, store_address)
 from ._agent_worker import (RestartPolicy, WorkerGroup, WorkerProcess, describe_exit, exit_status, spawn_worker,
@@ -461,17 +462,21 @@ class Agent:
         else:
             log.warning("agent %s: ignoring controller message %r", self.node_id, kind)
 
-    def _on_plan(self, plan: dict[str, Any]) -> None:
-        wk = self._worker
-        inc = (plan.get("incarnations") or {}).get(self.node_id)
-        if wk is None or not wk.alive or (inc is not None and inc != wk.incarnation):
-            log.info("agent %s: plan %s not for the current worker; dropped", self.node_id,
-                     plan.get("generation"))
+    def _on_plan(self, msg: dict[str, Any]) -> None:
+        """Relay a plan to the workers, as it came (they read it themselves)."""
+        try:
+            plan = Plan.from_wire(msg)
+        except MalformedMessageError as exc:
+            log.error("agent %s: dropped a plan from the controller: %s", self.node_id, exc)
             return
-        gen = plan.get("generation")
-        if isinstance(gen, int) and gen > wk.plan_generation:
-            wk.plan_generation = gen
-        self._to_worker(plan)
+        wk = self._worker
+        inc = plan.incarnations.get(self.node_id)
+        if wk is None or not wk.alive or (inc is not None and inc != wk.incarnation):
+            log.info("agent %s: plan %s not for the current worker; dropped", self.node_id, plan.generation)
+            return
+        if plan.generation > wk.plan_generation:
+            wk.plan_generation = plan.generation
+        self._to_worker(msg)
 
     def _await_finished_worker(self, wk: WorkerGroup) -> None:
         """A worker that reported done runs its own code to the end (exports, digests):

@@ -26,8 +26,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._plan import Plan
 from .._wire import MalformedMessageError, store_address
-from ._planner import InsufficientSlots, LayerSpec, applied_holdings, compute_plan, max_replica_load, rank_layout
+from ._planner import InsufficientSlots, LayerSpec, applied_holdings, compute_plan, max_replica_load
 
 if TYPE_CHECKING:
     from .._config import ControllerConfig
@@ -78,7 +79,7 @@ class Membership(ABC):
 
     def _init_membership(self) -> None:
         self.generation = 0
-        self._plan: dict[str, Any] | None = None
+        self._plan: Plan | None = None
         self._members: list[str] = []
         self._holdings: dict[str, dict[str, list[int]]] = {}
         # several GPUs per node: node -> layer -> per-GPU expert lists of the applied plan
@@ -103,7 +104,7 @@ class Membership(ABC):
         self._pending_leaves: set[str] = set()
         self._leave_timer: asyncio.TimerHandle | None = None
         self._left: set[str] = set()          # nodes a leave plan was issued for
-        self._inflight: dict[str, Any] | None = None  # between-steps plan not yet applied
+        self._inflight: Plan | None = None  # between-steps plan not yet applied
         self._done: set[str] = set()
         self._finished = False
         self._resuming = False          # a restarted controller waiting for its members (_resume)
@@ -122,8 +123,8 @@ class Membership(ABC):
 
     @property
     def plan(self) -> dict[str, Any] | None:
-        """The newest plan message."""
-        return self._plan
+        """The newest plan message (:meth:`Plan.to_wire`)."""
+        return None if self._plan is None else self._plan.to_wire()
 
     @abstractmethod
     def _event(self, name: str, level: int = logging.INFO, **fields: Any) -> None:
@@ -200,7 +201,7 @@ class Membership(ABC):
                 if self._members and node.node_id == self._members[0]:
                     self._on_step(step)
             gen = msg.get("generation")
-            if self._plan is not None and gen == self._plan["generation"] and self._applied_gen < gen:
+            if self._plan is not None and gen == self._plan.generation and self._applied_gen < gen:
                 self._mark_applied(self._plan)  # training on it: applied, even without a report
         elif kind == "routing":
             self._on_routing(node, msg)
@@ -248,13 +249,13 @@ class Membership(ABC):
         fields.update({k: v for k, v in msg.items() if k not in ("type", "node", "t", "event", "level", "name")})
         if "t" in msg:
             fields["worker_t"] = msg["t"]
-        if plan is not None and gen == plan["generation"] and isinstance(msg.get("t_resumed"), (int, float)):
-            if plan.get("detected_at") is not None:
-                fields["reconfiguration_s"] = msg["t_resumed"] - plan["detected_at"]
-            fields["since_issue_s"] = msg["t_resumed"] - plan["issued_at"]
-            fields["reason"] = plan["reason"]
+        if plan is not None and gen == plan.generation and isinstance(msg.get("t_resumed"), (int, float)):
+            if plan.detected_at is not None:
+                fields["reconfiguration_s"] = msg["t_resumed"] - plan.detected_at
+            fields["since_issue_s"] = msg["t_resumed"] - plan.issued_at
+            fields["reason"] = plan.reason
         self._event("reconfigured", node=node.node_id, **fields)
-        if plan is None or gen != plan["generation"] or self._applied_gen >= gen:
+        if plan is None or gen != plan.generation or self._applied_gen >= gen:
             return
         self._mark_applied(plan)
 
@@ -263,11 +264,11 @@ class Membership(ABC):
         self._holdings.pop(node_id, None)
         self._gpu_holdings.pop(node_id, None)
 
-    def _mark_applied(self, plan: dict[str, Any]) -> None:
-        gen = plan["generation"]
+    def _mark_applied(self, plan: Plan) -> None:
+        gen = plan.generation
         self._applied_gen = gen
-        self._holdings, self._gpu_holdings = applied_holdings(plan["members"], plan["layers"], plan.get("gpus"))
-        if self._inflight is not None and self._inflight["generation"] == gen:
+        self._holdings, self._gpu_holdings = applied_holdings(plan.members, plan.layers, plan.gpus)
+        if self._inflight is not None and self._inflight.generation == gen:
             self._inflight = None
         self._save_state(now=True)
         self._maybe_between_steps()
@@ -493,7 +494,7 @@ class Membership(ABC):
         cur = 0.0
         for spec in layers:
             t = loads.get(spec.name) or [1.0] * spec.num_experts
-            cur += max_replica_load(self._plan["layers"][spec.name], t)
+            cur += max_replica_load(self._plan.layers[spec.name], t)
         gain = (cur - new.max_load) / cur if cur > 0 else 0.0
         if gain < self.config.rebalance_min_gain:
             self._event("rebalance_skipped", step=self._last_step, gain=round(gain, 4),
@@ -518,7 +519,7 @@ class Membership(ABC):
         superseded = self._inflight
         leaving = list(leaving)
         if superseded is not None and mode == "immediate":
-            leaving += [n for n in superseded.get("leaving", []) if n in self._nodes and n not in leaving]
+            leaving += [n for n in superseded.leaving if n in self._nodes and n not in leaving]
             self._inflight = None
         if self._model is None:
             return False
@@ -537,27 +538,20 @@ class Membership(ABC):
         compute_ms = (time.perf_counter() - t0) * 1000
         self.generation += 1
         g = self.generation
-        plan = {
-            "type": "plan", "generation": g, "mode": mode, "reason": reason,
-            "members": list(members), "leaving": leaving,
-            "incarnations": {m: self._nodes[m].incarnation for m in members if m in self._nodes},
-            "store": self._plan_store(members[0]),
-            "prefix": f"lazarus/gen{g}",
-            "slots": self._slots(members),
+        plan = Plan(
+            generation=g, mode=mode, reason=reason, members=list(members), leaving=leaving,
+            incarnations={m: self._nodes[m].incarnation for m in members if m in self._nodes},
+            store=self._plan_store(members[0]), prefix=f"lazarus/gen{g}", slots=self._slots(members),
             # G ranks per node, contiguous: rank = node index * G + local rank. "layers"
             # rows are per node (c slots); with G > 1 "gpus" splits them over the node's
             # ranks (Placement.gpus), keeping experts on the GPUs that hold them.
-            "gpus_per_node": per_node, "world_size": len(members) * per_node,
-            "ranks": rank_layout(members, per_node),
-            "layers": res.layers, "lost": list(lost), "joined": list(joined),
-            "detected_at": detected_at, "issued_at": time.time(),
-            "fetches": {"greedy": res.fetches_greedy, "identity": res.fetches_identity,
-                        "same_node": res.gpu_moves, "same_node_round_robin": res.gpu_moves_round_robin},
-            "missing": res.missing, "transfers": res.transfers,
-            "recovery_probability": res.recovery,
-        }
-        if res.gpus:
-            plan["gpus"] = res.gpus
+            gpus_per_node=per_node, layers=res.layers, lost=list(lost), joined=list(joined),
+            detected_at=detected_at, issued_at=time.time(),
+            fetches={"greedy": res.fetches_greedy, "identity": res.fetches_identity,
+                     "same_node": res.gpu_moves, "same_node_round_robin": res.gpu_moves_round_robin},
+            missing=res.missing, transfers=res.transfers, recovery_probability=res.recovery,
+            gpus=res.gpus or None,
+        )
         self._plan = plan
         self._members = list(members)
         self._stalled = False
@@ -568,14 +562,15 @@ class Membership(ABC):
         self._save_state(now=True)   # before anyone hears of it: a restart resumes from here
         rec = list(res.recovery.values())
         self._event("plan", generation=g, reason=reason, mode=mode, members=members, gpus_per_node=per_node,
-                    world_size=plan["world_size"], lost=list(lost),
+                    world_size=plan.world, lost=list(lost),
                     joined=list(joined), leaving=leaving, detected_at=detected_at,
-                    fetches=plan["fetches"], missing=res.missing, recovery_probability=res.recovery,
+                    fetches=plan.fetches, missing=res.missing, recovery_probability=res.recovery,
                     recovery_mean=sum(rec) / len(rec) if rec else None, recovery_min=min(rec, default=None),
                     compute_ms=round(compute_ms, 3), gain=gain, layers=res.layers,
                     **({"gpus": res.gpus} if res.gpus else {}))
+        wire = plan.to_wire()
         for n in list(members) + [n for n in leaving if n not in members]:
-            self._send(n, plan)
+            self._send(n, wire)
         self._refresh_joins()
         return True
 

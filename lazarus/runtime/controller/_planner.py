@@ -18,7 +18,7 @@ it; a joining node gets the round-robin deal). The split travels in the plan (``
 a failure elsewhere does not reshuffle the experts among a surviving node's GPUs. Failures
 stay per node, so replicas of an expert go to distinct *nodes* (MRO works on nodes);
 ranks are contiguous per node: rank = node index * gpus_per_node + local rank
-(:func:`rank_layout`).
+(:func:`lazarus.runtime._plan.rank_layout`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ from lazarus.planning import (
     split_node,
 )
 
-__all__ = ["InsufficientSlots", "LayerSpec", "PlanResult", "applied_holdings", "compute_plan", "max_replica_load",
-           "rank_layout"]
+__all__ = ["InsufficientSlots", "LayerSpec", "PlanResult", "applied_holdings", "compute_plan", "max_replica_load"]
 
 
 class InsufficientSlots(ValueError):
@@ -106,13 +105,6 @@ def applied_holdings(members: Sequence[str], layers: Mapping[str, Sequence[Seque
     split = {m: {layer: [list(gpu) for gpu in s[i]] for layer, s in (gpus or {}).items()}
              for i, m in enumerate(members)}
     return held, split
-
-
-def rank_layout(members: Sequence[str], gpus_per_node: int) -> dict[str, list[int]]:
-    """``node -> its ranks``: contiguous blocks in member order (node ``i`` holds ranks
-    ``i*G .. i*G+G-1``; its local rank ``l`` is rank ``i*G + l``)."""
-    g = int(gpus_per_node)
-    return {m: list(range(i * g, (i + 1) * g)) for i, m in enumerate(members)}
 
 
 def compute_plan(

@@ -32,6 +32,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from .._plan import Plan
 from .._wire import MalformedMessageError, store_address
 from ._membership import Membership, _Node, _req
 
@@ -64,7 +65,8 @@ class Resumable(Membership):
     def _state_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch, "port": int(self.port or 0), "store_port": int(self.store_port or 0),
-            "generation": self.generation, "plan": self._plan, "members": list(self._members),
+            "generation": self.generation, "plan": None if self._plan is None else self._plan.to_wire(),
+            "members": list(self._members),
             "stalled": self._stalled, "applied_gen": self._applied_gen,
             "holdings": self._holdings, "gpu_holdings": self._gpu_holdings, "model": self._model,
             "routing": {name: [list(r) for r in hist] for name, hist in self._routing.items()},
@@ -99,7 +101,10 @@ class Resumable(Membership):
         """Take over a saved state (called before serving)."""
         self.epoch = int(state["epoch"]) + 1
         self.generation = int(state["generation"])
-        self._plan = state["plan"]
+        try:
+            self._plan = None if state["plan"] is None else Plan.from_wire(state["plan"])
+        except MalformedMessageError as exc:
+            raise ValueError(f"state_dir: {self.config.state_dir}: field 'plan': {exc}") from None
         self._members = list(state["members"])
         self._stalled = bool(state["stalled"])
         self._applied_gen = int(state["applied_gen"])
@@ -166,7 +171,7 @@ class Resumable(Membership):
         node.leaving = leaving
         self._nodes[node_id] = node
         member = node_id in self._members
-        planned = ((self._plan or {}).get("incarnations") or {}).get(node_id)
+        planned = self._plan.incarnations.get(node_id) if self._plan is not None else None
         same = member and alive and inc == planned
         self._event("node_resumed", node=node_id, peer=conn.peer, incarnation=inc, planned_incarnation=planned,
                     worker_alive=alive, worker_ready=ready, plan_generation=plan_gen, step=step, done=done,
@@ -186,7 +191,7 @@ class Resumable(Membership):
                 self._save_state(now=True)
             elif same:
                 if plan_gen < self.generation and self._plan is not None:
-                    self._send(node_id, self._plan)   # it may never have got the newest plan
+                    self._send(node_id, self._plan.to_wire())   # it may never have got the newest plan
             else:
                 # the worker this plan counts on is gone (crashed, or replaced) while we were away
                 self._declare_failure(node_id, "worker_lost_while_away", incarnation=inc,

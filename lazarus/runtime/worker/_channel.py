@@ -77,6 +77,7 @@ class AgentChannel:
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
         self._plan: dict[str, Any] | None = None
+        self._plan_generation = 0   # the generation of _plan (0: none yet)
         self._stop = False
         self._stop_reason: str | None = None
         self._lost = False
@@ -159,7 +160,7 @@ class AgentChannel:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
-                if self._plan is not None and self._plan.get("generation", 0) > newer_than:
+                if self._plan is not None and self._plan_generation > newer_than:
                     return self._plan
                 if self._lost or self._closed:
                     raise ConnectionError("the agent channel is closed")
@@ -209,8 +210,8 @@ class AgentChannel:
             with self._cond:
                 if kind == "plan":
                     gen = msg.get("generation")
-                    if isinstance(gen, int) and (self._plan is None or gen > self._plan.get("generation", 0)):
-                        self._plan = msg
+                    if isinstance(gen, int) and (self._plan is None or gen > self._plan_generation):
+                        self._plan, self._plan_generation = msg, gen
                 elif kind == "stop":
                     self._stop = True
                     self._stop_reason = msg.get("reason")

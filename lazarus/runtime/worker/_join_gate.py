@@ -21,6 +21,7 @@ from typing import Any
 
 from lazarus.moe._comm import building_for
 
+from .._plan import Plan
 from ._store_connect import connect_store
 
 __all__ = ["GATE_STORE_TIMEOUT", "JoinGate"]
@@ -49,15 +50,15 @@ class JoinGate:
         self._gate_client: tuple[tuple[Any, ...], Any] | None = None   # (store spec, client) asked by the gate
 
     @staticmethod
-    def is_prepared_join(plan: dict[str, Any]) -> bool:
+    def is_prepared_join(plan: Plan) -> bool:
         """A between-steps plan that adds nodes: its joiners build their models first, and
         the members switch to it only once every joiner has (:meth:`joiners_prepared`)."""
-        return plan.get("mode") == "between_steps" and bool(plan.get("joined"))
+        return plan.mode == "between_steps" and bool(plan.joined)
 
-    def _prepare_key(self, plan: dict[str, Any]) -> str:
-        return f"{plan['prefix']}/prepared"
+    def _prepare_key(self, plan: Plan) -> str:
+        return f"{plan.prefix}/prepared"
 
-    def _prepare_join(self, plan: dict[str, Any]) -> None:
+    def _prepare_join(self, plan: Plan) -> None:
         """A joiner, before the plan's rendezvous: build the model for its rank of the plan
         (:func:`lazarus.moe._comm.building_for`: its MoE layers hold the experts the plan
         gives it) while the members still train, then count itself prepared on the store
@@ -78,13 +79,13 @@ class JoinGate:
                             "the rendezvous", t.where, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc)
                             else "")
                 t.model = None
-        store = self._store_client(plan["store"], int(plan["generation"]))   # the store the plan's group forms on
+        store = self._store_client(plan.store, plan.generation)   # the store the plan's group forms on
         store.add(self._prepare_key(plan), 1)
         log.info("node %s rank %d/%d step - gen %d: prepared to join in %.3f s (model %s); the members switch at "
-                 "their next step", t.where, rank, world, plan["generation"], time.time() - t0,
+                 "their next step", t.where, rank, world, plan.generation, time.time() - t0,
                  "built" if t.model is not None else "to build after the rendezvous")
 
-    def joiners_prepared(self, plan: dict[str, Any]) -> bool:
+    def joiners_prepared(self, plan: Plan) -> bool:
         """A member, at a step boundary: may it switch to ``plan`` now? Yes unless it is a
         join whose joiners are still building (then the member trains another step). A
         joiner that never prepares holds the members back at most ``rendezvous_timeout``
@@ -93,22 +94,22 @@ class JoinGate:
         back either: the rendezvous reports it."""
         if not self.is_prepared_join(plan):
             return True
-        gen = int(plan["generation"])
+        gen = plan.generation
         now = time.monotonic()
         if self._gate is None or self._gate[0] != gen:
             self._gate = (gen, now)
         if now - self._gate[1] > self.t.config.rendezvous_timeout.total_seconds():
             log.warning("node %s step %d: the joiners %s of generation %d did not prepare within %s; switching anyway",
-                        self.t.where, self.t.step, plan["joined"], gen, self.t.config.rendezvous_timeout)
+                        self.t.where, self.t.step, plan.joined, gen, self.t.config.rendezvous_timeout)
             return True
         try:
-            done = self._gate_store(plan["store"]).add(self._prepare_key(plan), 0)
+            done = self._gate_store(plan.store).add(self._prepare_key(plan), 0)
         except Exception as exc:  # noqa: BLE001 - the rendezvous reports a dead store
             log.warning("node %s step %d: cannot ask the store whether generation %d's joiners are prepared (%s)",
                         self.t.where, self.t.step, gen, str(exc).splitlines()[0][:200] if str(exc) else exc)
             self._gate_client = None
             return True
-        if done >= len(plan["joined"]) * int(plan.get("gpus_per_node", 1)):
+        if done >= len(plan.joined) * plan.gpus_per_node:
             self._gate_client = None
             return True
         return False

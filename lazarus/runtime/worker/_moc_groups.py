@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from moc.elastic import Comm
 
-from .._plans import Superseded
+from .._plan import Plan, Superseded
 from ._abort import SocketTracker
 
 __all__ = ["MocGroups"]
@@ -51,7 +51,7 @@ class MocGroups:
             cfg.coordination_timeout = self.t.config.collective_timeout
         return cfg.coordination_timeout
 
-    def _start_moc_comm(self, plan: dict[str, Any]) -> None:
+    def _start_moc_comm(self, plan: Plan) -> None:
         """Form the new moc manager's three gloo groups in a thread while this one moves
         and installs the state: forming a group waits on every peer's connections (tens of
         ms each on loaded cores), time the members would otherwise spend idle before the
@@ -72,7 +72,7 @@ class MocGroups:
         # barrier): connecting waits as long as the rendezvous may; the groups' collectives
         # then run under moc's own timeout.
         form_timeout = max(timeout, t.config.rendezvous_timeout)
-        store = dist.PrefixStore(f"{plan['prefix']}/moc", self._store_client(plan["store"], int(plan["generation"])))
+        store = dist.PrefixStore(f"{plan.prefix}/moc", self._store_client(plan.store, plan.generation))
         rank, world = t.rank, t.world
         box: dict[str, Any] = {"sockets": SocketTracker()}
 

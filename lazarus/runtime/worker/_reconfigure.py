@@ -60,18 +60,19 @@ from moc import CheckpointManager
 from storage_backends import open_store
 from moc.elastic import apply_partial, capture_unit, discover_units
 
-from .._plans import Superseded, plan_rank, plan_world
+from .._plan import Plan, Superseded
 from ._abort import GroupAborter, SocketTracker, nccl_errors, release_in_background, reset_group_names
 from ._backend import nccl_init_kwargs
 from ._join_gate import JoinGate
 from ._moc_groups import MocGroups
+from ._plan_feed import latest_plan
 from ._store_connect import GaveUp, connect_store
 from ._transfer import StoreBoard, choose_moves, exchange_units, read_all, unit_needs, world_comm
 
 if TYPE_CHECKING:
     from ._trainer import ElasticTrainer
 
-__all__ = ["Reconfigurer", "Superseded", "plan_rank", "plan_world"]
+__all__ = ["Reconfigurer", "Superseded"]
 
 log = logging.getLogger("lazarus.reconfigure")
 
@@ -112,10 +113,10 @@ class Reconfigurer(JoinGate, MocGroups):
         self._init_join_gate()
         self.rollback: dict[str, Any] | None = None   # what the newest plan's rollback did (lost_experts="replay")
 
-    def _plan_position(self, plan: dict[str, Any]) -> tuple[int, int]:
+    def _plan_position(self, plan: Plan) -> tuple[int, int]:
         """(this worker's rank, the world size) in ``plan``."""
         t = self.t
-        return plan_rank(plan, t.node, t.local_rank, t.local_world), plan_world(plan)
+        return plan.rank(t.node, t.local_rank, t.local_world), plan.world
 
     # -- groups ----------------------------------------------------------------------------
     def retire_group(self, planned: bool = False) -> None:
@@ -209,8 +210,8 @@ class Reconfigurer(JoinGate, MocGroups):
         deadline = time.monotonic() + limit.total_seconds()
 
         def superseded() -> bool:
-            latest = self.t.channel.latest_plan()
-            return generation is not None and latest is not None and int(latest["generation"]) > generation
+            latest = latest_plan(self.t.channel)
+            return generation is not None and latest is not None and latest.generation > generation
 
         while True:
             attempt = max(0.05, min(STORE_CONNECT_ATTEMPT.total_seconds(), deadline - time.monotonic()))
@@ -229,7 +230,7 @@ class Reconfigurer(JoinGate, MocGroups):
                                        f"{generation} did not answer within {limit}: "
                                        f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}") from None
 
-    def _rendezvous(self, plan: dict[str, Any], inventory: dict[str, Any] | None = None) -> list[Any] | None:
+    def _rendezvous(self, plan: Plan, inventory: dict[str, Any] | None = None) -> list[Any] | None:
         """Form the plan's group; with ``inventory`` (this rank's entry) and a world of at
         most :data:`STORE_INVENTORY_WORLD`, return every rank's entry in rank order, read
         from the store as the rendezvous completes (None: gather it on the group)."""
@@ -246,7 +247,7 @@ class Reconfigurer(JoinGate, MocGroups):
         self._store = self._board_store = None
         return n
 
-    def _board_client(self, plan: dict[str, Any]) -> Any:
+    def _board_client(self, plan: Plan) -> Any:
         """A second client of the plan's store, for the units' descriptions
         (:class:`._transfer.StoreBoard`). The first one is shared with the thread forming
         moc's groups, and a client waiting for a key is held until it is set: a rank
@@ -258,19 +259,19 @@ class Reconfigurer(JoinGate, MocGroups):
         while a group forms is counted as that group's (:class:`SocketTracker` compares the
         process's descriptors), and it would be shut when the group retires (then the
         next plan's descriptions found this client's connection shut: "Broken pipe")."""
-        self._store_client(plan["store"], int(plan["generation"]))
+        self._store_client(plan.store, plan.generation)
         if self._board_store is None or self._board_key != self._store_key:
-            self._board_store = self._connect_store(str(plan["store"]["host"]), int(plan["store"]["port"]),
-                                                    int(plan["generation"]))
+            self._board_store = self._connect_store(str(plan.store["host"]), int(plan.store["port"]),
+                                                    plan.generation)
             self._board_key = self._store_key
         return self._board_store
 
-    def _rendezvous_inner(self, plan: dict[str, Any], inventory: dict[str, Any] | None) -> list[Any] | None:
+    def _rendezvous_inner(self, plan: Plan, inventory: dict[str, Any] | None) -> list[Any] | None:
         t = self.t
-        members = plan["members"]
-        rank, world = plan_rank(plan, t.node, t.local_rank, t.local_world), plan_world(plan)
-        store = self._store_client(plan["store"], int(plan["generation"]))
-        prefix = plan["prefix"]
+        members = plan.members
+        rank, world = self._plan_position(plan)
+        store = self._store_client(plan.store, plan.generation)
+        prefix = plan.prefix
         by_store = inventory is not None and world <= STORE_INVENTORY_WORLD
         if by_store:   # written before the arrival is counted: all are there once all arrived
             store.set(f"{prefix}/inventory/{rank}", json.dumps(inventory))
@@ -278,11 +279,11 @@ class Reconfigurer(JoinGate, MocGroups):
         store.add(f"{prefix}/arrived", 1)
         deadline = time.monotonic() + t.config.rendezvous_timeout.total_seconds()
         while store.add(f"{prefix}/arrived", 0) < world:
-            latest = t.channel.latest_plan()
-            if latest is not None and int(latest["generation"]) > int(plan["generation"]):
+            latest = latest_plan(t.channel)
+            if latest is not None and latest.generation > plan.generation:
                 raise Superseded()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rendezvous of generation {plan['generation']} timed out")
+                raise TimeoutError(f"rendezvous of generation {plan.generation} timed out")
             time.sleep(0.005)
         gathered = None
         if by_store:
@@ -306,7 +307,7 @@ class Reconfigurer(JoinGate, MocGroups):
                 if not self._superseded.is_set():
                     self._form_failures += 1
                     log.warning("node %s step %d: the group of generation %s did not form within %.2f s per member; "
-                                "the next attempt waits %.2f s", t.where, t.step, plan["generation"],
+                                "the next attempt waits %.2f s", t.where, t.step, plan.generation,
                                 form.total_seconds(), self._form_timeout().total_seconds())
                 raise
         self._form_failures = 0
@@ -315,8 +316,8 @@ class Reconfigurer(JoinGate, MocGroups):
         self.aborter.formed()
         if t.backend.backend == "nccl":
             self._nccl_ready(plan)
-        t.rank, t.world, t.members, t.generation = rank, world, list(members), int(plan["generation"])
-        self.group_store = tuple(sorted(plan["store"].items()))
+        t.rank, t.world, t.members, t.generation = rank, world, list(members), plan.generation
+        self.group_store = tuple(sorted(plan.store.items()))
         # what torchrun would say, for user code that reads it (the rank changes with the plan)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), GROUP_RANK=str(members.index(t.node)),
                           LOCAL_RANK=str(t.local_rank), LOCAL_WORLD_SIZE=str(t.local_world))
@@ -336,7 +337,7 @@ class Reconfigurer(JoinGate, MocGroups):
             return cfg.collective_timeout
         return min(cfg.connect_timeout * (4 ** min(self._form_failures, 8)), cfg.collective_timeout)
 
-    def _nccl_ready(self, plan: dict[str, Any]) -> None:
+    def _nccl_ready(self, plan: Plan) -> None:
         """Wait until this generation's NCCL communicator works: one all-reduce of one
         element on the device, synchronised. A non-blocking init finishes here (not in the
         first training collective); a peer that died meanwhile makes the watchdog record a
@@ -347,26 +348,26 @@ class Reconfigurer(JoinGate, MocGroups):
         torch.cuda.current_stream(t.device).synchronize()
         errors = nccl_errors()
         if self.aborter.interrupted or errors:
-            raise RuntimeError(f"NCCL communicator of generation {plan['generation']} failed to form: "
+            raise RuntimeError(f"NCCL communicator of generation {plan.generation} failed to form: "
                                f"{errors[0] if errors else 'aborted'}")
-        if int(probe.item()) != plan_world(plan):
-            raise RuntimeError(f"NCCL communicator of generation {plan['generation']} summed {probe.item()} "
-                               f"over {plan_world(plan)} ranks")
+        if int(probe.item()) != plan.world:
+            raise RuntimeError(f"NCCL communicator of generation {plan.generation} summed {probe.item()} "
+                               f"over {plan.world} ranks")
 
-    def _store_barrier(self, plan: dict[str, Any], name: str) -> None:
+    def _store_barrier(self, plan: Plan, name: str) -> None:
         """Every member of ``plan`` past point ``name``, met on the controller's store (the
         client of this plan's rendezvous), waiting up to ``rendezvous_timeout``. A newer
         plan interrupts the wait (:meth:`_interruptible` shuts the store's sockets)."""
         store = self._store
         if store is None:
-            raise RuntimeError(f"barrier {name!r} of generation {plan['generation']} without a store client")
-        key = f"{plan['prefix']}/{name}"
-        if store.add(key, 1) == plan_world(plan):
+            raise RuntimeError(f"barrier {name!r} of generation {plan.generation} without a store client")
+        key = f"{plan.prefix}/{name}"
+        if store.add(key, 1) == plan.world:
             store.set(key + "/all", "1")
         store.wait([key + "/all"], self.t.config.rendezvous_timeout)
 
     @contextmanager
-    def _interruptible(self, plan: dict[str, Any]) -> Iterator[list[int]]:
+    def _interruptible(self, plan: Plan) -> Iterator[list[int]]:
         """While applying ``plan``: when a newer immediate plan arrives (a member died or
         froze meanwhile), abort the NCCL communicators (formed or forming) and shut down the
         connections opened for this plan (the new group, moc's groups, connects being
@@ -378,7 +379,7 @@ class Reconfigurer(JoinGate, MocGroups):
         self._superseded.clear()
         before = SocketTracker.open_sockets()
         stop = threading.Event()
-        gen = int(plan["generation"])
+        gen = plan.generation
 
         def watch() -> None:
             while not stop.wait(0.05):
@@ -388,17 +389,17 @@ class Reconfigurer(JoinGate, MocGroups):
                     log.warning("node %s: NCCL watchdog reported %s while applying generation %d; aborted %d "
                                 "NCCL communicators", self.t.where, error, gen, n)
                 if not interrupted:
-                    latest = self.t.channel.latest_plan()
-                    if latest is None or latest.get("mode") != "immediate" or int(latest["generation"]) <= gen:
+                    latest = latest_plan(self.t.channel)
+                    if latest is None or latest.mode != "immediate" or latest.generation <= gen:
                         continue
-                    interrupted.append(int(latest["generation"]))
+                    interrupted.append(latest.generation)
                     self._superseded.set()
                     # NCCL: abort the communicator being formed or just formed (a blocked
                     # all-reduce of _nccl_ready, a non-blocking init waiting on a dead peer).
                     self.aborter.interrupt_nccl()
                     n = SocketTracker.shutdown_opened_since(before) + self._store_sockets.shutdown_all()
                     log.warning("node %s: plan %d arrived while applying generation %d; interrupted %d connections",
-                                self.t.where, latest["generation"], gen, n)
+                                self.t.where, latest.generation, gen, n)
                 else:   # connects retried meanwhile
                     SocketTracker.shutdown_opened_since(before)
 
@@ -414,7 +415,7 @@ class Reconfigurer(JoinGate, MocGroups):
                 self._drop_store()   # its connections were shut by the watch: a new client next time
 
     # -- the plan ----------------------------------------------------------------------------
-    def apply(self, plan: dict[str, Any], t_error: float | None) -> None:
+    def apply(self, plan: Plan, t_error: float | None) -> None:
         """Apply ``plan`` (see the module docstring). Raises :class:`Superseded` when a
         newer immediate plan arrived meanwhile (what was blocked is interrupted)."""
         with self._interruptible(plan) as interrupted:
@@ -428,18 +429,18 @@ class Reconfigurer(JoinGate, MocGroups):
         if interrupted:   # done anyway, but a newer immediate plan replaces it
             raise Superseded()
 
-    def _apply(self, plan: dict[str, Any], t_error: float | None) -> None:
+    def _apply(self, plan: Plan, t_error: float | None) -> None:
         t = self.t
         t0 = time.time()
         timings: dict[str, float] = {}
         self._moc_groups_wait = None
-        if self.is_prepared_join(plan) and t.node in plan.get("joined", []) and (t.model is None or self.stateless):
+        if self.is_prepared_join(plan) and t.node in plan.joined and (t.model is None or self.stateless):
             self._prepare_join(plan)
             timings["prepare"] = time.time() - t0
             t0 = time.time()
-        members = list(plan["members"])
-        leaving = list(plan.get("leaving", []))
-        in_old = (plan.get("mode") == "between_steps" and dist.is_initialized()
+        members = list(plan.members)
+        leaving = list(plan.leaving)
+        in_old = (plan.mode == "between_steps" and dist.is_initialized()
                   and set(members) | set(leaving) <= set(t.members))
         if in_old:
             # Hand-over on the current group (leaves, rebalancing): every holder is here.
@@ -453,7 +454,7 @@ class Reconfigurer(JoinGate, MocGroups):
                 return
             # A group formed on another store (the one of an earlier controller incarnation)
             # is re-formed on the plan's: moc's groups (and any later new_group) need a live store.
-            same_group = members == t.members and tuple(sorted(plan["store"].items())) == self.group_store
+            same_group = members == t.members and tuple(sorted(plan.store.items())) == self.group_store
             if not same_group:
                 t1 = time.time()
                 self.retire_group(planned=True)
@@ -464,11 +465,11 @@ class Reconfigurer(JoinGate, MocGroups):
             elif t.ckpt is not None:
                 self.handover = t.ckpt.detach()
                 t.ckpt = None
-            t.generation = int(plan["generation"])
+            t.generation = plan.generation
             self._start_moc_comm(plan)
         else:
             t1 = time.time()
-            self.retire_group(planned=plan.get("mode") == "between_steps")
+            self.retire_group(planned=plan.mode == "between_steps")
             timings["retire"] = time.time() - t1
             t1 = time.time()
             mine = self._inventory_entry()
@@ -498,20 +499,20 @@ class Reconfigurer(JoinGate, MocGroups):
         stats["sources"] = dict(stats["sources"], **sources)
         t_resumed = time.time()
         record = {"kind": "reconfigured", "type": "reconfigured", "generation": t.generation,
-                  "reason": plan.get("reason"), "world_size": t.world, "members": members, "step": t.step,
-                  "t_error": t_error, "t_plan": plan.get("issued_at"), "detected_at": plan.get("detected_at"),
+                  "reason": plan.reason, "world_size": t.world, "members": members, "step": t.step,
+                  "t_error": t_error, "t_plan": plan.issued_at, "detected_at": plan.detected_at,
                   "t_resumed": t_resumed, "timings": timings, "moved": stats["moved"],
                   "same_node_moved": stats.get("same_node_moved", 0),
                   "dense_moves": stats["dense_moves"], "sources": stats["sources"],
                   "lost_experts": sorted(lost), "plt": t.ckpt.plt() if t.ckpt is not None else 0.0,
                   "recovery": None if not lost and self.rollback is None else t.config.lost_experts,
                   "rollback": self.rollback,
-                  "fetches": plan.get("fetches"), "recovery_probability": plan.get("recovery_probability")}
+                  "fetches": plan.fetches, "recovery_probability": plan.recovery_probability}
         if t.rank == 0:
             t.channel.send({k: v for k, v in record.items() if k != "kind"})
             t._metric(record)
         log.info("node %s rank %d/%d gen %d (%s): resumed at step %d in %.3f s; %d experts moved, sources %s; %s",
-                 t.where, t.rank, t.world, t.generation, plan.get("reason"), t.step, t_resumed - t0,
+                 t.where, t.rank, t.world, t.generation, plan.reason, t.step, t_resumed - t0,
                  stats["moved"], stats["sources"], " ".join(f"{k} {v:.3f}" for k, v in timings.items()))
 
     # -- inventory and migration -------------------------------------------------------------
@@ -532,7 +533,7 @@ class Reconfigurer(JoinGate, MocGroups):
         return ({"node": t.node, "local": t.local_rank, "step": t.step if has_state else -1,
                  "experts": self._held(), "modules": modules, "built": t.model is not None}, layout)
 
-    def _migrate(self, plan: dict[str, Any], group_members: list[str], *,
+    def _migrate(self, plan: Plan, group_members: list[str], *,
                  mine: tuple[dict[str, Any], Any] | None = None, inventory: list[Any] | None = None):
         """Move units so every member of ``plan`` holds what it needs at the newest step.
         Runs on the current group, whose ranks are ``group_members``. ``mine``: this rank's
@@ -543,7 +544,7 @@ class Reconfigurer(JoinGate, MocGroups):
         entry, layout = mine if mine is not None else self._inventory_entry()
         inv = inventory if inventory is not None else comm.gather_json(entry)
         if len(inv) != comm.world or inv[comm.rank] != entry:
-            raise RuntimeError(f"inventory of generation {plan['generation']} does not match the group: "
+            raise RuntimeError(f"inventory of generation {plan.generation} does not match the group: "
                                f"{len(inv)} entries for {comm.world} ranks")
         newest = max(r["step"] for r in inv)
         # A joiner that built its model before the rendezvous (_prepare_join) installs the
@@ -555,9 +556,9 @@ class Reconfigurer(JoinGate, MocGroups):
             return {}, [], newest, stats
         rank_of = {(r["node"], int(r.get("local", 0))): i for i, r in enumerate(inv)}
         per_rank = {layer: rank_slots(p) for layer, p in self._placements(plan).items()}
-        g = int(plan.get("gpus_per_node", 1))
-        slots = {rank_of[(plan["members"][p // g], p % g)]: {layer: s[p] for layer, s in per_rank.items()}
-                 for p in range(plan_world(plan))}
+        g = plan.gpus_per_node
+        slots = {rank_of[(plan.members[p // g], p % g)]: {layer: s[p] for layer, s in per_rank.items()}
+                 for p in range(plan.world)}
         needs, holders = unit_needs(inv, newest, slots)
         moves, missing = choose_moves(needs, holders, [r["node"] for r in inv])
         lost = sorted({u for u, _ in missing if u.startswith("expert/")})
@@ -573,7 +574,7 @@ class Reconfigurer(JoinGate, MocGroups):
                     trees[m.unit] = capture_unit(layout.units[m.unit], t.model, t.optimizer, state=state,
                                                  params=params)
         # read at the rendezvous: the descriptions of what moves go through its store too
-        board = (StoreBoard(self._board_store, f"{plan['prefix']}/units", t.config.collective_timeout)
+        board = (StoreBoard(self._board_store, f"{plan.prefix}/units", t.config.collective_timeout)
                  if inventory is not None and self._board_store is not None else None)
         received = exchange_units(moves, trees, comm, device=t.backend.transfer_device, board=board)
         stats["moved"] = sum(1 for m in moves if m.unit.startswith("expert/"))
@@ -587,16 +588,16 @@ class Reconfigurer(JoinGate, MocGroups):
         self._pending_lost_mine = mine
         return received, lost, newest, stats
 
-    def _placements(self, plan: dict[str, Any]) -> dict[str, Placement]:
+    def _placements(self, plan: Plan) -> dict[str, Placement]:
         """The plan's per-layer placements: rows per node, spread over its G ranks as the
         plan's ``gpus`` split says (round-robin in plans without one)."""
-        g = int(plan.get("gpus_per_node", 1))
-        split = plan.get("gpus") or {}
+        g = plan.gpus_per_node
+        split = plan.gpus or {}
         return {layer: Placement([list(s) for s in slots], num_experts=int(self.t.layout["layers"][layer]),
                                  gpus_per_node=g, gpus=split.get(layer) if g > 1 else None)
-                for layer, slots in plan["layers"].items()}
+                for layer, slots in plan.layers.items()}
 
-    def _install(self, plan: dict[str, Any], received: dict[str, Any], newest: int) -> None:
+    def _install(self, plan: Plan, received: dict[str, Any], newest: int) -> None:
         t = self.t
         me = t.rank
         placements = self._placements(plan)

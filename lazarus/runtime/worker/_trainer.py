@@ -35,10 +35,12 @@ from torch import nn
 from lazarus.moe import moe_layers
 from lazarus.planning import Placement
 
+from .._plan import Plan, Superseded
 from ._backend import TrainerBackend, nccl_environment, resolve_backend
 from ._elastic_config import ElasticConfig
 from ._lazy_dynamo import defer_dynamo_import
-from ._reconfigure import Reconfigurer, Superseded
+from ._plan_feed import latest_plan, wait_plan
+from ._reconfigure import Reconfigurer
 from ._step_reduce import all_reduce_step, clip_total_norm_
 
 __all__ = ["ElasticTrainer", "is_collective_error"]
@@ -181,15 +183,15 @@ class ElasticTrainer:
         and recovery starts."""
         while not self._stop_watch.wait(0.05):
             self._abort_on_watchdog_error()
-            plan = self.channel.latest_plan()
-            if plan is None or plan.get("mode") != "immediate" or int(plan["generation"]) <= self.generation:
+            plan = latest_plan(self.channel)
+            if plan is None or plan.mode != "immediate" or plan.generation <= self.generation:
                 continue
             with self._watch_lock:
-                if self._training.is_set() and int(plan["generation"]) > self.generation:
+                if self._training.is_set() and plan.generation > self.generation:
                     r = self.reconf.aborter.interrupt()
                     log.warning("node %s step %d: plan %d (%s) arrived while training on generation %d; aborted %d "
                                 "NCCL communicators, interrupted %d connections", self.where, self.step,
-                                plan["generation"], plan.get("reason"), self.generation, r.nccl_aborted,
+                                plan.generation, plan.reason, self.generation, r.nccl_aborted,
                                 r.sockets_shut)
                     self._training.clear()
 
@@ -298,8 +300,8 @@ class ElasticTrainer:
         steps, so all wait alike): applied mid-replay it would force another rollback. A
         join counts once its joiners have built their models (they do while we train): the
         members never wait for a joiner's build, only for the switch itself."""
-        latest = self.channel.latest_plan()
-        pending = int(latest["generation"]) if latest and int(latest["generation"]) > self.generation else 0
+        latest = latest_plan(self.channel)
+        pending = latest.generation if latest is not None and latest.generation > self.generation else 0
         if pending and self.ckpt is not None and self.ckpt.replaying:
             pending = 0
         if pending and not self.reconf.joiners_prepared(latest):
@@ -398,7 +400,7 @@ class ElasticTrainer:
             self._reconfigure_loop(plan, error=None)
             if t_end is not None and not self._left:
                 self._paused = {"t_last": t_end, "t_agreed": t_agreed, "t_resumed": time.time(),
-                                "reason": plan.get("reason")}
+                                "reason": plan.reason}
 
     def _report_storage(self) -> None:
         """Tell the controller (its event log) when checkpoints stop reaching storage and
@@ -437,7 +439,7 @@ class ElasticTrainer:
         plan = self._wait_plan(self.generation)
         self._reconfigure_loop(plan, error=t_error)
 
-    def _reconfigure_loop(self, plan: dict[str, Any], error: float | None) -> None:
+    def _reconfigure_loop(self, plan: Plan, error: float | None) -> None:
         """Apply ``plan``; if it breaks (another failure meanwhile), wait for the next."""
         with self._watch_lock:
             self._training.clear()
@@ -447,34 +449,34 @@ class ElasticTrainer:
             with self._watch_lock:
                 self._training.set()
 
-    def _reconfigure_loop_inner(self, plan: dict[str, Any], error: float | None) -> None:
+    def _reconfigure_loop_inner(self, plan: Plan, error: float | None) -> None:
         while True:
             broken = None
             try:
                 self.reconf.apply(plan, t_error=error)
                 return
             except Superseded:
-                log.info("node %s: plan %d superseded", self.where, plan["generation"])
+                log.info("node %s: plan %d superseded", self.where, plan.generation)
             except Exception as exc:  # noqa: BLE001
                 if not is_collective_error(exc):
                     raise
                 broken = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
                 log.warning("node %s: reconfiguration to generation %d failed: %s", self.where,
-                            plan["generation"], broken)
+                            plan.generation, broken)
             if broken is not None:  # outside the except block, see run()
                 self.reconf.retire_group()
                 # Every member may still be alive (one was late, or froze and woke up): without
                 # this report nothing would make the controller issue another plan.
                 try:
-                    self.channel.send({"type": "collective_error", "generation": int(plan["generation"]),
+                    self.channel.send({"type": "collective_error", "generation": plan.generation,
                                        "step": self.step, "error": f"reconfiguration failed: {broken}"})
                 except Exception:  # noqa: BLE001 - the agent link has its own watchdog
                     pass
             if error is None:
                 error = time.time()
-            plan = self._wait_plan(plan["generation"])
+            plan = self._wait_plan(plan.generation)
 
-    def _wait_plan(self, newer_than: int, at_least: int | None = None, unbounded: bool = False) -> dict[str, Any]:
+    def _wait_plan(self, newer_than: int, at_least: int | None = None, unbounded: bool = False) -> Plan:
         deadline = time.monotonic() + self.config.plan_timeout.total_seconds()
         while True:
             if unbounded:
@@ -485,15 +487,15 @@ class ElasticTrainer:
                           self.config.plan_timeout)
                 os._exit(EXIT_NO_PLAN)
             try:
-                plan = self.channel.wait_plan(newer_than, timeout=remaining)
+                plan = wait_plan(self.channel, newer_than, timeout=remaining)
             except TimeoutError:
                 continue
-            if at_least is not None and int(plan["generation"]) < at_least:
-                newer_than = int(plan["generation"])
+            if at_least is not None and plan.generation < at_least:
+                newer_than = plan.generation
                 continue
-            if self.node not in plan["members"] and self.node not in plan.get("leaving", []):
+            if self.node not in plan.members and self.node not in plan.leaving:
                 # Not (or no longer) part of the job: wait to be included.
-                newer_than = int(plan["generation"])
+                newer_than = plan.generation
                 deadline = time.monotonic() + self.config.plan_timeout.total_seconds()
                 continue
             return plan
