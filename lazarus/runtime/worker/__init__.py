@@ -3,7 +3,8 @@
 Everything here runs inside the training process, beside the user's model:
 
 * ``_trainer`` — :class:`ElasticTrainer`, the step loop (``_elastic_config``: its config);
-* ``_channel`` — :class:`AgentChannel`, the worker's end of the agent connection;
+* ``_channel`` — :class:`AgentChannel`, the worker's end of the agent connection
+  (``_plan_feed``: its plan messages read as :class:`~lazarus.runtime._plan.Plan`);
 * ``_reconfigure`` — applying a controller plan in process (with ``_join_gate``: a join
   prepared while the members train; ``_moc_groups``: moc's groups formed in a thread;
   ``_transfer``: unit states moved between ranks; ``_store_connect``: a rendezvous-store
