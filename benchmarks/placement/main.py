@@ -293,7 +293,7 @@ def timing_section(reps: int) -> list[str]:
         "`before` is the previous implementation (`lazarus/planning/_reference.py`: Fraction "
         "arithmetic, dense copy tables, every plan validated twice), timed in the same run, "
         "alternating with the current one; both return identical plans (asserted here and in "
-        "`tests/test_planning_reference.py`). Pareto loads: `numpy.random.default_rng(seed)"
+        "`tests/lazarus/planning/test_reference.py`). Pareto loads: `numpy.random.default_rng(seed)"
         f".pareto({PARETO_ALPHA}, {e}) + 1`.",
         "",
         "| step | loads | median ms | before ms | speed-up | CPU ms | before CPU ms |",

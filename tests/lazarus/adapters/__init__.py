@@ -1,0 +1,1 @@
+"""Tests of ``lazarus.adapters`` (``test_hf.py``: ``lazarus.adapters.hf``)."""

@@ -1,0 +1,1 @@
+"""Tests of ``lazarus.planning`` (``test_cli.py``: the ``lazarus plan`` command)."""

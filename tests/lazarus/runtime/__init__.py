@@ -1,0 +1,1 @@
+"""Tests of ``lazarus.runtime``: its parts, and whole jobs (controller, agents, workers) run as processes."""

@@ -1,0 +1,1 @@
+"""Tests of ``lazarus.sim`` and the ``lazarus simulate`` command."""

@@ -1,0 +1,1 @@
+"""Tests of ``moc.integrations``: ``test_transformers.py`` tests ``moc/integrations/transformers.py``, and so on."""

@@ -1,0 +1,1 @@
+"""Tests of ``storage_backends``: the contract every backend honours, and its errors."""
