@@ -1,4 +1,4 @@
-# Two commands: `make test` and `make demo` (`make test-gpu` / `make bench-gpu` where a GPU is). Each creates .venv when absent and installs
+# Two commands: `make test` (lint, then the tests) and `make demo` (`make test-gpu` / `make bench-gpu` where a GPU is). Each creates .venv when absent and installs
 # torch (the pinned CPU wheel when no torch is importable) and the project with its extras.
 PY ?= python3
 VENV := .venv
@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 # `titan` extra brings what its modules do import (einops, tyro, torchdata, spmd_types, triton...).
 TORCHTITAN_PIN ?= torchtitan==0.3.0
 
-.PHONY: test test-gpu demo demo-moc docs-heatmap bench bench-store bench-placement bench-node-gpus bench-dispatch bench-hf bench-moc bench-simulate bench-runtime bench-peers bench-exact bench-gpu soak soak-matrix install bytecode check-install clean
+.PHONY: test lint test-gpu demo demo-moc docs-heatmap bench bench-store bench-placement bench-node-gpus bench-dispatch bench-hf bench-moc bench-simulate bench-runtime bench-peers bench-exact bench-gpu soak soak-matrix install bytecode check-install clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -31,7 +31,12 @@ install: $(STAMP)
 bytecode: $(STAMP)
 	$(VPY) -m compileall -q -j 0 lazarus moc storage_backends examples benchmarks tests
 
-test: $(STAMP) bytecode
+# ruff (rules in pyproject.toml) over the tree, mypy over the packages; first in `make test`
+lint: $(STAMP)
+	$(VPY) -m ruff check .
+	$(VPY) -m mypy
+
+test: lint $(STAMP) bytecode
 	$(VPY) -m pytest -q
 
 # Only the CUDA tests (tests/gpu, marker `gpu`); they skip, with the reason, without a GPU.

@@ -492,6 +492,7 @@ def measure(tr: Trainer, m: Method, window: int, reps: int, log: Callable[[str],
     m.teardown()
     log(f"  {m.name:<32} stall {out['stall']*1e3:7.0f} ms (mean {out['stall_mean']*1e3:6.0f} +-"
         f"{out['stall_se']*1e3:4.0f}), call {out['call']*1e3:6.1f} ms, blocked {out['blocked']*1e3:6.1f} ms, "
-        f"drain {out['drain']*1e3:5.0f} ms, cpu {out['cpu']:5.2f} s, {out['size']/MB:7.1f} MB, {time.perf_counter() - t_setup:4.0f} s, "
+        f"drain {out['drain']*1e3:5.0f} ms, cpu {out['cpu']:5.2f} s, {out['size']/MB:7.1f} MB, "
+        f"{time.perf_counter() - t_setup:4.0f} s, "
         f"load {loadavg()}")
     return out

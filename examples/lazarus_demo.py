@@ -109,7 +109,8 @@ def _report(workdir: Path, timeline: list[dict], events: list[dict], metrics: li
         detect_s = (detected - ev["t"]) if detected else None
         reconf_s = (rec["t_resumed"] - detected) if rec and detected else None
         src = rec["sources"] if rec else {}
-        rows.append([ev["event"], ev["step"], _f(detect_s), _f(reconf_s), _f(rec["t_resumed"] - ev["t"]) if rec else "-",
+        rows.append([ev["event"], ev["step"], _f(detect_s), _f(reconf_s),
+                     _f(rec["t_resumed"] - ev["t"]) if rec else "-",
                      rec["moved"] if rec else "-",
                      f"peer {src.get('peer', 0)} / memory {src.get('memory', 0)} / storage {src.get('storage', 0)}",
                      f"{100 * rec['plt']:.2f}%" if rec else "-", rec["world_size"] if rec else "-",

@@ -112,7 +112,8 @@ class LocalCluster:
             line = self.controller.stdout.readline()
             if not line:
                 if self.controller.poll() is not None:
-                    raise RuntimeError(f"controller exited ({self.controller.returncode}); see {self.dir}/controller.log")
+                    raise RuntimeError(f"controller exited ({self.controller.returncode}); "
+                                       f"see {self.dir}/controller.log")
                 continue
             if "listening on" in line:
                 self.address = line.split("listening on", 1)[1].split(",")[0].strip()

@@ -68,7 +68,8 @@ _MAX_SEED = 2**31 - 1
 
 # ----- configuration ---------------------------------------------------------------------------
 def _int(name: str, value: object, lo: int, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo or (hi is not None and value > hi):
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo
+            or (hi is not None and value > hi)):
         allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ValueError(f"GPTConfig.{name} must be an integer {allowed}, got {value!r}")
 
@@ -125,7 +126,8 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.top_k must be <= num_experts = {self.num_experts}, got {self.top_k}")
         _int("d_hidden", self.d_hidden, 1)
         _int("seq_len", self.seq_len, 1)
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, numbers.Real) or not 0.0 <= self.dropout < 1.0:
+        if (isinstance(self.dropout, bool) or not isinstance(self.dropout, numbers.Real)
+                or not 0.0 <= self.dropout < 1.0):
             raise ValueError(f"GPTConfig.dropout must be a number in [0, 1), got {self.dropout!r}")
         if not isinstance(self.tie_head, bool):
             raise ValueError(f"GPTConfig.tie_head must be True or False, got {self.tie_head!r}")

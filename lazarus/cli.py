@@ -189,13 +189,13 @@ def _format_plan(out: dict[str, Any]) -> str:
             lines.append(f"  {i:>4}  {cells}")
         lines.append("  failed  mro      mro-paper  spread   compact")
         for row in layer["recovery"]:
-            cells = []
+            cols: list[str] = []
             for name in ("mro", "mro-paper", "spread", "compact"):
                 v = f"{row[name]:.4f}"
                 if f"{name}_stderr" in row:
                     v += "~"
-                cells.append(v)
-            lines.append(f"  {row['failed']:>6}  {cells[0]:<8} {cells[1]:<10} {cells[2]:<8} {cells[3]}")
+                cols.append(v)
+            lines.append(f"  {row['failed']:>6}  {cols[0]:<8} {cols[1]:<10} {cols[2]:<8} {cols[3]}")
         if any(k.endswith("_stderr") for row in layer["recovery"] for k in row):
             lines.append("  (~ = Monte Carlo estimate; --json gives the standard errors)")
     return "\n".join(lines)

@@ -9,6 +9,7 @@ are worth another attempt.
 from __future__ import annotations
 
 import errno
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 __all__ = ["ErrorRule", "ERROR_TABLE", "classify"]
@@ -90,7 +91,7 @@ def _codes_of(exc: BaseException) -> set[str]:
     return codes
 
 
-def _chain(exc: BaseException):
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))

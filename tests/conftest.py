@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from datetime import timedelta
 from typing import Iterator
 
 import pytest
@@ -15,8 +16,6 @@ from storage_backends import RetryPolicy, open_store
 # Tiny models on a 2-core machine with several processes: one intra-op thread each avoids
 # OpenMP oversubscription (a step goes from ~1 s to ~5 ms under load).
 torch.set_num_threads(1)
-
-from datetime import timedelta
 
 FAST_RETRY = RetryPolicy(attempts=3, initial=timedelta(milliseconds=20), maximum=timedelta(milliseconds=100))
 

@@ -218,7 +218,8 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--d-hidden", type=int, default=1024)
     ap.add_argument("--slots", type=int, default=40,
-                    help="replica slots per rank for Lazarus (replicas of one expert on a rank share one weight copy, so slots set the granularity of token shares, not memory)")
+                    help="replica slots per rank for Lazarus (replicas of one expert on a rank share one weight "
+                         "copy, so slots set the granularity of token shares, not memory)")
     ap.add_argument("--reps", type=int, default=7)
     a = ap.parse_args()
     args = {"tokens": a.tokens, "d_model": a.d_model, "d_hidden": a.d_hidden, "experts": 8,

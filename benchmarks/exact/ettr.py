@@ -108,7 +108,7 @@ def render(r: dict[str, Any]) -> str:
             plt = xs[0]["plt"]
             L.append(f"| {system} | {mode} | " + " | ".join(f"{x['ettr']:.3f}" for x in xs)
                      + f" | {'-' if mode == 'full' else f'{100 * plt:.2f}%'} |")
-    L.append(f"| MoEvement (published) | sparse-to-dense, replay | " +
+    L.append("| MoEvement (published) | sparse-to-dense, replay | " +
              " | ".join("**>= 0.94**" if m == MOEVEMENT["mtbf_min"] else "" for m in mtbfs) + " | 0 |")
     L.append("")
     L.append("Checkpoint interval N (Young/Daly for the full checkpoint; PEC and two-level every N/5): " +

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import statistics
@@ -51,7 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -199,7 +198,8 @@ def run_exact(tr: HFTrainer, p: dict[str, Any], root: Path, shm: Path, log) -> d
     persisted = dir_bytes(Path(cfg.storage) / "data" / f"{end:012d}")
     block(tr, CRASH_AFTER, ckpt)                              # mid-window ...
     ckpt.close(keep_snapshots=True, flush=False, raise_errors=False)   # ... the process dies
-    log(f"  exact: W {w}, blocked {m['blocked']*1e3:.1f} ms/step, bytes/step mean {statistics.mean(lw['step_bytes'])/MB:.1f} MB")
+    log(f"  exact: W {w}, blocked {m['blocked']*1e3:.1f} ms/step, "
+        f"bytes/step mean {statistics.mean(lw['step_bytes'])/MB:.1f} MB")
     rec = [recover(tr, cfg, src, ref, end, log) for src in ("memory", "storage")]
     shutil.rmtree(root / "exact", ignore_errors=True)
     return {"window": w, "k_snapshot": p["k_snapshot"], **m, "step_bytes": lw["step_bytes"],
@@ -411,7 +411,8 @@ def render(r: dict[str, Any], quick: bool) -> str:
     L.append(f"| exact mode, W = {w} | {fmt_ms(s['exact_blocked'])} | {fmt_ms(s['exact_plus'])} | "
              f"{s['exact_bytes']/MB:,.1f} (min {s['exact_bytes_min']/MB:,.1f}, max {s['exact_bytes_max']/MB:,.1f}) | "
              f"{ex['persisted_window']/MB:,.1f} per window | {rec['memory']['restore']:.2f} + replay "
-             f"{rec['memory']['replay']:.2f} | {rec['storage']['restore']:.2f} + replay {rec['storage']['replay']:.2f} | "
+             f"{rec['memory']['replay']:.2f} | {rec['storage']['restore']:.2f} + replay "
+             f"{rec['storage']['replay']:.2f} | "
              f"0 (PLT {s['plt_exact']}) |")
     L.append(f"| full checkpoint every step | {fmt_ms(s['full_blocked'])} | {fmt_ms(s['full_plus'])} | "
              f"{s['full_bytes']/MB:,.1f} | {fu['size']/MB:,.1f} every {w} steps | "

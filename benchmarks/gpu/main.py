@@ -318,8 +318,9 @@ class MoC(Method):
         base = self.calls[2] if len(self.calls) > 3 else (0.0, 0.0, 0, 0)
         fast = self.calls[-1][2] - base[2]
         st = self.ckpt.status()
-        return (f"{self.name}: host time in step() {call * 1e3:.2f} ms, wait of the next update (on the device with CUDA, "
-                f"CUDA events) {wait * 1e3:.3f} ms (medians); snapshots after the warm-up copied asynchronously into "
+        return (f"{self.name}: host time in step() {call * 1e3:.2f} ms, wait of the next update "
+                f"(on the device with CUDA, CUDA events) {wait * 1e3:.3f} ms (medians); snapshots after the "
+                "warm-up copied asynchronously into "
                 f"page-locked buffers: {fast} of {len(calls)} (buffers page-locked: "
                 f"{st['buffers_page_locked']}, error: {st['page_lock_error']})")
 
@@ -538,7 +539,8 @@ def main(argv: list[str] | None = None) -> int:
                                  f"{r['stall'] / step:.2%} | {vs:.2f}x |")
                 lines += [""] + [f"- {r['notes']}" for r in rows if r["notes"]]
                 k1 = rows[-1]
-                lines += ["", f"Targets: moc K=1 stall <= 1% of a step: **{'met' if k1['stall'] <= 0.01 * step else 'NOT met'}** "
+                lines += ["", "Targets: moc K=1 stall <= 1% of a step: "
+                              f"**{'met' if k1['stall'] <= 0.01 * step else 'NOT met'}** "
                               f"({k1['stall'] / step:.2%}); <= half of DCP's: "
                               f"**{'met' if k1['stall'] <= 0.5 * dcp['stall'] else 'NOT met'}**.", ""]
             if "bandwidth" not in skip:
@@ -565,7 +567,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"top-2: {r['layer_seconds'] * 1e3:.2f} ms per forward+backward "
                       f"({r['tokens'] / r['layer_seconds'] / 1e6:.2f} M tokens/s); dispatcher loaded: {r['backend']}, "
                       f"run on {r['layer_dispatch_device']}" + (f" ({r['reason']})" if r["reason"] else "") + ".", "",
-                      "Dispatcher alone (dispatch_counts for one rank, E experts x 64 ranks, incl. the result read):", "",
+                      "Dispatcher alone (dispatch_counts for one rank, E experts x 64 ranks, "
+                      "incl. the result read):", "",
                       "| implementation | us per call |", "|---|---:|"]
             lines += [f"| {k} | {v * 1e6:.1f} |" for k, v in r["dispatch"].items()] + [""]
             print(f"moe layer: {r}", flush=True)

@@ -13,9 +13,10 @@ is measured in one run, on one model, with the same training step:
   is the same steps with no checkpoint. ``--reps`` pairs of windows, in ABBA order (so drift
   cancels); the stall is, summed over step positions, the median over pairs of
   (step time with - without), plus the median final wait (the plain mean of window
-  differences is reported too; bursts of outside load hit it harder). That counts everything the checkpoint costs the training loop: the blocking
-  call, waits inside later steps (MoC's optimizer pre-hook), and CPU / memory-bandwidth
-  contention of the background threads with training on this 2-core machine.
+  differences is reported too; bursts of outside load hit it harder). That counts
+  everything the checkpoint costs the training loop: the blocking call, waits inside
+  later steps (MoC's optimizer pre-hook), and CPU / memory-bandwidth contention of the
+  background threads with training on this 2-core machine.
   Also reported: how long the call itself blocked ("call"), and for MoC the call plus the
   pre-hook waits (``status()['stall_seconds_total']``).
 * **Methods.** ``torch.save`` of model + optimizer state dicts (blocking, no fsync);
@@ -142,7 +143,8 @@ def measure_restore(tr: Trainer, root: Path, shm: Path, log) -> dict[str, Any]:
         from_memory = getattr(plan, "from_memory", None)
         ok = nxt == expect_step + 1 and from_memory == expect_memory
         if expect_memory:
-            ok = ok and torch.equal(probe.detach(), want_mem) and torch.equal(tr.opt.state[probe]["exp_avg"], want_mem_m)
+            ok = (ok and torch.equal(probe.detach(), want_mem)
+                  and torch.equal(tr.opt.state[probe]["exp_avg"], want_mem_m))
         m.close(keep_snapshots=keep)    # without keep: removes the shared-memory snapshot files
         out[label] = {"seconds": dt, "read_bytes": rb, "ok": bool(ok), "from_memory": from_memory, "next": nxt}
         log(f"  restore {label:<14} {dt:6.3f} s, disk reads {rb/MB:8.1f} MB, next step {nxt}, "
@@ -263,7 +265,8 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], rows: 
              f"{p['hidden']}, vocab {p['vocab']}), top-1; P_e = {P_e/1e6:.1f} M expert + P_ne = {P_ne/1e6:.2f} M "
              f"non-expert parameters, fp32 + Adam = {info['state_bytes']/GB:.2f} GB of state "
              f"({100*P_e/(P_e+P_ne):.1f}% in experts). Training step ({p['tokens']} tokens, forward + backward + "
-             f"Adam): {info['step']:.2f} s without checkpointing (median). {p['reps']} pairs of windows per method, ABBA order: "
+             f"Adam): {info['step']:.2f} s without checkpointing (median). {p['reps']} pairs of windows per "
+             "method, ABBA order: "
              f"{p['window']} steps with one checkpoint (after the first step's `optimizer.step()`, waited to "
              f"completion at the end of the window) and the next {p['window']} steps without. Stall = sum over "
              f"step positions of (median over pairs of the step time with - without) + median final wait; "
@@ -321,8 +324,9 @@ def report(p: dict[str, Any], mach: dict[str, str], info: dict[str, Any], rows: 
         L.append("")
         L.append(f"K=1 persists {one[0]['size']/full[0]['size']*100:.1f}% of a full checkpoint's bytes "
                  f"(formula: {100*(P_ne + P_e/E)/(P_ne + P_e):.1f}%). Shared-memory snapshot buffers "
-                 f"(three; at the end of the run, after the full first checkpoint's buffer was shrunk): " + ", ".join(f"{r['name']}: {r['buffer_bytes']/MB:,.0f} MB" for r in rows
-                                                            if "buffer_bytes" in r) + ".")
+                 "(three; at the end of the run, after the full first checkpoint's buffer was shrunk): "
+                 + ", ".join(f"{r['name']}: {r['buffer_bytes']/MB:,.0f} MB" for r in rows if "buffer_bytes" in r)
+                 + ".")
     L.append("")
 
     # restore

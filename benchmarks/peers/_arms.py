@@ -157,9 +157,9 @@ class TorchftArm(_Arm):
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
                 break
-            except OSError:
+            except OSError as exc:
                 if self.lighthouse.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"torchft lighthouse did not start; see {self.work}/lighthouse.log")
+                    raise RuntimeError(f"torchft lighthouse did not start; see {self.work}/lighthouse.log") from exc
                 time.sleep(0.05)
         # The first groups start together, as the other systems' first nodes do (Lazarus waits
         # for --expected-nodes, torchrun for --nnodes): with --min_replicas 1 the first group

@@ -37,7 +37,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
-from _arms import TORCHFT_SETTINGS, CkptRestartArm, LazarusArm, TorchftArm  # noqa: E402
+from _arms import CkptRestartArm, LazarusArm, TorchftArm  # noqa: E402
 from _common import Fault, ModelSpec, analyse  # noqa: E402
 
 SYSTEMS = ("lazarus", "torchft-readme", "torchft-tuned", "ckpt", "lazarus-cold")
@@ -286,7 +286,8 @@ def target_notes(results: list[dict[str, Any]]) -> list[str]:
     for name in ("lazarus", "lazarus (cold join)"):
         j = (by.get(name) or {}).get("join") or {}
         if j.get("member_stall_steps") is not None:
-            out.append(f"target: {name}: members' longest own stall while the node joined {j['member_stall_max_s']:.3f} s "
+            out.append(f"target: {name}: members' longest own stall while the node joined "
+                       f"{j['member_stall_max_s']:.3f} s "
                        f"= {j['member_stall_steps']:.2f} of their steps (target <= 1; it counts a first step in "
                        f"the larger world slower than their steps before it too)")
         if j.get("member_wait_steps") is not None:

@@ -20,7 +20,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -59,7 +58,8 @@ def run(trials: int, freeze: bool) -> list[dict]:
                                           if r["reason"] in ("failure", "collective_error")], 120, "recovery")[0]
                 failed = next(e for e in c.events() if e.get("event") == "node_failed" and e.get("node") == victim
                               and e["t"] >= t0)
-                plan = next(e for e in c.events() if e.get("event") == "plan" and e.get("generation") == rec["generation"])
+                plan = next(e for e in c.events()
+                            if e.get("event") == "plan" and e.get("generation") == rec["generation"])
                 rp = plan.get("recovery_probability") or {}
                 out.append({"trial": i, "detect_s": failed["t"] - t0, "resume_s": rec["t_resumed"] - t0,
                             "reconf_s": rec["t_resumed"] - failed["t"], "greedy": plan["fetches"]["greedy"],

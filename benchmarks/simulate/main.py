@@ -80,7 +80,8 @@ def run_trace(model_name: str, start_min: float, minutes: float | None, mode: st
     cfg = SimConfig(model=model, perf=perf, nodes=10, duration_s=dur, checkpoint=mode, seed=0)
     res = simulate(cfg, sc)
     if png:
-        plot_timelines(res.timelines(), png, title=f"{model_name}, P3 spot trace from {start_min:g} min, cap 10 ({mode})")
+        plot_timelines(res.timelines(), png,
+                       title=f"{model_name}, P3 spot trace from {start_min:g} min, cap 10 ({mode})")
     return res.to_dict()
 
 
@@ -150,7 +151,8 @@ def main() -> None:
     # ------------------------------------------------------------------ Fig. 6 / 7 / 9
     emit("## Trained samples (Fig. 6, 7, 9)")
     emit("")
-    emit("| scenario | model | checkpoints | DS | DS(FT) | Lazarus | Lazarus/DS | Lazarus/DS(FT) | paper L/DS | paper L/DS(FT) |")
+    emit("| scenario | model | checkpoints | DS | DS(FT) | Lazarus | Lazarus/DS | Lazarus/DS(FT) | paper L/DS "
+         "| paper L/DS(FT) |")
     emit("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     scen = [
         ("fig6", "fail every 5 min, 30 min", lambda m, mode, png: run_controlled(m, 5, 30, mode, 1, png)),
@@ -196,16 +198,19 @@ def main() -> None:
                 b = s["breakdown"][name]
                 cells.append(" / ".join(f"{b[k]:.0f}" for k in
                                         ("compute", "checkpoint", "restart", "reconfiguration", "lost", "idle")))
-            plt_cell = "-" if mode == "full" else " / ".join(f"{100 * (s['plt'][n] or 0):.1f}%" for n in ("ds", "dsft", "lazarus"))
+            plt_cell = "-" if mode == "full" else " / ".join(f"{100 * (s['plt'][n] or 0):.1f}%"
+                                                             for n in ("ds", "dsft", "lazarus"))
             emit(f"| {label} | {mode} | {cells[0]} | {cells[1]} | {cells[2]} | {plt_cell} |")
     emit("")
 
     # ------------------------------------------------------------------ Fig. 13
     emit(f"## JCT of a DeepSeek-V3-like model (Fig. 13), {target:,.0f} samples, mean of {len(seeds)} seeds "
-         f"(two-level: seed 0, failure-probability sweep only), allocation probability {alloc}/h, Zipf 0.6 routing, Young/Daly checkpoint "
+         f"(two-level: seed 0, failure-probability sweep only), allocation probability {alloc}/h, Zipf 0.6 "
+         "routing, Young/Daly checkpoint "
          "interval for DS (5x for DS(FT) and Lazarus); JCT = inf: not done within 20x the failure-free time")
     emit("")
-    emit("| sweep | GPUs | preempt p/h | checkpoints | DS JCT h | DS(FT) JCT h | Lazarus JCT h | DS/Lazarus | DS(FT)/Lazarus | paper DS/L | paper DS(FT)/L |")
+    emit("| sweep | GPUs | preempt p/h | checkpoints | DS JCT h | DS(FT) JCT h | Lazarus JCT h | DS/Lazarus "
+         "| DS(FT)/Lazarus | paper DS/L | paper DS(FT)/L |")
     emit("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     probs = [0.01, 0.05, 0.10, 0.15]
     gpus = [256, 512, 1024]

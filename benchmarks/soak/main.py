@@ -284,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         *table(rows),
         "",
         *[f"- [{'x' if passed else ' '}] {name}" for name, passed in checks],
-        f"- [{'x' if not missed else ' '}] time-lost targets met" + (f" (missed: {', '.join(missed)})" if missed else ""),
+        f"- [{'x' if not missed else ' '}] time-lost targets met"
+        + (f" (missed: {', '.join(missed)})" if missed else ""),
         "",
         "Faults in order (evidence: seconds after the injection):",
         "",

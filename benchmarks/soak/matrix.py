@@ -5,12 +5,13 @@ Each run is a separate ``main.py`` process (its own work directory under ``--dir
 record as JSON beside it). The table has one row per run: seed, load, faults by kind,
 survived, time lost median / max per kind, steps lost, the longest time without a
 checkpoint reaching storage, and every check; then time lost
-per kind over all runs against the issue-28 targets (node or worker kill <= 2 s, also during a join, a reconfiguration or two within the grace,
-controller kill 0 steps and <= 2 s, storage outage 0 s). It is printed and written to
-``benchmarks/soak/matrix.md``.
+per kind over all runs against the issue-28 targets (node or worker kill <= 2 s, also during
+a join, a reconfiguration or two within the grace, controller kill 0 steps and <= 2 s, storage
+outage 0 s). It is printed and written to ``benchmarks/soak/matrix.md``.
 
 Rerun: ``make soak-matrix`` (10 seeds x 10 minutes x {idle, --load 2}: 20 soaks of 12-18
-minutes each, calibration and the final checks included: 4-5 hours on 2 cores), or ``python benchmarks/soak/matrix.py --seeds 7,8 --minutes 3 --loads 0,2``.
+minutes each, calibration and the final checks included: 4-5 hours on 2 cores), or
+``python benchmarks/soak/matrix.py --seeds 7,8 --minutes 3 --loads 0,2``.
 Exit status 0 when every run passed every check, else 1.
 """
 
@@ -122,7 +123,8 @@ def row(rec: dict[str, Any]) -> str:
                      for k, v in kinds.items())
     steps = sum(f["steps_lost"] or 0 for f in faults)
     survived = f"{sum(f['accounted'] for f in faults)}/{len(faults)}"
-    failed = [short for start, short in CHECKS for c in rec["checks"] if c["name"].startswith(start) and not c["passed"]]
+    failed = [short for start, short in CHECKS for c in rec["checks"]
+              if c["name"].startswith(start) and not c["passed"]]
     checks = "all pass" if not failed else "**fail: " + ", ".join(failed) + "**"
     if rec.get("targets_missed"):
         checks += "; targets missed: " + ", ".join(SHORT[k] for k in rec["targets_missed"])

@@ -103,7 +103,8 @@ def bench_local(root: Path, mib: int, reps: int) -> list[tuple[str, float, float
         label = "fsync" if fsync else "no fsync"
         t_raw = timed(lambda: raw_write(fsync), reps, setup=clear(root / "raw.bin"))
         store = open_store(root / "store", fsync=fsync)
-        t_store = timed(lambda: store.write("obj.bin", bufs), reps, setup=lambda: store.delete("obj.bin", missing_ok=True))
+        t_store = timed(lambda: store.write("obj.bin", bufs), reps,
+                        setup=lambda: store.delete("obj.bin", missing_ok=True))
         cs = CheckpointStore(open_store(root / "ckpt", fsync=fsync))
         t_ckpt = timed(lambda: cs.save(0, units), reps, setup=clear(root / "ckpt"))
         rows.append((f"local write ({label}): os.write", nbytes / t_raw / MiB, 1.0))
@@ -158,7 +159,8 @@ def bench_s3(mib: int, reps: int) -> list[tuple[str, float, float]]:
         transfer = TransferConfig(multipart_threshold=part, multipart_chunksize=part, max_concurrency=8)
         t_put = timed(lambda: client.put_object(Bucket="bench", Key="boto.bin", Body=blob), reps)
         t_single = timed(lambda: single.write("store.bin", bufs), reps)
-        t_boto_mp = timed(lambda: client.upload_fileobj(io.BytesIO(blob), "bench", "boto-mp.bin", Config=transfer), reps)
+        t_boto_mp = timed(lambda: client.upload_fileobj(io.BytesIO(blob), "bench", "boto-mp.bin", Config=transfer),
+                          reps)
         t_multi = timed(lambda: multi.write("store.bin", bufs), reps)
         t_get = timed(lambda: client.get_object(Bucket="bench", Key="boto.bin")["Body"].read(), reps)
         t_read = timed(lambda: single.read("store.bin"), reps)

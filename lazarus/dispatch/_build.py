@@ -27,11 +27,13 @@ import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 from ._log import get_logger
 
+fcntl: ModuleType | None
 try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX: torch's own lock only

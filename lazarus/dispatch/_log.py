@@ -19,7 +19,7 @@ def get_logger(name: str) -> logging.LoggerAdapter:
     """A logger whose messages are prefixed with ``[rank N]`` at emit time."""
 
     class _RankAdapter(logging.LoggerAdapter):
-        def process(self, msg, kwargs):  # type: ignore[override]
+        def process(self, msg, kwargs):
             return f"[{rank_tag()}] {msg}", kwargs
 
     return _RankAdapter(logging.getLogger(name), {})

@@ -42,7 +42,7 @@ def check_counts(R: object, T: object) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def check_rank(rank: object, num_ranks: int) -> int:
-    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < num_ranks:
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= int(rank) < num_ranks:
         raise ValueError(f"rank must be an integer in [0, {num_ranks - 1}] (N = R.shape[1]), got {rank!r}")
     return int(rank)
 

@@ -66,10 +66,11 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Sequence[int], *, force
     if len(counts) != w.shape[0] or sum(counts) != x.shape[0]:
         raise ValueError(f"grouped_mm: counts {counts} must have one entry per group ({w.shape[0]}) "
                          f"and sum to the rows of x ({x.shape[0]})")
-    if not force_loop and grouped_mm_available(x, w):
+    kernel = _KERNEL
+    if not force_loop and kernel is not None and grouped_mm_available(x, w):
         # offsets known on the host: copied to the device without a host sync
         offs = to_device(torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32), x.device)
-        return _ContiguousGrad.apply(_KERNEL(x, w, offs=offs))
+        return _ContiguousGrad.apply(kernel(x, w, offs=offs))
     outs = []
     start = 0
     for g, n in enumerate(counts):

@@ -95,6 +95,8 @@ class ElasticMoE(nn.Module):
 
 
     experts: LocalExperts
+    replicas: torch.Tensor                   # buffer R[E, W] of the placement (_init_placement)
+    _replicas_cache: torch.Tensor | None
 
     def __init__(self, num_experts: int, *, group: Any = None, grad_reduction: str = "mean") -> None:
         super().__init__()
@@ -310,7 +312,7 @@ class ElasticMoE(nn.Module):
         """R[E, W] of the current placement on ``device`` (cached: no copy per call)."""
         if self.replicas.device == device:
             return self.replicas
-        cached = getattr(self, "_replicas_cache", None)
+        cached: torch.Tensor | None = getattr(self, "_replicas_cache", None)
         if cached is None or cached.device != device:
             cached = self.replicas.to(device)   # once per placement (set_placement drops it)
             self._replicas_cache = cached

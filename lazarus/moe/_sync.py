@@ -17,14 +17,16 @@ is served by an old holder, fetches of one expert spread over all its old holder
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from ._comm import exchange
 
+if TYPE_CHECKING:
+    from _typeshed import SupportsRichComparison
 
-K = TypeVar("K")
+K = TypeVar("K", bound="SupportsRichComparison")   # unit keys sort the same way on every rank
 
 
 def _bounds(numel: int, parts: int) -> list[int]:

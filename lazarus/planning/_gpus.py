@@ -17,9 +17,9 @@ G of them) and keeps every expert it can on the GPU that holds it now:
 2. the ``c % G`` larger loads go to the GPUs that keep the most; a GPU keeping more than
    its load gives back its highest ids;
 3. the rest is placed expert by expert, most copies first, each on a GPU with free slots
-   that does not hold it yet (one that held it before, else the one with the most room). When only GPUs that hold it have room, one
-   expert moves from a full GPU to a GPU with room to make a place (always possible while
-   the copies do not outnumber the GPUs).
+   that does not hold it yet (one that held it before, else the one with the most room).
+   When only GPUs that hold it have room, one expert moves from a full GPU to a GPU with
+   room to make a place (always possible while the copies do not outnumber the GPUs).
 
 The result is compared with the round-robin deal, and the one needing fewer same-node
 moves (:func:`same_node_moves`) is returned, so it never does worse than the default.
@@ -126,18 +126,18 @@ def split_node(row: Sequence[int], gpus_per_node: int,
     for j in range(g):
         kept[j].sort()
         del kept[j][loads[j]:]
-    left = want.copy()
+    to_place = want.copy()
     for k in kept:
-        left.subtract(k)
+        to_place.subtract(k)
 
     # 3. place the rest, most copies first: on a GPU with room that lacks the expert
     #    (one that held it first, then the most room), else make such a place, else
     #    (more copies than GPUs) on the GPU with room holding the fewest copies of it.
     gpus = [list(k) for k in kept]
     members = [Counter(k) for k in kept]
-    pending = sorted((e for e, n in left.items() if n > 0), key=lambda e: (-left[e], e))
+    pending = sorted((e for e, n in to_place.items() if n > 0), key=lambda e: (-to_place[e], e))
     for e in pending:
-        for _ in range(left[e]):
+        for _ in range(to_place[e]):
             free = [j for j in range(g) if len(gpus[j]) < loads[j]]
             fits = [j for j in free if not members[j][e]]
             if fits:

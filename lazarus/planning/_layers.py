@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ._allocate import allocate_replicas, effective_min_replicas
 from ._placement import place_compact, place_mro_paper, place_spread
 from ._search import place_mro
 from ._types import Placement
 from ._validate import check_int, check_loads
+
+_Layer = TypeVar("_Layer", bound=Hashable)   # a Mapping is invariant in its key type
 
 STRATEGIES = {
     "mro": place_mro,
@@ -40,7 +42,7 @@ class LayerPlan:
 
 
 def plan_layers(
-    loads_per_layer: Sequence[Sequence[float]] | Mapping[Hashable, Sequence[float]],
+    loads_per_layer: Sequence[Sequence[float]] | Mapping[_Layer, Sequence[float]],
     num_nodes: int,
     slots_per_node: int,
     min_replicas: int,

@@ -16,14 +16,16 @@ identity mapping.
 
 Each fetch is then assigned a source among the surviving owners of the expert: the owner
 that has sent this expert the fewest times so far, ties broken by fewest sends overall.
-One expert's fetches thus rotate over all its owners, and no node becomes a hot spot. Experts with no surviving owner are listed in ``missing``:
-they must come from the checkpoint (moc), not from a peer.
+One expert's fetches thus rotate over all its owners, and no node becomes a hot spot.
+Experts with no surviving owner are listed in ``missing``: they must come from the
+checkpoint (moc), not from a peer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -31,6 +33,9 @@ from ._types import Placement
 from ._validate import check_int
 
 NodeId = Hashable
+# the node ids of one call (a Mapping is invariant in its key type: dict[str, ...] is no
+# Mapping[Hashable, ...], but it is a Mapping[_Node, ...])
+_Node = TypeVar("_Node", bound=Hashable)
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,7 @@ class Migration:
         return out
 
 
-def _check_old(old_nodes: Mapping[NodeId, Sequence[int]], n: int) -> list[NodeId]:
+def _check_old(old_nodes: Mapping[_Node, Sequence[int]], n: int) -> list[_Node]:
     if not isinstance(old_nodes, Mapping):
         raise ValueError(f"old_nodes must be a dict node_id -> list of expert ids, got {type(old_nodes).__name__}")
     if len(old_nodes) != n:
@@ -107,7 +112,7 @@ def _cost_matrix(old: list[set[int]], new: Placement) -> np.ndarray:
 def _greedy(cost: np.ndarray) -> np.ndarray:
     """Greedy assignment: repeatedly take the cheapest pair whose ends are both free."""
     n = cost.shape[0]
-    key = (2 * cost + 1).astype(np.int16 if cost.max(initial=0) < 16000 else np.int64)
+    key: np.ndarray = (2 * cost + 1).astype(np.int16 if cost.max(initial=0) < 16000 else np.int64)
     key[np.arange(n), np.arange(n)] -= 1  # ties: keep a node at its old position
     order = np.argsort(key.ravel(), kind="stable")
     assign = np.full(n, -1, dtype=np.int64)
@@ -153,7 +158,7 @@ def _two_opt(cost: np.ndarray, assign: np.ndarray, max_passes: int = 4) -> np.nd
 
 
 def plan_migration(
-    old_nodes: Mapping[NodeId, Sequence[int]], new: Placement, *, improve: bool = True
+    old_nodes: Mapping[_Node, Sequence[int]], new: Placement, *, improve: bool = True
 ) -> Migration:
     """Map physical nodes onto ``new``'s plan nodes and schedule the expert fetches.
 
@@ -176,7 +181,7 @@ def plan_migration(
         assign = _two_opt(cost, assign)
         if int(cost[np.arange(n), assign].sum()) > identity:
             assign = np.arange(n)
-    mapping = {p: int(assign[i]) for i, p in enumerate(phys)}
+    mapping: dict[NodeId, int] = {p: int(assign[i]) for i, p in enumerate(phys)}
 
     holders: dict[int, list[int]] = {}
     for i, s in enumerate(old):

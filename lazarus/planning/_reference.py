@@ -37,7 +37,7 @@ def _validated(
     """``Placement(...)`` with the element-by-element checks its constructor used to run."""
     table: list[list[int]] = []
     for i, row in enumerate(nodes):
-        ids = []
+        ids: list[int] = []
         for x in row:
             if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0:
                 raise ValueError(f"Placement.nodes[{i}] holds a bad expert id {x!r}")

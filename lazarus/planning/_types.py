@@ -196,7 +196,7 @@ def _check_split(gpus: Any, table: list[list[int]], g: int) -> list[list[list[in
 
 
 def _check_gpus(g: Any, c: int) -> int:
-    if isinstance(g, bool) or not isinstance(g, numbers.Integral) or not 1 <= g <= c:
+    if isinstance(g, bool) or not isinstance(g, numbers.Integral) or not 1 <= int(g) <= c:
         raise ValueError(
             f"gpus_per_node must be an integer in [1, {c}] (slots_per_node), got {g!r}"
         )

@@ -31,17 +31,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     stop.add_argument("--duration", default=None, help="simulated time, e.g. 30m, 2h, 90s (default 30m)")
     stop.add_argument("--target-samples", type=float, default=None,
                       help="run until this many samples are trained and report the JCT")
-    p.add_argument("--horizon", default=None, help="give up on a JCT run after this long (default: 30x the failure-free time)")
+    p.add_argument("--horizon", default=None,
+                   help="give up on a JCT run after this long (default: 30x the failure-free time)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--fail-every", default=None, help="one random node fails every T until half are left")
     src.add_argument("--trace", default=None, help="CSV (ms,num_nodes or seconds,num_nodes) or JSON-lines trace")
     src.add_argument("--preempt-prob", type=float, default=None, help="per-node preemption probability per hour")
-    p.add_argument("--alloc-prob", type=float, default=None, help="per-missing-node allocation probability per hour (with --preempt-prob; default 0.5)")
+    p.add_argument("--alloc-prob", type=float, default=None,
+                   help="per-missing-node allocation probability per hour (with --preempt-prob; default 0.5)")
     p.add_argument("--replace", action="store_true",
                    help="with --fail-every: a spare replaces each failed node at once (the MTBF setting of ETTR)")
-    p.add_argument("--min-alive", type=int, default=None, help="with --fail-every: stop failing at this many nodes (default half)")
+    p.add_argument("--min-alive", type=int, default=None,
+                   help="with --fail-every: stop failing at this many nodes (default half)")
     p.add_argument("--trace-start", default="0", help="trace segment start (e.g. 50m; default 0)")
-    p.add_argument("--trace-minutes", type=float, default=None, help="trace segment length in minutes (default: to the end)")
+    p.add_argument("--trace-minutes", type=float, default=None,
+                   help="trace segment length in minutes (default: to the end)")
     p.add_argument("--trace-cap", type=int, default=None, help="use at most this many of the trace's nodes")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of ds,dsft,lazarus (default all)")
     p.add_argument("--checkpoint", default="full", choices=CHECKPOINT_MODES,

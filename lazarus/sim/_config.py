@@ -178,7 +178,8 @@ class SimConfig:
         _integer(self, "nodes", 1)
         _integer(self, "seed", 0)
         if not self.systems or any(s not in SYSTEMS for s in self.systems):
-            raise ValueError(f"SimConfig.systems must be a non-empty subset of {list(SYSTEMS)}, got {list(self.systems)}")
+            raise ValueError(f"SimConfig.systems must be a non-empty subset of {list(SYSTEMS)}, "
+                             f"got {list(self.systems)}")
         if self.checkpoint not in CHECKPOINT_MODES:
             raise ValueError(f"SimConfig.checkpoint must be one of {list(CHECKPOINT_MODES)}, got {self.checkpoint!r}")
         if (self.duration_s is None) == (self.target_samples is None):
@@ -193,7 +194,8 @@ class SimConfig:
                              f"({self.model.bytes_per_param}: weights are part of the full state), "
                              f"got {self.perf.exact_weight_bytes}")
         if self.perf.k_persist > self.model.num_experts:
-            raise ValueError(f"PerfParams.k_persist must be in [1, {self.model.num_experts}] (num_experts), got {self.perf.k_persist}")
+            raise ValueError(f"PerfParams.k_persist must be in [1, {self.model.num_experts}] (num_experts), "
+                             f"got {self.perf.k_persist}")
 
     @property
     def end_s(self) -> float:

@@ -242,7 +242,7 @@ class Lazarus(System):
                 for row in hold.values():
                     for x in row:
                         reps[x] += 1
-                per_gpu = []
+                per_gpu: list[float] = []
                 for row in hold.values():
                     srow = sorted(row)
                     per_gpu.extend(sum(loads[x] / reps[x] for x in srow[j::g]) for j in range(g))

@@ -51,7 +51,7 @@ class RngHandoff:
         return self._state is not None
 
 
-def require(module: str, extra: str, what: str) -> Any:
+def require(module: str, extra: str | None, what: str) -> Any:
     """Import ``module`` or raise an ``ImportError`` saying which extra installs it."""
     return import_optional(module, what, extra)
 

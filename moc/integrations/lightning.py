@@ -34,8 +34,8 @@ from .._manager import CheckpointManager
 from .._units import capture_rng, restore_rng
 from ._common import RngHandoff, check_callback_args, inner_optimizer, require
 
-_L = require("lightning.pytorch", "lightning", "moc.integrations.lightning")
-Callback = _L.Callback
+require("lightning.pytorch", "lightning", "moc.integrations.lightning")
+from lightning.pytorch import Callback  # noqa: E402
 from lightning.fabric.utilities.data import _set_sampler_epoch  # noqa: E402
 
 __all__ = ["MoCCallback"]
@@ -120,6 +120,7 @@ class MoCCallback(Callback):
                 self._apply_restore(trainer, next_step - 1)
 
     def _apply_restore(self, trainer, step: int) -> None:
+        assert self._progress is not None   # made by on_fit_start before the restore
         saved = self._progress.loaded or {}
         if "fit_loop" not in saved:
             raise RuntimeError(f"moc restored step {step} but its store holds no Lightning loop state "
@@ -146,6 +147,7 @@ class MoCCallback(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         if self.resumed_step is None:
             return
+        assert self._progress is not None   # a resumed fit: on_fit_start made it
         if not self._skip:
             # Restored at the end of an epoch: the next one begins as in the saving run, its
             # iterator made from the RNG state the step left (Lightning would not re-make

@@ -62,7 +62,7 @@ class _DataloaderState:
         try:
             from torchdata.stateful_dataloader import StatefulDataLoader
         except ImportError:   # pragma: no cover - torchtitan depends on torchdata
-            StatefulDataLoader = None  # type: ignore[assignment,misc]
+            StatefulDataLoader = None
         self._stateful = StatefulDataLoader if isinstance(dataloader, StatefulDataLoader or ()) else None
 
     def _world(self) -> int | None:

@@ -147,6 +147,7 @@ class MoCCallback(TrainerCallback):
         return control
 
     def _apply_restore(self, args, state, control, step: int, per_epoch: int | None) -> None:
+        assert self._progress is not None   # made by on_train_begin before the restore
         saved = self._progress.loaded or {}
         for name in _STATE_FIELDS:
             if name in saved:

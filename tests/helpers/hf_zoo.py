@@ -246,7 +246,6 @@ def loss_of(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Te
     out = model(**inputs)
     loss = getattr(out, "loss", None)
     if loss is not None:
-        aux = getattr(out, "aux_loss", None)
         return loss
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     return hidden.float().pow(2).mean()

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from examples.toy_moe import BigramTask, ToyMoE
 
 
-def make(seed: int = 0, *, optimizer: str = "adamw", num_experts: int = 8, layers: int = 2, dim: int = 16, task_seed: int = 0,
-         hidden: int = 32, top_k: int = 1):
+def make(seed: int = 0, *, optimizer: str = "adamw", num_experts: int = 8, layers: int = 2, dim: int = 16,
+         task_seed: int = 0, hidden: int = 32, top_k: int = 1):
     torch.manual_seed(seed)
     model = ToyMoE(vocab=32, dim=dim, hidden=hidden, num_layers=layers, num_experts=num_experts, top_k=top_k)
     if optimizer == "adamw":

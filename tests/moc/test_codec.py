@@ -32,7 +32,8 @@ def _equal(a, b):
 
 @st.composite
 def tensors(draw):
-    name = draw(st.sampled_from(sorted(n for n in DTYPES if not n.startswith(("float8", "uint16", "uint32", "uint64", "complex")))))
+    name = draw(st.sampled_from(sorted(n for n in DTYPES
+                                       if not n.startswith(("float8", "uint16", "uint32", "uint64", "complex")))))
     shape = draw(st.lists(st.integers(0, 5), min_size=0, max_size=3))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
     t = torch.randn(shape, generator=g) * 100

@@ -229,7 +229,8 @@ def torch_roundtrip(ck, out):
     model, opt = ck.build(7)
     model.load_state_dict(state["model"])
     names = [n for n, _ in model.named_parameters()]
-    osd = {"state": {i: state["optimizer"]["state"][n] for i, n in enumerate(names) if n in state["optimizer"]["state"]},
+    osd = {"state": {i: state["optimizer"]["state"][n] for i, n in enumerate(names)
+                     if n in state["optimizer"]["state"]},
            "param_groups": [{**g, "params": [names.index(n) for n in g["params"]]}
                             for g in state["optimizer"]["param_groups"]]}
     opt.load_state_dict(osd)
@@ -316,7 +317,8 @@ def test_streaming_groups_hold_one_layer_at_most(hf_ckpt):
     for g in plan.groups:
         layers = {n.split("/")[1] for n in g.units if n.startswith("expert/")}
         assert len(g.units) == 1 or (len(layers) == 1 and all(n.startswith("expert/") for n in g.units)), g.units
-    assert sum(len(g.units) for g in plan.groups) == len([n for n in hf_ckpt.manifest.units if not n.startswith("extra")])
+    assert sum(len(g.units) for g in plan.groups) == len([n for n in hf_ckpt.manifest.units
+                                                          if not n.startswith("extra")])
 
 
 # -- bad input --------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ import concurrent.futures
 import copy
 import json
 import os
-import re
 import subprocess
 import sys
 import warnings

@@ -133,7 +133,8 @@ def test_layout_description_from_the_manifest_is_printed(tmp_path, capsys):
     from tests.moc.test_store import expert_tree
 
     cs = CheckpointStore(str(tmp_path / "fused"))
-    units = {f"expert/l0/{e}": (expert_tree(0, e, 1.0), {"kind": "expert", "layer": "l0", "expert": e}) for e in range(4)}
+    units = {f"expert/l0/{e}": (expert_tree(0, e, 1.0), {"kind": "expert", "layer": "l0", "expert": e})
+             for e in range(4)}
     units["module/emb"] = ({"model": {"emb.weight": torch.zeros(2, 2)}}, {"kind": "module"})
     cs.save(0, units, meta={"layout": {
         "kind": "hf_fused", "description": "transformers 5.x fused experts (gate_up_proj / down_proj)",

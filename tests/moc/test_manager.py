@@ -23,8 +23,9 @@ def cfg_for(tmp_path, **kw) -> MoCConfig:
 
 @pytest.mark.parametrize("kwargs,field", [
     ({"interval": 0}, "interval"), ({"k_snapshot": 0}, "k_snapshot"), ({"k_snapshot": 2, "k_persist": 3}, "k_persist"),
-    ({"selection": "random"}, "selection"), ({"sharding": "round"}, "sharding"), ({"plt_threshold": 1.5}, "plt_threshold"),
-    ({"compression": "lz4"}, "compression"), ({"keep_last": 0}, "keep_last"), ({"expert_pattern": "(x"}, "expert_pattern"),
+    ({"selection": "random"}, "selection"), ({"sharding": "round"}, "sharding"),
+    ({"plt_threshold": 1.5}, "plt_threshold"), ({"compression": "lz4"}, "compression"), ({"keep_last": 0}, "keep_last"),
+    ({"expert_pattern": "(x"}, "expert_pattern"),
     ({"expert_pattern": r"experts\.(\d+)"}, "expert_pattern"), ({"storage": "gs://b/x"}, "storage"),
     ({"mtbf": timedelta(0)}, "mtbf"), ({"top_k": 0}, "top_k"),
 ])
@@ -402,7 +403,9 @@ def test_load_aware_selection_saves_the_busiest_experts(tmp_path):
         ckpt.record_routing("layers.0.moe", [60, 0, 1, 2])
         ckpt.step(2)
         ckpt.wait()
-    saved_at = lambda s: sorted(e for e, r in cs.read_manifest(s).layers()["layers.0.moe"].items() if r.step == s)
+    def saved_at(s):
+        return sorted(e for e, r in cs.read_manifest(s).layers()["layers.0.moe"].items() if r.step == s)
+
     assert saved_at(1) == [1, 3]
     assert saved_at(2) == [0, 2]  # expert 0: 65 unsaved tokens, expert 2: 2 (ties: lower id)
 

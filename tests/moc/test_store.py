@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moc import CheckpointStore, CorruptObjectError, ManifestError, UnsupportedFormatError
-from moc._format import FORMAT_VERSION, Manifest, manifest_key
+from moc._format import FORMAT_VERSION, manifest_key
 from storage_backends import open_store
 
 

@@ -106,7 +106,8 @@ def prog_copies(rank: int, world: int, tmp: str, mode: str) -> None:
     ckpt.wait(flush=False)
     headers = read_headers(ckpt.snapshot_dir)
     units = sorted({p["unit"] for h in headers for p in h["pieces"] if p["unit"].startswith("expert/")})
-    Path(tmp, f"units.{rank}.json").write_text(json.dumps({"node": node, "units": units, "nodes": ckpt.inventory.nodes}))
+    Path(tmp, f"units.{rank}.json").write_text(json.dumps({"node": node, "units": units,
+                                                           "nodes": ckpt.inventory.nodes}))
     ckpt.close(flush=False)
 
 

@@ -33,7 +33,7 @@ from torch import nn
 from lazarus.moe import layer_placements
 from lazarus.planning import Placement
 
-from ._block import ElasticHFBlock, is_hf_moe_block, router_of, top_k_of
+from ._block import ElasticHFBlock, is_hf_moe_block, num_experts_of, router_of, top_k_of
 from ._diagnose import why_not_elastic
 from ._experts import HFExperts
 
@@ -53,12 +53,12 @@ def elastic_layout(model: nn.Module) -> dict[str, Any]:
     """``{"layers": {name: num_experts}, "top_k": k}`` of a transformers MoE model (adapted or
     not): what :class:`lazarus.runtime.ElasticTrainer` and the controller plan from."""
     layers: dict[str, int] = {}
-    top_k = 1
+    top_k: int | None = 1
     for name, m in model.named_modules():
         if isinstance(m, ElasticHFBlock):
             layers[name], top_k = m.num_experts, m.top_k
         elif is_hf_moe_block(m):
-            layers[name] = int(m.experts.num_experts)
+            layers[name] = num_experts_of(m)
             top_k = top_k_of(router_of(m)[1])  # type: ignore[index]
     if not layers:
         raise ValueError(f"{type(model).__name__} has no transformers MoE block")
@@ -90,7 +90,7 @@ def make_elastic(model: nn.Module, placements: Mapping[str, Placement] | Placeme
         hint += f": {why}" if why else ""
         raise ValueError(f"{type(model).__name__} has no transformers MoE block (a module with fused `experts` "
                          f"and a `gate`/`router` with a top-k){hint}")
-    plans = layer_placements({n: int(b.experts.num_experts) for n, b in blocks.items()}, placements, group)
+    plans = layer_placements({n: num_experts_of(b) for n, b in blocks.items()}, placements, group)
     for name, block in blocks.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -55,6 +55,12 @@ def router_of(block: nn.Module) -> tuple[str, nn.Module] | None:
     return None
 
 
+def num_experts_of(block: nn.Module) -> int:
+    """The expert count of a transformers MoE block (:func:`is_hf_moe_block`)."""
+    experts: Any = block.experts   # the model's own module: transformers declares no attribute types
+    return int(experts.num_experts)
+
+
 def is_hf_moe_block(module: nn.Module) -> bool:
     experts = getattr(module, "experts", None)
     return (not isinstance(module, ElasticMoE) and isinstance(experts, nn.Module) and is_hf_experts(experts)
@@ -64,7 +70,8 @@ def is_hf_moe_block(module: nn.Module) -> bool:
 def _check_supported(block: nn.Module) -> None:
     """Refuse, naming what differs, a block whose own forward would compute something else
     once made elastic."""
-    cls, experts = type(block).__name__, block.experts
+    cls = type(block).__name__
+    experts: Any = block.experts   # the model's own module: transformers declares no attribute types
     params = [p for p in inspect.signature(type(experts).forward).parameters.values()
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(params) < 4:    # self, hidden_states, top_k_index, top_k_weights
@@ -93,14 +100,15 @@ class ElasticHFBlock(ElasticMoE):
         grad_reduction: ``"mean"`` or ``"sum"``, see :class:`lazarus.moe.ElasticMoE`.
     """
 
+    experts: HFExperts
+
     def __init__(self, block: nn.Module, placement: Placement, *, group: Any = None,
                  grad_reduction: str = "mean") -> None:
         if not is_hf_moe_block(block):
             raise ValueError(f"{type(block).__name__} is not a transformers MoE block (an `experts` module with "
                              f"fused expert tensors and a `gate`/`router` with top_k)")
-        experts = block.experts
         _check_supported(block)
-        super().__init__(int(experts.num_experts), group=group, grad_reduction=grad_reduction)
+        super().__init__(num_experts_of(block), group=group, grad_reduction=grad_reduction)
         self.block_class = type(block)
         self.router_name, router = router_of(block)  # type: ignore[misc]
         self.top_k = int(top_k_of(router))  # type: ignore[arg-type]

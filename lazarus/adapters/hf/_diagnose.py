@@ -15,7 +15,7 @@ from torch import nn
 __all__ = ["why_not_elastic"]
 
 
-def _count(module: nn.Module) -> int | None:
+def _count(module: object) -> int | None:
     for attr in ("num_experts", "num_routed_experts", "moe_num_experts", "n_routed_experts"):
         n = getattr(module, attr, None)
         if isinstance(n, int) and not isinstance(n, bool):

@@ -62,6 +62,8 @@ class HFExperts(GroupedExperts):
     them to the ranks holding their experts and calls :meth:`run` there.
     """
 
+    act_fn: Callable[[torch.Tensor], torch.Tensor]   # the original's activation child (taken over)
+
     def __init__(self, original: nn.Module, ids: Sequence[int]) -> None:
         if not is_hf_experts(original):
             raise ValueError(f"{type(original).__name__} is not a transformers fused-experts module "
@@ -72,7 +74,8 @@ class HFExperts(GroupedExperts):
         index = torch.tensor(ids, dtype=torch.long)
         tensors = {name: p.detach().index_select(0, index.to(p.device))
                    for name, p in original.named_parameters(recurse=False)}
-        super().__init__(int(original.num_experts), ids, tensors)
+        fields: Any = original   # the model's own module: transformers declares no attribute types
+        super().__init__(int(fields.num_experts), ids, tensors)
         self.original_class = type(original)
         for key, value in vars(original).items():
             if key.startswith("_") or key in ("training", "num_experts") or key in self.__dict__:

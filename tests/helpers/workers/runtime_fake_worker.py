@@ -6,13 +6,15 @@ a small model (``FAKE_LAYERS`` layers x ``FAKE_EXPERTS`` experts; once the file
 ``FAKE_STEP_S`` seconds counts a step and reports ``progress`` (rank 0 also ``routing``).
 On a new plan it replies ``reconfigured``; if it is in the plan's ``leaving`` list it reports
 ``left`` and exits 0 (held up at exit for ``FAKE_LEFT_STUCK_S`` seconds by a non-daemon
-thread, as by a checkpoint write stuck on hung storage). After ``FAKE_STEPS`` steps (0 = never) it reports ``done`` and waits for
-``stop``. With ``FAKE_CRASH_AT_STEP`` it raises at that step of every incarnation (a
-deterministic crash loop); with ``FAKE_CRASH_LOCAL_RANK`` as well, only the worker of that
-``LOCAL_RANK`` does (one rank of a node with ``--nproc-per-node`` > 1). Writing ``collective_error`` into the file ``$FAKE_CONTROL_DIR/<node>`` makes it
-report a collective error once. After ``stop`` it lingers ``FAKE_LINGER_S`` seconds (user
-code after ``trainer.run()``: an export, an evaluation), writes ``$FAKE_CONTROL_DIR/<node>.finished``
-and exits ``FAKE_EXIT_CODE`` (default 0).
+thread, as by a checkpoint write stuck on hung storage). After ``FAKE_STEPS`` steps (0 =
+never) it reports ``done`` and waits for ``stop``. With ``FAKE_CRASH_AT_STEP`` it raises at
+that step of every incarnation (a deterministic crash loop); with ``FAKE_CRASH_LOCAL_RANK``
+as well, only the worker of that ``LOCAL_RANK`` does (one rank of a node with
+``--nproc-per-node`` > 1). Writing ``collective_error`` into the file
+``$FAKE_CONTROL_DIR/<node>`` makes it report a collective error once. After ``stop`` it
+lingers ``FAKE_LINGER_S`` seconds (user code after ``trainer.run()``: an export, an
+evaluation), writes ``$FAKE_CONTROL_DIR/<node>.finished`` and exits ``FAKE_EXIT_CODE``
+(default 0).
 """
 
 from __future__ import annotations

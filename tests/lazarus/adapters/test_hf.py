@@ -181,7 +181,8 @@ def _train(rank: int, world: int, kind: str, slots: list[list[int]], tmp: Path |
     if tmp is not None:
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp / f"live-{kind}-{rank}.safetensors"))
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+                  str(tmp / f"live-{kind}-{rank}.safetensors"))
         (tmp / f"rows-{kind}-{rank}.json").write_text(json.dumps(held))
         if rank == 0:
             ref.config.save_pretrained(str(tmp / f"cfg-{kind}"))

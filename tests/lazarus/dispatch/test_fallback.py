@@ -11,7 +11,6 @@ execution on the device", a RuntimeError), at the same place.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 import torch

@@ -78,7 +78,8 @@ def _two_ranks(rank: int, world: int) -> None:
             super().__init__(E)
             mine = sorted(set(self._check_placement(placement)[self.rank]))
             g = torch.Generator().manual_seed(6)
-            w = {"gate_up_proj": torch.randn(E, 2 * FF, D, generator=g), "down_proj": torch.randn(E, D, FF, generator=g)}
+            w = {"gate_up_proj": torch.randn(E, 2 * FF, D, generator=g),
+                 "down_proj": torch.randn(E, D, FF, generator=g)}
             self.router = SoftmaxRouter(D, E, 2, seed=5)
             self.experts = SwiGLU(E, mine, {n: t[mine] for n, t in w.items()})
             self._init_placement(placement)

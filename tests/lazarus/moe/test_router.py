@@ -48,7 +48,8 @@ def test_bf16_router_backward_reaches_the_bf16_weight() -> None:
 def test_the_layer_takes_router_dtype_from_its_config() -> None:
     layer = MoELayer(MoEConfig(d_model=16, d_hidden=32, num_experts=4, router_dtype="input"), Placement([[0, 1, 2, 3]]))
     assert layer.router.score_dtype == "input"
-    assert MoELayer(MoEConfig(d_model=16, d_hidden=32, num_experts=4), Placement([[0, 1, 2, 3]])).router.score_dtype == "float32"
+    default = MoELayer(MoEConfig(d_model=16, d_hidden=32, num_experts=4), Placement([[0, 1, 2, 3]]))
+    assert default.router.score_dtype == "float32"
 
 
 def test_bad_router_dtype_names_the_field_and_the_choices() -> None:

@@ -261,7 +261,8 @@ def test_sigterm_spot_notice_hands_experts_over_and_leaves(tmp_path: Path) -> No
 
 @pytest.mark.timeout(300)
 def test_rebalance_from_routing_history_between_steps(tmp_path: Path) -> None:
-    with _cluster(tmp_path, extra_controller=("--slots", "3", "--rebalance-every", "20", "--rebalance-min-gain", "0.01")) as c:
+    with _cluster(tmp_path,
+                  extra_controller=("--slots", "3", "--rebalance-every", "20", "--rebalance-min-gain", "0.01")) as c:
         c.start(NODES)
         c.wait_for(lambda: [r for r in c.reconfigurations() if r["reason"] == "rebalance"], 180, "a rebalance")
         rec = [r for r in c.reconfigurations() if r["reason"] == "rebalance"][0]
@@ -360,7 +361,8 @@ def test_the_store_host_killed_the_moment_a_join_is_planned_costs_no_rendezvous_
         rec = c.wait_for(lambda: [r for r in c.reconfigurations() if r["reason"] == "failure"], 120,
                          "the failure's reconfiguration")[0]
         assert host not in rec["members"] and "n3" in rec["members"], rec["members"]
-        timed_out = [e for e in c.events() if e.get("event") == "collective_error" and "timed out" in str(e.get("error"))]
+        timed_out = [e for e in c.events()
+                     if e.get("event") == "collective_error" and "timed out" in str(e.get("error"))]
         assert not timed_out, timed_out
         assert rec["t_resumed"] - t_kill < 15, rec["t_resumed"] - t_kill
         alive = [n for n in NODES if n != host]

@@ -180,7 +180,8 @@ def test_choose_moves_prefers_a_holder_on_the_destinations_node() -> None:
     moves, _ = choose_moves({1: ["expert/l/0"], 3: ["expert/l/0"]}, holders)
     assert sorted(m.src for m in moves) == [0, 2]
     # no holder on the destination's node: the rotation as before
-    moves, _ = choose_moves({1: ["expert/l/0"], 3: ["expert/l/0"]}, {"expert/l/0": [4, 5]}, ["a", "a", "b", "b", "c", "d"])
+    moves, _ = choose_moves({1: ["expert/l/0"], 3: ["expert/l/0"]}, {"expert/l/0": [4, 5]},
+                            ["a", "a", "b", "b", "c", "d"])
     assert sorted(m.src for m in moves) == [4, 5]
 
 
