@@ -17,7 +17,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))   # the repository root: examples, tests
+# the repository root: examples, tests
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))
 
 from moc import CheckpointManager, MoCConfig  # noqa: E402
 from tests.helpers.moc_helpers import make, train_step  # noqa: E402

@@ -178,7 +178,8 @@ def test_group_aborter_rejects_an_unknown_backend() -> None:
 def _run_pair(backend: str, timeout_s: float) -> dict[int, dict]:
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "workers" / "mp_abort_worker.py"), str(r), str(port), backend,
+    worker = ROOT / "tests" / "helpers" / "workers" / "mp_abort_worker.py"
+    procs = [subprocess.Popen([sys.executable, str(worker), str(r), str(port), backend,
                                str(timeout_s)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for r in range(2)]
     out = {}
