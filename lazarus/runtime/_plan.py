@@ -13,7 +13,7 @@ Ranks are contiguous per node: node ``i`` of ``members`` holds ranks ``i * G`` t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, TypeGuard
 
 from ._wire import MalformedMessageError
 
@@ -39,7 +39,7 @@ def _bad(name: str, what: str, value: Any) -> MalformedMessageError:
     return MalformedMessageError(f"plan field {name!r} must be {what}, got {value!r:.200}")
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -167,26 +167,27 @@ class Agent:
     async def run_async(self) -> int:
         """The agent's main coroutine; returns the exit code."""
         cfg = self.config
+        snapshot_dir = str(cfg.snapshot_dir)   # set by AgentConfig.__post_init__
         self._loop = asyncio.get_running_loop()
-        self._exit = self._loop.create_future()
+        self._exit = exit_future = self._loop.create_future()
         if cfg.standby:
             self._activated = asyncio.Event()
-            os.makedirs(cfg.snapshot_dir, exist_ok=True)
+            os.makedirs(snapshot_dir, exist_ok=True)
             await self._start_worker()
             log.info("agent %s: on standby (workers warming up); SIGUSR1 registers the node", self.node_id)
             waiter = asyncio.ensure_future(self._activated.wait())
-            await asyncio.wait([waiter, self._exit], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([waiter, exit_future], return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
             if self._exit.done():
                 await self._stop_worker(kill=False)
-                shutil.rmtree(cfg.snapshot_dir, ignore_errors=True)
+                shutil.rmtree(snapshot_dir, ignore_errors=True)
                 return self._exit.result()
             self._queued.clear()            # worker exits while on standby are no one's business
             self._queued_latest.clear()
         else:
             # The worker's imports (seconds) overlap the connection and registration: it is
             # started first and reported ready whenever it says hello.
-            os.makedirs(cfg.snapshot_dir, exist_ok=True)
+            os.makedirs(snapshot_dir, exist_ok=True)
             await self._start_worker()
             if self._exiting:   # the worker command cannot be started
                 return self._exit.result()
@@ -197,7 +198,7 @@ class Agent:
                       cfg.controller_host, cfg.controller_port, exc)
             await self._stop_worker(kill=True)
             return EXIT_FAILED
-        os.makedirs(cfg.snapshot_dir, exist_ok=True)
+        os.makedirs(snapshot_dir, exist_ok=True)
         rc = EXIT_FAILED
         try:
             self._register()
@@ -223,7 +224,7 @@ class Agent:
                     self._cw.close()
                     await asyncio.wait_for(self._cw.wait_closed(), 2.0)
             if rc == EXIT_OK:
-                shutil.rmtree(cfg.snapshot_dir, ignore_errors=True)
+                shutil.rmtree(snapshot_dir, ignore_errors=True)
         if self._gave_up is not None:
             log.error("agent %s: exit %d: the worker crashed %d times within %s (--max-restarts %d, "
                       "--restart-window); last error: %s", self.node_id, rc, cfg.max_restarts + 1,
@@ -568,7 +569,8 @@ class Agent:
                 kind = msg["type"]
                 if kind == "hello":
                     wk.ready = True
-                    wk.model = msg.get("model") if isinstance(msg.get("model"), dict) else {}
+                    model = msg.get("model")
+                    wk.model = model if isinstance(model, dict) else {}
                     startup = msg.get("startup")
                     if isinstance(startup, dict):
                         wk.startup = {k: v for k, v in startup.items() if isinstance(k, str)
