@@ -4,9 +4,12 @@ Everything here runs in the controller, on its asyncio event loop, and never in 
 or a training worker:
 
 * ``_controller`` — :class:`Controller`: the agents' connections, the rendezvous
-  ``TCPStore``, failure detection, plans sent down;
-* ``_membership`` — the view of the cluster and when to plan (joins, failures, rebalances);
-* ``_resume`` — the state saved to, and resumed from, the state directory;
+  ``TCPStore``, heartbeats, plans sent down; it owns the parts below and gives them a
+  ``Port`` (send to a node, record an event, save, timers) to act through;
+* ``_membership`` — ``Membership``: the view of the cluster and when to plan (joins,
+  failures, rebalances), without sockets (testable alone with a fake ``Port``);
+* ``_resume`` — ``StateSaver`` (the state saved to the state directory) and ``Resume``
+  (a restarted controller waiting for its members to come back);
 * ``_state`` — that state's file (atomic JSON);
 * ``_planner`` — pure functions computing a plan: replicas, placement, node mapping
   (the only module here that needs numpy, through :mod:`lazarus.planning`).

@@ -16,6 +16,12 @@ plans depend on is kept in ``state_dir`` (atomically replaced); a controller sta
 again with the same settings resumes the job (:mod:`._resume`). When every member's
 worker reported done, the agents are told and the controller waits (``exit_grace``)
 until they have left.
+
+The controller is made of parts: it keeps the sockets (``node id -> connection``) and
+the loop, and owns a :class:`~._membership.Membership` (the view of the cluster, the plan
+logic and the timers, without sockets), a :class:`~._resume.Resume` (a restarted
+controller waiting for its members) and a :class:`~._resume.StateSaver`. Those talk to
+the outside through one :class:`~._membership.Port` the controller gives them.
 """
 
 from __future__ import annotations
@@ -32,8 +38,8 @@ from typing import Any
 
 from .._config import ControllerConfig
 from .._wire import ConnectionClosed, MalformedMessageError, ProtocolError, encode_frame, read_frame
-from ._membership import _Node, _req
-from ._resume import Resumable
+from ._membership import Membership, Port, msg_field
+from ._resume import Resume, ResumeRecord, StateSaver
 
 __all__ = ["Controller"]
 
@@ -57,12 +63,13 @@ def _peer(writer: asyncio.StreamWriter) -> str:
     return str(p)
 
 
-class Controller(Resumable):
+class Controller:
     """The job's controller. See the module docstring and DESIGN.md section 5.
 
     Use ``run()`` (blocking, e.g. from the CLI), ``await serve()`` inside an event loop,
     or ``start_in_thread()`` (tests, notebooks). ``port``/``store_port`` hold the bound
-    ports once started (useful with ephemeral ports).
+    ports once started (useful with ephemeral ports); ``plan``, ``members``,
+    ``generation`` and ``gpus_per_node`` the newest plan's view (read-only).
     """
 
     def __init__(self, config: ControllerConfig, *, on_ready: Callable[[Controller], None] | None = None) -> None:
@@ -80,11 +87,40 @@ class Controller(Resumable):
         self._events_lock = threading.Lock()
         self._store: Any = None
         self._conns: set[_Conn] = set()
-        self._nodes: dict[str, _Node] = {}
+        self._links: dict[str, _Conn] = {}   # node id -> its connection (the nodes of the membership)
         self._stopping = False
         self._end_task: asyncio.Task[None] | None = None
-        self._init_membership()
-        self._init_resume()
+        self.epoch = 1
+        port = Port(send=self._send, event=self._event, save_state=self._save_state, call_later=self._call_later,
+                    call_soon=self._call_soon, time=self._time, connected=self._connected,
+                    own_store=self._own_store, end_job=self._end_job,
+                    collective_while_resuming=self._on_collective_while_resuming)
+        self._membership = Membership(config, port)
+        self._resume = Resume(config, self._membership, port)
+        self._saver = StateSaver(config.state_dir, self._state_dict, call_later=self._call_later,
+                                 on_error=self._on_state_error)
+
+    # ------------------------------------------------------------------ the view (read-only)
+    @property
+    def members(self) -> list[str]:
+        """Members of the newest plan, in rank order."""
+        return self._membership.members
+
+    @property
+    def plan(self) -> dict[str, Any] | None:
+        """The newest plan message (:meth:`Plan.to_wire`)."""
+        plan = self._membership.plan
+        return None if plan is None else plan.to_wire()
+
+    @property
+    def generation(self) -> int:
+        """The newest plan's generation (0 before the first)."""
+        return self._membership.generation
+
+    @property
+    def gpus_per_node(self) -> int | None:
+        """Workers per node of this job (fixed by the first node to register; None before)."""
+        return self._membership.gpus_per_node
 
     # ------------------------------------------------------------------ lifecycle
     async def serve(self) -> None:
@@ -114,10 +150,10 @@ class Controller(Resumable):
             raise
         self.port = int(server.sockets[0].getsockname()[1])
         self._event("controller_started", host=cfg.host, port=self.port, store_port=self.store_port,
-                    epoch=self.epoch, resumed=self._resuming, generation=self.generation,
+                    epoch=self.epoch, resumed=self._membership.resuming, generation=self.generation,
                     state_dir=str(cfg.state_dir) if cfg.state_dir is not None else None)
         self._save_state(now=True)
-        self._start_resume()
+        self._resume.start(self.epoch)
         self._ready.set()
         if self._on_ready is not None:
             self._on_ready(self)
@@ -134,11 +170,9 @@ class Controller(Resumable):
                 await asyncio.wait_for(server.wait_closed(), 2.0)
             except (asyncio.TimeoutError, Exception):  # noqa: BLE001
                 pass
-            for t in (self._failure_timer, self._collective_timer, self._start_timer,
-                      self._join_timer, self._leave_timer, self._resume_timer):
-                if t is not None:
-                    t.cancel()
-            if self._save_timer is not None:
+            self._membership.cancel_timers()
+            self._resume.cancel()
+            if self._saver.pending:
                 self._save_state(now=True)
             self._event("controller_stopped", generation=self.generation)
             self._store = None
@@ -157,8 +191,46 @@ class Controller(Resumable):
                      "finished" if state["finished"] else "never started")
             self.epoch = int(state["epoch"]) + 1
             return None
-        self._restore_state(state)
+        self.epoch = int(state["epoch"]) + 1
+        self._resume.restore(state)
         return state
+
+    # ------------------------------------------------------------------ state
+    def _state_dict(self) -> dict[str, Any]:
+        """The state file's content (:mod:`._state`): the controller's ports and epoch,
+        and the membership's view."""
+        return {"epoch": self.epoch, "port": int(self.port or 0), "store_port": int(self.store_port or 0),
+                **self._membership.state(), "saved_at": time.time()}
+
+    def _save_state(self, now: bool = False) -> None:
+        """Persist the state: at once (plans, done), or coalesced within a second."""
+        if self._loop is None:
+            return
+        self._saver.save(now)
+
+    def _on_state_error(self, exc: OSError) -> None:
+        self._event("state_write_failed", level=logging.ERROR, state_dir=str(self.config.state_dir),
+                    error=str(exc))
+
+    def _on_collective_while_resuming(self, current: bool) -> None:
+        self._resume.on_collective(current)
+
+    # ------------------------------------------------------------------ the loop
+    def _call_later(self, delay: float, callback: Callable[..., object], *args: Any) -> asyncio.TimerHandle:
+        assert self._loop is not None
+        return self._loop.call_later(delay, callback, *args)
+
+    def _call_soon(self, callback: Callable[[], None]) -> asyncio.Handle:
+        assert self._loop is not None
+        return self._loop.call_soon(callback)
+
+    def _time(self) -> float:
+        assert self._loop is not None
+        return self._loop.time()
+
+    def _own_store(self) -> dict[str, Any]:
+        """The address of the rendezvous store this controller hosts."""
+        return {"host": self.config.store_host, "port": self.store_port, "epoch": self.epoch}
 
     def _host_store(self, port: int, fallback: bool) -> Any:
         """The rendezvous TCPStore (a fresh one after a restart: the old one died with us)."""
@@ -233,7 +305,8 @@ class Controller(Resumable):
         deadline = t0 + self.config.exit_grace.total_seconds()
 
         def connected() -> list[str]:
-            return sorted(n.node_id for n in self._nodes.values() if not n.dead and not n.conn.closed)
+            return sorted(n.node_id for n in self._membership.nodes.values()
+                          if not n.dead and self._connected(n.node_id))
 
         while connected() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -254,11 +327,15 @@ class Controller(Resumable):
                 fh.write(line + "\n")
 
     # ------------------------------------------------------------------ connections
+    def _connected(self, node_id: str) -> bool:
+        conn = self._links.get(node_id)
+        return conn is not None and not conn.closed
+
     def _send(self, node_id: str, msg: dict[str, Any]) -> bool:
-        node = self._nodes.get(node_id)
-        if node is None or node.conn.closed:
+        conn = self._links.get(node_id)
+        if conn is None or conn.closed:
             return False
-        return self._send_conn(node.conn, msg)
+        return self._send_conn(conn, msg)
 
     def _send_conn(self, conn: _Conn, msg: dict[str, Any]) -> bool:
         if conn.closed:
@@ -323,45 +400,28 @@ class Controller(Resumable):
                 self._on_conn_closed(conn)
 
     def _on_conn_closed(self, conn: _Conn) -> None:
-        node = self._nodes.get(conn.node_id) if conn.node_id else None
-        if node is None or node.conn is not conn or self._stopping:
+        node_id = conn.node_id
+        if node_id is None or node_id not in self._membership.nodes or self._links.get(node_id) is not conn \
+                or self._stopping:
             return
-        del self._nodes[node.node_id]
-        if node.dead:
-            return
-        node.dead = True
-        if node.node_id in self._members and node.node_id not in self._done:
-            self._declare_failure(node.node_id, "disconnect", peer=conn.peer)
-        else:
-            self._event("node_left", node=node.node_id, peer=conn.peer)
-            self._pending_joins.discard(node.node_id)
-            self._pending_leaves.discard(node.node_id)
+        del self._links[node_id]
+        self._membership.node_gone(node_id, conn.peer)
 
     async def _watch_heartbeats(self) -> None:
         timeout = self.config.heartbeat_timeout.total_seconds()
         period = min(0.25, timeout / 4)
         while True:
             await asyncio.sleep(period)
-            now = time.monotonic()
-            for node in list(self._nodes.values()):
-                if not node.dead and now - node.last_seen > timeout:
-                    node.dead = True
-                    node.ready = False
-                    self._pending_joins.discard(node.node_id)
-                    self._pending_leaves.discard(node.node_id)
-                    if node.node_id in self._members and node.node_id not in self._done:
-                        self._declare_failure(node.node_id, "heartbeat_timeout",
-                                              silent_s=round(now - node.last_seen, 3))
-                    else:
-                        self._event("node_left", node=node.node_id, cause="heartbeat_timeout")
+            self._membership.check_heartbeats(time.monotonic(), timeout)
 
     # ------------------------------------------------------------------ messages
     def _on_register(self, conn: _Conn, msg: dict[str, Any]) -> bool:
-        node_id = _req(msg, "node", str)
-        slots = _req(msg, "slots", int, optional=True)
-        inc = _req(msg, "incarnation", int)
-        pid = _req(msg, "pid", int, optional=True)
-        nproc = _req(msg, "nproc", int, optional=True) or 1
+        m = self._membership
+        node_id = msg_field(msg, "node", str)
+        slots = msg_field(msg, "slots", int, optional=True)
+        inc = msg_field(msg, "incarnation", int)
+        pid = msg_field(msg, "pid", int, optional=True)
+        nproc = msg_field(msg, "nproc", int, optional=True) or 1
         if not node_id or (slots is not None and slots < 1) or nproc < 1:
             raise MalformedMessageError("register: bad node id, slots or nproc")
         if conn.node_id is not None and conn.node_id != node_id:
@@ -369,66 +429,52 @@ class Controller(Resumable):
         resume = msg.get("resume")
         if resume is not None and not isinstance(resume, dict):
             raise MalformedMessageError("register: field 'resume' must be an object")
-        old = self._nodes.get(node_id)
-        if old is not None and old.conn is not conn and not old.dead and not old.conn.closed:
+        old = m.nodes.get(node_id)
+        old_conn = self._links.get(node_id)
+        if old is not None and old_conn is not None and old_conn is not conn and not old.dead \
+                and not old_conn.closed:
             if resume is None or pid is None or old.pid != pid:
                 self._event("register_rejected", level=logging.WARNING, node=node_id, peer=conn.peer,
                             reason="node id already registered and alive")
                 self._send_conn(conn, {"type": "error", "reason": f"node id {node_id!r} is already registered"})
                 return False
             # the same agent reconnected before its old connection was seen to break
-            self._event("connection_replaced", node=node_id, peer=conn.peer, old_peer=old.conn.peer)
-        refusal = self._check_nproc(nproc, slots)
+            self._event("connection_replaced", node=node_id, peer=conn.peer, old_peer=old_conn.peer)
+        refusal = m.refusal(nproc, slots)
         if refusal is not None:
             self._event("register_rejected", level=logging.ERROR, node=node_id, peer=conn.peer, reason=refusal)
             self._send_conn(conn, {"type": "error", "reason": refusal})
             return False
-        if old is not None and old.conn is not conn:
-            old.conn.node_id = None
-            self._close(old.conn)
-        if self.gpus_per_node is None:
-            self.gpus_per_node = nproc
+        if old_conn is not None and old_conn is not conn:
+            old_conn.node_id = None
+            self._close(old_conn)
+        if m.gpus_per_node is None:
+            m.gpus_per_node = nproc
             self._save_state()
         if resume is not None:
-            return self._on_resume(conn, node_id, slots, pid, resume, nproc)
-        rejoin = old is not None
-        if rejoin and node_id in self._members and not old.dead:  # re-register on a live record
-            self._declare_failure(node_id, "reregistered")
-        conn.node_id = node_id
-        self._nodes[node_id] = _Node(node_id, conn, slots or self.config.slots_per_node, inc, pid,
-                                     time.monotonic(), nproc=nproc)
-        self._forget_holdings(node_id)
-        self._done.discard(node_id)
-        self._left.discard(node_id)
-        self._event("node_registered", node=node_id, peer=conn.peer, incarnation=inc, pid=pid,
-                    slots=slots, nproc=nproc, rejoin=rejoin)
+            record = ResumeRecord.from_msg(resume)
+            node, record = self._resume.admit(node_id, conn.peer, slots, pid, record, nproc)
+            self._link(conn, node_id)
+            self._resume.on_back(node, record)
+            return True
+        self._link(conn, node_id)
+        m.register(node_id, conn.peer, slots=slots, incarnation=inc, pid=pid, nproc=nproc)
         self._send_conn(conn, {"type": "registered", "node": node_id,
                                "slots": self.config.slots_per_node,
                                "heartbeat_timeout_s": self.config.heartbeat_timeout.total_seconds()})
-        if self._finished:
+        if m.finished:
             self._send_conn(conn, {"type": "shutdown", "reason": "done"})
         return True
 
-    def _check_nproc(self, nproc: int, slots: int | None) -> str | None:
-        """Why a node running ``nproc`` workers cannot join this job (None: it can).
-
-        Every node of a job runs the same number of workers G (the placement spreads each
-        node's c slots over G ranks); the first node to register fixes G. Each worker
-        needs a slot: c >= G."""
-        job = self.gpus_per_node
-        if job is not None and nproc != job:
-            return (f"--nproc-per-node {nproc} differs from this job's {job} workers per node "
-                    f"(every node must run the same number)")
-        c = slots or self.config.slots_per_node
-        if c < nproc:
-            return (f"{c} slots per node < --nproc-per-node {nproc}: every worker needs at least one expert "
-                    f"slot; give --slots >= {nproc} (agent or controller)")
-        return None
+    def _link(self, conn: _Conn, node_id: str) -> None:
+        """``conn`` is ``node_id``'s connection from now on (its record follows at once)."""
+        conn.node_id = node_id
+        self._links[node_id] = conn
 
     def _dispatch(self, conn: _Conn, msg: dict[str, Any]) -> None:
         kind = msg["type"]
-        node = self._nodes.get(conn.node_id or "")
-        if node is None or node.conn is not conn:
+        node = self._membership.nodes.get(conn.node_id or "")
+        if node is None or self._links.get(node.node_id) is not conn:
             raise MalformedMessageError("message on a connection without a registered node")
         if msg.get("node", node.node_id) != node.node_id:
             raise MalformedMessageError(f"{kind}: node {msg.get('node')!r} does not match the connection's")
@@ -437,29 +483,4 @@ class Controller(Resumable):
                 self._on_register(conn, msg)
                 return
             raise MalformedMessageError("register: already registered (evicted nodes re-register)")
-        node.last_seen = time.monotonic()
-        if node.dead:
-            if not node.evict_sent:
-                node.evict_sent = True
-                self._event("evicted", node=node.node_id, peer=conn.peer)
-                self._send_conn(conn, {"type": "evicted", "node": node.node_id})
-            return
-        if kind == "heartbeat":
-            step = _req(msg, "step", int, optional=True)
-            if step is not None:
-                node.step = step
-        elif kind == "ping":
-            self._send_conn(conn, {"type": "pong", "nonce": msg.get("nonce")})
-        elif kind == "worker_ready":
-            self._on_worker_ready(node, msg)
-        elif kind == "worker_exit":
-            self._on_worker_exit(node, msg)
-        elif kind == "leaving":
-            self._on_leaving(node, msg)
-        elif kind == "worker":
-            inner = msg.get("msg")
-            if not isinstance(inner, dict) or not isinstance(inner.get("type"), str):
-                raise MalformedMessageError("worker: field 'msg' must be an object with a string 'type'")
-            self._on_worker_msg(node, inner)
-        else:
-            self._event("unknown_message", level=logging.WARNING, node=node.node_id, type=kind)
+        self._membership.on_message(node.node_id, msg)

@@ -23,7 +23,7 @@ ranks are contiguous per node: rank = node index * gpus_per_node + local rank
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lazarus.planning import (
@@ -151,7 +151,8 @@ def compute_plan(
         t = _loads_for(spec.name, e, loads)
         r = allocate_replicas(t, n, slots, min(min_replicas, n))
         placement = place_mro(r, n, slots)
-        old = {m: [int(x) for x in holdings.get(m, {}).get(spec.name, [])] for m in members}
+        old: dict[Hashable, list[int]] = {m: [int(x) for x in holdings.get(m, {}).get(spec.name, [])]
+                                          for m in members}
         mig = plan_migration(old, placement)
         assign = [list(placement.nodes[mig.mapping[m]]) for m in members]
         out.layers[spec.name] = assign

@@ -1,10 +1,10 @@
-"""A controller that survives its own restart (a mixin between :class:`Membership` and
-:class:`Controller`).
+"""A controller that survives its own restart: its state saved, and the job resumed.
 
 The state that decides plans (generation, members, the newest plan, what every member
 holds, routing history, who is done or has left) is saved atomically to the state
-directory (:mod:`._state`). A controller started again with the same command line finds
-it and *resumes*:
+directory (:mod:`._state`) by a :class:`StateSaver`. A controller started again with the
+same command line finds it and *resumes* (:class:`Resume`, which the controller owns and
+which acts on its :class:`~._membership.Membership` through public methods):
 
 1. it hosts a fresh store of its own (the old one died with it; plans use it only for
    workers that host none). The groups form on a store the first member's worker hosts
@@ -26,263 +26,269 @@ it and *resumes*:
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import os
 import time
-from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
 
-from .._plan import Plan
+from .._config import ControllerConfig
 from .._wire import MalformedMessageError, store_address
-from ._membership import Membership, _Node, _req
+from ._membership import Membership, Node, Port, Scheduler, Timer, msg_field
+from ._state import write_state
 
-if TYPE_CHECKING:
-    from ._controller import _Conn
-
-__all__ = ["Resumable"]
+__all__ = ["Resume", "ResumeRecord", "StateSaver"]
 
 
-class Resumable(Membership):
-    """State saving and resuming; see the module docstring."""
+class StateSaver:
+    """Writes the controller's state to its state directory: at once (plans, done), or
+    coalesced within a second (routing history, steps). A failed write is recorded once
+    (until one succeeds again) and does not stop the job: only a restart would lose ground."""
 
-    epoch: int
-    port: int | None
-    store_port: int | None
+    def __init__(self, directory: str | os.PathLike[str] | None, snapshot: Callable[[], dict[str, Any]], *,
+                 call_later: Scheduler, on_error: Callable[[OSError], None]) -> None:
+        self.directory = directory
+        self._snapshot = snapshot
+        self._call_later = call_later
+        self._on_error = on_error
+        self._timer: Timer | None = None
+        self._error_logged = False
 
-    def _init_resume(self) -> None:
-        self.epoch = 1
-        self._resuming = False
-        self._resume_waiting: set[str] = set()
-        self._resume_back: list[str] = []
-        self._resume_started: float | None = None
-        self._resume_serving: float | None = None   # when the restarted controller served again
-        self._resume_collective = False
-        self._resume_timer: asyncio.TimerHandle | None = None
-        self._save_timer: asyncio.TimerHandle | None = None
-        self._state_error_logged = False
+    @property
+    def pending(self) -> bool:
+        """A coalesced write is due."""
+        return self._timer is not None
 
-    # ------------------------------------------------------------------ saving
-    def _state_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch, "port": int(self.port or 0), "store_port": int(self.store_port or 0),
-            "generation": self.generation, "plan": None if self._plan is None else self._plan.to_wire(),
-            "members": list(self._members),
-            "stalled": self._stalled, "applied_gen": self._applied_gen,
-            "holdings": self._holdings, "gpu_holdings": self._gpu_holdings, "model": self._model,
-            "routing": {name: [list(r) for r in hist] for name, hist in self._routing.items()},
-            "last_step": self._last_step, "last_rebalance_step": self._last_rebalance_step,
-            "done": sorted(self._done), "left": sorted(self._left), "finished": self._finished,
-            "gpus_per_node": self.gpus_per_node, "saved_at": time.time(),
-        }
-
-    def _save_state(self, now: bool = False) -> None:
-        """Persist the state: at once (plans, done), or coalesced within a second."""
-        if self.config.state_dir is None or self._loop is None:
+    def save(self, now: bool = False) -> None:
+        if self.directory is None:
             return
         if not now:
-            if self._save_timer is None:
-                self._save_timer = self._loop.call_later(1.0, self._save_state, True)
+            if self._timer is None:
+                self._timer = self._call_later(1.0, self.save, True)
             return
-        if self._save_timer is not None:
-            self._save_timer.cancel()
-            self._save_timer = None
-        from ._state import write_state
-
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         try:
-            write_state(self.config.state_dir, self._state_dict())
-            self._state_error_logged = False
+            write_state(self.directory, self._snapshot())
+            self._error_logged = False
         except OSError as exc:  # keep running: the job is fine, only a restart would lose ground
-            if not self._state_error_logged:
-                self._state_error_logged = True
-                self._event("state_write_failed", level=logging.ERROR, state_dir=str(self.config.state_dir),
-                            error=str(exc))
+            if not self._error_logged:
+                self._error_logged = True
+                self._on_error(exc)
 
-    def _restore_state(self, state: dict[str, Any]) -> None:
-        """Take over a saved state (called before serving)."""
-        self.epoch = int(state["epoch"]) + 1
-        self.generation = int(state["generation"])
-        try:
-            self._plan = None if state["plan"] is None else Plan.from_wire(state["plan"])
-        except MalformedMessageError as exc:
-            raise ValueError(f"state_dir: {self.config.state_dir}: field 'plan': {exc}") from None
-        self._members = list(state["members"])
-        self._stalled = bool(state["stalled"])
-        self._applied_gen = int(state["applied_gen"])
-        self._holdings = {str(n): {str(k): [int(x) for x in v] for k, v in layers.items()}
-                          for n, layers in state["holdings"].items() if isinstance(layers, dict)}
-        # absent in states written before plans carried a per-GPU split
-        self._gpu_holdings = {str(n): {str(k): [[int(x) for x in gpu] for gpu in v] for k, v in layers.items()}
-                              for n, layers in (state.get("gpu_holdings") or {}).items() if isinstance(layers, dict)}
-        self._model = state["model"]
-        window = self.config.routing_window
-        self._routing = {str(k): deque([[float(x) for x in r] for r in hist][-window:], maxlen=window)
-                         for k, hist in state["routing"].items() if isinstance(hist, list)}
-        self._last_step = state["last_step"]
-        self._last_rebalance_step = int(state["last_rebalance_step"])
-        self._done = set(state["done"]) & set(self._members)
-        self._left = set(state["left"])
-        g = state.get("gpus_per_node")   # absent in states written before several workers per node
-        self.gpus_per_node = g if isinstance(g, int) and not isinstance(g, bool) and g >= 1 else None
-        if self._members:
-            self._resuming = True
-            self._resume_waiting = set(self._members) - self._done
-            self._resume_started = time.time()
 
-    def _start_resume(self) -> None:
-        """Once serving: give the members ``resume_grace`` to come back."""
-        if not self._resuming:
-            return
-        assert self._loop is not None
-        self._resume_serving = time.time()
-        self._event("resuming", generation=self.generation, members=self._members,
-                    waiting=sorted(self._resume_waiting), epoch=self.epoch,
-                    grace_s=self.config.resume_grace.total_seconds())
-        self._resume_timer = self._loop.call_later(self.config.resume_grace.total_seconds(), self._end_resume)
-        if not self._resume_waiting:
-            self._end_resume()
+@dataclass(frozen=True)
+class ResumeRecord:
+    """The ``resume`` record of an agent registering again after losing its controller
+    connection (it kept its worker)."""
 
-    # ------------------------------------------------------------------ agents coming back
-    def _on_resume(self, conn: _Conn, node_id: str, slots: int | None, pid: int | None,
-                   r: dict[str, Any], nproc: int = 1) -> bool:
-        """Registration of an agent that lost its controller connection and kept its worker."""
-        inc = _req(r, "incarnation", int)
-        alive = _req(r, "worker_alive", bool)
-        ready = _req(r, "worker_ready", bool)
-        worker_pid = _req(r, "worker_pid", int, optional=True)
-        worker_pids = _req(r, "worker_pids", list, optional=True) or []
+    incarnation: int
+    worker_alive: bool
+    worker_ready: bool
+    worker_pid: int | None
+    worker_pids: list[int]
+    plan_generation: int
+    done: bool
+    leaving: bool
+    step: int | None
+    model: dict[str, Any]
+    raw: dict[str, Any]
+
+    @classmethod
+    def from_msg(cls, r: dict[str, Any]) -> ResumeRecord:
+        """Raises :class:`MalformedMessageError` on a missing or wrong field."""
+        inc = msg_field(r, "incarnation", int)
+        alive = msg_field(r, "worker_alive", bool)
+        ready = msg_field(r, "worker_ready", bool)
+        worker_pid = msg_field(r, "worker_pid", int, optional=True)
+        worker_pids = msg_field(r, "worker_pids", list, optional=True) or []
         if not all(isinstance(p, int) and not isinstance(p, bool) for p in worker_pids):
             raise MalformedMessageError("register: resume.worker_pids must be a list of integers")
-        plan_gen = _req(r, "plan_generation", int)
-        done = _req(r, "done", bool)
-        leaving = bool(_req(r, "leaving", bool, optional=True))
-        step = _req(r, "step", int, optional=True)
+        plan_gen = msg_field(r, "plan_generation", int)
+        done = msg_field(r, "done", bool)
+        leaving = bool(msg_field(r, "leaving", bool, optional=True))
+        step = msg_field(r, "step", int, optional=True)
         model = r.get("model") or {}
         if not isinstance(model, dict):
             raise MalformedMessageError("register: resume.model must be an object")
-        if ready and self._model is not None and model.get("layers") != self._model.get("layers"):
-            self._event("model_mismatch", level=logging.ERROR, node=node_id, layers=model.get("layers"))
+        return cls(inc, alive, ready, worker_pid, worker_pids, plan_gen, done, leaving, step, model, r)
+
+
+class Resume:
+    """A restarted controller waiting for its members to come back; see the module
+    docstring. Inactive (``membership.resuming`` False) on a fresh start."""
+
+    def __init__(self, config: ControllerConfig, membership: Membership, port: Port) -> None:
+        self.config = config
+        self.membership = membership
+        self.port = port
+        self._waiting: set[str] = set()
+        self._back: list[str] = []
+        self._started: float | None = None
+        self._serving: float | None = None   # when the restarted controller served again
+        self._collective = False
+        self._timer: Timer | None = None
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Take over a saved state (called before serving): the view, and, with members,
+        wait for them."""
+        m = self.membership
+        m.restore(state)
+        if m.members:
+            m.resuming = True
+            self._waiting = set(m.members) - m.done
+            self._started = time.time()
+
+    def start(self, epoch: int) -> None:
+        """Once serving: give the members ``resume_grace`` to come back."""
+        m = self.membership
+        if not m.resuming:
+            return
+        self._serving = time.time()
+        self.port.event("resuming", generation=m.generation, members=m.members,
+                        waiting=sorted(self._waiting), epoch=epoch,
+                        grace_s=self.config.resume_grace.total_seconds())
+        self._timer = self.port.call_later(self.config.resume_grace.total_seconds(), self.end)
+        if not self._waiting:
+            self.end()
+
+    def cancel(self) -> None:
+        """The controller stops."""
+        if self._timer is not None:
+            self._timer.cancel()
+
+    # ------------------------------------------------------------------ agents coming back
+    def admit(self, node_id: str, peer: str, slots: int | None, pid: int | None, r: ResumeRecord,
+              nproc: int = 1) -> tuple[Node, ResumeRecord]:
+        """The record of a node coming back (not in the view yet: :meth:`on_back`), and
+        ``r`` as the job takes it (a worker whose model is not the job's is not ready)."""
+        ready = r.worker_ready
+        model = self.membership.model
+        if ready and model is not None and r.model.get("layers") != model.get("layers"):
+            self.port.event("model_mismatch", level=logging.ERROR, node=node_id, layers=r.model.get("layers"))
             ready = False
-        conn.node_id = node_id
-        node = _Node(node_id, conn, slots or self.config.slots_per_node, inc, pid, time.monotonic(), nproc=nproc)
+            r = replace(r, worker_ready=False)
+        alive = r.worker_alive
+        node = Node(node_id, peer, slots or self.config.slots_per_node, r.incarnation, pid, time.monotonic(),
+                    nproc=nproc)
         node.ready = alive and ready
-        node.worker_pid = worker_pid if alive else None
-        node.store = store_address(r.get("store")) if alive else None
-        node.step = step
-        node.leaving = leaving
-        self._nodes[node_id] = node
-        member = node_id in self._members
-        planned = self._plan.incarnations.get(node_id) if self._plan is not None else None
+        node.worker_pid = r.worker_pid if alive else None
+        node.store = store_address(r.raw.get("store")) if alive else None
+        node.step = r.step
+        node.leaving = r.leaving
+        return node, r
+
+    def on_back(self, node: Node, r: ResumeRecord) -> None:
+        """A node registered again with a ``resume`` record (what :meth:`admit` gave,
+        the node now connected): take it back, fail it, evict it, or let it join."""
+        m = self.membership
+        node_id, inc, alive, plan_gen, done = node.node_id, r.incarnation, r.worker_alive, r.plan_generation, r.done
+        m.add(node)
+        member = node_id in m.members
+        planned = m.plan.incarnations.get(node_id) if m.plan is not None else None
         same = member and alive and inc == planned
-        self._event("node_resumed", node=node_id, peer=conn.peer, incarnation=inc, planned_incarnation=planned,
-                    worker_alive=alive, worker_ready=ready, plan_generation=plan_gen, step=step, done=done,
-                    member=member, same_worker=same, generation=self.generation, nproc=nproc,
-                    worker_pids=worker_pids if alive else [])
-        self._send_conn(conn, {"type": "registered", "node": node_id, "slots": self.config.slots_per_node,
-                               "heartbeat_timeout_s": self.config.heartbeat_timeout.total_seconds(),
-                               "resumed": True})
-        if self._finished:
-            self._send_conn(conn, {"type": "shutdown", "reason": "done"})
-            return True
+        self.port.event("node_resumed", node=node_id, peer=node.peer, incarnation=inc, planned_incarnation=planned,
+                        worker_alive=alive, worker_ready=r.worker_ready, plan_generation=plan_gen, step=r.step,
+                        done=done, member=member, same_worker=same, generation=m.generation, nproc=node.nproc,
+                        worker_pids=r.worker_pids if alive else [])
+        self.port.send(node_id, {"type": "registered", "node": node_id, "slots": self.config.slots_per_node,
+                                 "heartbeat_timeout_s": self.config.heartbeat_timeout.total_seconds(),
+                                 "resumed": True})
+        if m.finished:
+            self.port.send(node_id, {"type": "shutdown", "reason": "done"})
+            return
         if member:
-            self._resume_waiting.discard(node_id)
-            self._resume_back.append(node_id)
+            self._waiting.discard(node_id)
+            self._back.append(node_id)
             if done:
-                self._done.add(node_id)
-                self._save_state(now=True)
+                m.done.add(node_id)
+                self.port.save_state(now=True)
             elif same:
-                if plan_gen < self.generation and self._plan is not None:
-                    self._send(node_id, self._plan.to_wire())   # it may never have got the newest plan
+                if plan_gen < m.generation and m.plan is not None:
+                    self.port.send(node_id, m.plan.to_wire())   # it may never have got the newest plan
             else:
                 # the worker this plan counts on is gone (crashed, or replaced) while we were away
-                self._declare_failure(node_id, "worker_lost_while_away", incarnation=inc,
-                                      planned_incarnation=planned)
+                m.declare_failure(node_id, "worker_lost_while_away", incarnation=inc,
+                                  planned_incarnation=planned)
                 if alive and plan_gen > 0:
-                    self._evict(node)
-            if self._resuming and not self._resume_waiting:
+                    m.evict(node_id)
+            if m.resuming and not self._waiting:
                 # let the reports it queued (collective errors, progress) arrive first
-                self._resume_timer_reset(max(self.config.failure_grace.total_seconds(), 0.2))
-            self._check_done()
-            return True
-        if leaving or node_id in self._left:
-            self._send_conn(conn, {"type": "shutdown", "reason": "leave"})
+                self._reset_timer(max(self.config.failure_grace.total_seconds(), 0.2))
+            m.check_done()
+            return
+        if r.leaving or node_id in m.left:
+            self.port.send(node_id, {"type": "shutdown", "reason": "leave"})
         elif done:
-            self._send_conn(conn, {"type": "shutdown", "reason": "done"})
+            self.port.send(node_id, {"type": "shutdown", "reason": "done"})
         elif alive and plan_gen > 0:
-            self._evict(node)     # a worker of an older generation: restart it as a fresh joiner
+            m.evict(node_id)     # a worker of an older generation: restart it as a fresh joiner
         elif node.ready:
-            if not self._members and not self._stalled:
-                self._schedule_start()
-            else:
-                self._add_join(node_id)
-        return True
+            m.offer(node_id)
 
-    def _evict(self, node: _Node) -> None:
-        node.dead = True
-        node.ready = False
-        if not node.evict_sent:
-            node.evict_sent = True
-            self._event("evicted", node=node.node_id, peer=node.conn.peer)
-            self._send_conn(node.conn, {"type": "evicted", "node": node.node_id})
+    def on_collective(self, current: bool) -> None:
+        """A collective error's grace passed while resuming (``current``: of the current
+        generation): planned for once the members are back."""
+        self._collective = current
+        if current:
+            self._broken()
 
-    def _resume_broken(self) -> None:
+    def _broken(self) -> None:
         """A member that is back reported a broken collective of the current generation:
         training has stopped, so a member still missing is most likely dead; it has
         ``resume_broken_grace`` from the moment the controller served again, not the
         whole ``resume_grace`` (never later than the timer already set)."""
-        if not self._resuming or not self._resume_waiting or self._resume_serving is None:
+        if not self.membership.resuming or not self._waiting or self._serving is None:
             return
-        assert self._loop is not None
         grace = min(self.config.resume_broken_grace, self.config.resume_grace).total_seconds()
-        delay = max(0.0, self._resume_serving + grace - time.time())
-        timer = self._resume_timer
-        if timer is None or self._loop.time() + delay < timer.when():
-            self._event("resume_shortened", waiting=sorted(self._resume_waiting), in_s=round(delay, 3),
-                        generation=self.generation)
-            self._resume_timer_reset(delay)
+        delay = max(0.0, self._serving + grace - time.time())
+        timer = self._timer
+        if timer is None or self.port.time() + delay < timer.when():
+            self.port.event("resume_shortened", waiting=sorted(self._waiting), in_s=round(delay, 3),
+                            generation=self.membership.generation)
+            self._reset_timer(delay)
 
-    def _resume_timer_reset(self, delay: float) -> None:
-        assert self._loop is not None
-        if self._resume_timer is not None:
-            self._resume_timer.cancel()
-        self._resume_timer = self._loop.call_later(delay, self._end_resume)
+    def _reset_timer(self, delay: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.port.call_later(delay, self.end)
 
-    def _end_resume(self) -> None:
+    def end(self) -> None:
         """Every member is back (or ``resume_grace`` passed): one plan for what happened."""
-        if not self._resuming:
+        m = self.membership
+        if not m.resuming:
             return
-        self._resuming = False
-        if self._resume_timer is not None:
-            self._resume_timer.cancel()
-            self._resume_timer = None
-        for t in (self._failure_timer, self._collective_timer):
-            if t is not None:
-                t.cancel()
-        self._failure_timer = self._collective_timer = None
-        missing = sorted(self._resume_waiting)
-        self._resume_waiting.clear()
-        for m in missing:
-            self._event("node_failed", node=m, cause="not_back_after_restart", generation=self.generation)
-        lost = [m for m in self._members if m not in self._done
-                and (m in missing or m in self._lost or not self._eligible(m))]
-        self._lost.clear()
-        self._detected_at = None
-        survivors = [m for m in self._members if m not in lost]
-        unapplied = self._applied_gen < self.generation
-        collective, self._resume_collective = self._resume_collective, False
-        started = self._resume_started or time.time()
-        self._event("resumed", generation=self.generation, back=sorted(self._resume_back), missing=missing,
-                    lost=lost, collective_error=collective, unapplied_plan=unapplied,
-                    waited_s=round(time.time() - started, 3))
-        if self._check_done():
+        m.resuming = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        failed = m.take_failures()
+        missing = sorted(self._waiting)
+        self._waiting.clear()
+        for n in missing:
+            self.port.event("node_failed", node=n, cause="not_back_after_restart", generation=m.generation)
+        members = m.members
+        lost = [n for n in members if n not in m.done
+                and (n in missing or n in failed or not m.eligible(n))]
+        survivors = [n for n in members if n not in lost]
+        unapplied = m.applied_gen < m.generation
+        collective, self._collective = self._collective, False
+        started = self._started or time.time()
+        self.port.event("resumed", generation=m.generation, back=sorted(self._back), missing=missing,
+                        lost=lost, collective_error=collective, unapplied_plan=unapplied,
+                        waited_s=round(time.time() - started, 3))
+        if m.check_done():
             return
         if lost:
-            self._issue("failure", "immediate", survivors, lost=lost, detected_at=started)
+            m.issue("failure", "immediate", survivors, lost=lost, detected_at=started)
         elif collective:
-            self._issue("collective_error", "immediate", survivors, detected_at=started)
+            m.issue("collective_error", "immediate", survivors, detected_at=started)
         elif unapplied:
             # the newest plan was in flight when the controller died and is still not applied
             # (a member never got it, or its store was the controller's): some members may be
             # stuck in its rendezvous; re-form everyone on a new plan
-            self._issue("resume", "immediate", survivors, detected_at=started)
+            m.issue("resume", "immediate", survivors, detected_at=started)
         else:
-            self._maybe_between_steps()
+            m.maybe_between_steps()

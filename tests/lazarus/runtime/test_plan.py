@@ -141,7 +141,7 @@ def test_a_controller_resumes_from_a_state_written_before_plans_were_typed(tmp_p
     ctl = Controller(ControllerConfig(secret=b"s" * 32, port=0, store_port=0, state_dir=tmp_path))
     assert ctl._load_state() is not None
     assert ctl.plan == controller_plan() and ctl._state_dict()["plan"] == controller_plan()
-    assert ctl._plan == Plan.from_wire(controller_plan())
+    assert ctl._membership.plan == Plan.from_wire(controller_plan())
 
     (tmp_path / "state.json").write_text(json.dumps(_old_state(controller_plan(store={"host": "h"}))))
     with pytest.raises(ValueError, match="field 'plan': plan field 'store' must be"):
