@@ -16,7 +16,7 @@ Per checkpoint (every ``interval`` steps, called right after ``optimizer.step()`
 What the ranks must decide alike at a checkpoint (SIGTERM, failures, routing counts, K,
 which snapshot to persist, unit sizes) is settled in one round, one collective in steady
 state (:mod:`moc._coordination`); unit serialisation plans are cached across checkpoints
-(:mod:`moc._plan_cache`), so the rest of ``step()`` is local and short.
+(:mod:`moc._units.plans`), so the rest of ``step()`` is local and short.
 """
 
 from __future__ import annotations
@@ -38,26 +38,21 @@ import torch
 
 from storage_backends import open_store
 
-from ._buffers import BufferPool
-from ._ckpt_store import CheckpointStore
-from ._codec import plan_tree
 from ._config import MoCConfig
 from ._coordination import Agreement, Ballot, Coordinator
 from ._dist import Comm
 from ._errors import CheckpointError
 from ._exact import ExactCheckpointer
 from ._persister import Persister
-from ._plan_cache import UnitPlans
 from ._plt import PLTTracker
 from ._policy import CheckpointPolicy
 from ._recovery import Recovery
 from ._restore import RestorePlan
-from ._routing import RouterTaps, routing_reporters
 from ._run_state import RunState
-from ._snapshot_engine import SnapshotEngine
-from ._snapshot_plan import Inventory, plan_snapshot
+from ._snapshot import BufferPool, Inventory, SnapshotEngine, plan_snapshot
+from ._store import CheckpointStore, plan_tree
 from ._topology import check_node, default_node
-from ._units import UnitLayout, capture_rng, discover_units, optimizer_groups
+from ._units import RouterTaps, UnitLayout, UnitPlans, capture_rng, discover_units, optimizer_groups, routing_reporters
 
 __all__ = ["CheckpointManager", "CheckpointError", "Handover"]
 
@@ -91,9 +86,9 @@ class CheckpointManager:
     """Wraps a training loop; see the module docstring and ``README.md``.
 
     The manager owns the training-loop protocol (``step``, ``wait``, ``close``, SIGTERM)
-    and composes small parts: the :class:`~moc._snapshot_plan.Inventory` (layout: which
+    and composes small parts: the :class:`~moc._snapshot.plan.Inventory` (layout: which
     units exist, who holds them), the :class:`~moc._policy.CheckpointPolicy` (selection,
-    K, interval, PLT), the :class:`~moc._snapshot_engine.SnapshotEngine` (first level),
+    K, interval, PLT), the :class:`~moc._snapshot.engine.SnapshotEngine` (first level),
     the :class:`~moc._persister.Persister` (second level) and
     :class:`~moc._recovery.Recovery`.
 
@@ -170,7 +165,7 @@ class CheckpointManager:
         else:
             pool = BufferPool(self.snapshot_dir)
         # One lock for the buffers' states, shared with the background jobs of a manager this
-        # one replaces (they may still run; see moc._buffers).
+        # one replaces (they may still run; see moc._snapshot.buffers).
         self.run = RunState(rank=self.rank, world=self.world, lock=pool.lock)
         self.policy = CheckpointPolicy(cfg, num_experts=self.inventory.num_experts, run=self.run, comm=self.comm)
         self.plans = UnitPlans(model, optimizer, layout)
@@ -300,7 +295,7 @@ class CheckpointManager:
 
     def _attach_routing(self) -> None:
         """Count routing without user calls: layers that report their own counts (Lazarus's,
-        through :data:`moc._routing.GLOBAL_ROUTING_ATTR`) are wired up, other routers
+        through :data:`moc._units.routing.GLOBAL_ROUTING_ATTR`) are wired up, other routers
         (transformers, Megatron) are tapped with forward hooks."""
         lazarus_layers = set()
         self._fed: set[str] = set()

@@ -23,11 +23,10 @@ from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 from storage_backends import open_store
 
-from ._ckpt_store import CheckpointStore
-from ._export_formats import FORMATS
-from ._format import Manifest
-from ._inspect import format_summary, format_units, header_lines, human, summarize
-from ._inspect_memory import find_folders, format_memory, memory_report
+from ._export.formats import FORMATS
+from ._inspect import (find_folders, format_memory, format_summary, format_units, header_lines, human, memory_report,
+                       summarize)
+from ._store import CheckpointStore, Manifest
 
 __all__ = ["main", "summarize"]
 
@@ -89,7 +88,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.png is not None:
         if manifest is None:
             raise FileNotFoundError(f"--png: no committed checkpoint in {cs.store.url} to plot")
-        from ._inspect_plot import write_heatmap  # matplotlib only when asked for
+        from ._inspect.plot import write_heatmap  # matplotlib only when asked for
 
         png = write_heatmap(manifest, args.png, url=cs.store.url)
     if args.json:
@@ -131,7 +130,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ._export_formats import export
+    from ._export.formats import export
 
     cs = _open(args)
     with _bar(f"export {args.format}") as progress:
@@ -157,7 +156,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _size(text: str) -> int:
-    from ._export_formats import parse_size
+    from ._export.formats import parse_size
 
     try:
         return parse_size(text)

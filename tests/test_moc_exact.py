@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moc import CheckpointError, CheckpointManager, MoCConfig
-from moc._codec import ALIGN
+from moc._store.codec import ALIGN
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
