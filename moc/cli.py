@@ -23,10 +23,11 @@ from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 from storage_backends import open_store
 
+from ._export import pick_manifest
 from ._export.formats import FORMATS
 from ._inspect import (find_folders, format_memory, format_summary, format_units, header_lines, human, memory_report,
                        summarize)
-from ._store import CheckpointStore, Manifest
+from ._store import CheckpointStore
 
 __all__ = ["main", "summarize"]
 
@@ -65,15 +66,6 @@ def _open(args: argparse.Namespace) -> CheckpointStore:
     return CheckpointStore(open_store(url, **opts))
 
 
-def _pick(cs: CheckpointStore, step: int | None) -> Manifest:
-    if step is not None:
-        return cs.read_manifest(step)
-    manifest = cs.latest_manifest()
-    if manifest is None:
-        raise FileNotFoundError(f"no committed checkpoint in {cs.store.url}")
-    return manifest
-
-
 def cmd_inspect(args: argparse.Namespace) -> int:
     if args.memory is not None and args.step is not None:
         raise ValueError("--step cannot be combined with --memory: restore() always starts from the newest step")
@@ -81,7 +73,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         find_folders(args.memory)  # a bad --memory path fails before the store is read
     cs = _open(args)
     # --memory previews a restore, which starts from the newest readable manifest.
-    manifest = cs.latest_manifest() if args.memory is not None else _pick(cs, args.step)
+    manifest = cs.latest_manifest() if args.memory is not None else pick_manifest(cs, args.step)
     info = summarize(cs, manifest) if manifest is not None else None
     memory = memory_report(args.memory, manifest) if args.memory is not None else None
     png = None

@@ -109,6 +109,8 @@ class ExportPlan:
 
 
 def pick_manifest(cs: CheckpointStore, step: int | None) -> Manifest:
+    """The manifest of ``step``, or the newest committed one when ``step`` is None (``moc
+    export`` and ``moc inspect`` alike); FileNotFoundError when the store has none."""
     if step is not None:
         return cs.read_manifest(step)
     manifest = cs.latest_manifest()
