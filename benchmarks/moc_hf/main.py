@@ -77,13 +77,13 @@ PROFILED = 4              # --profile: profiled MoC checkpoints per row, after t
 # parts are inside the one above them, collectives are inside the parts that issue them.
 PARTS = (
     ("CheckpointManager.step(), all", "moc/_manager.py", ("step",)),
-    ("planning units (`_plan_units`: cached unit plans checked, extra unit planned)", "moc/_manager.py",
+    ("planning units (`_plan_units`: cached unit plans checked, extra unit planned)", "moc/_modes.py",
      ("_plan_units",)),
     ("- plan cache check (`UnitPlans.refresh`: signatures, re-plans of changed units)", "moc/_units/plans.py",
      ("refresh",)),
     ("- - capturing units (`capture_unit`: state-dict views, Adam state)", "moc/_units/capture.py", ("capture_unit",)),
     ("- serialisation plans (`plan_tree`)", "moc/_store/codec.py", ("plan_tree",)),
-    ("the round (`_agree`: ballot, its collective(s), router-hook drain)", "moc/_manager.py", ("_agree",)),
+    ("the round (`_agree`: ballot, its collective(s), router-hook drain)", "moc/_modes.py", ("_agree",)),
     ("shares of this checkpoint (`plan_snapshot`, no collective)", "moc/_snapshot/plan.py", ("plan_snapshot",)),
     ("snapshot start (`SnapshotEngine.start`: buffer, synchronous copies, background job)",
      "moc/_snapshot/engine.py", ("start",)),
