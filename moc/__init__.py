@@ -9,14 +9,14 @@ verifies and exports what it wrote.
 """
 
 from ._config import MoCConfig
+from ._errors import CheckpointError
 from ._manager import CheckpointManager
-from ._ckpt_store import CheckpointStore, CorruptObjectError, LoadResult, ShardWriter, VerifyProblem
-from ._codec import decode_tree, encode_tree
-from ._format import FORMAT_VERSION, ChunkRecord, Manifest, ManifestError, UnitRecord, UnsupportedFormatError
 from ._plt import PLTTracker
 from ._selection import load_aware_selection, sequential_selection
-from ._errors import CheckpointError
-from ._layouts import DEFAULT_EXPERT_PATTERN, ExpertLayout, UnitLayout, UnitSpec, discover_units
+from ._store import decode_tree, encode_tree
+from ._store.format import FORMAT_VERSION, ChunkRecord, Manifest, ManifestError, UnitRecord, UnsupportedFormatError
+from ._store.store import CheckpointStore, CorruptObjectError, LoadResult, ShardWriter, VerifyProblem
+from ._units import DEFAULT_EXPERT_PATTERN, ExpertLayout, UnitLayout, UnitSpec, discover_units
 
 __all__ = [
     "CheckpointManager",

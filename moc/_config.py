@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Union
 
-from ._codec import CODECS
 from ._selection import SELECTIONS
-from ._layouts import DEFAULT_EXPERT_PATTERN, LAYOUT_NAMES, ExpertLayout
+from ._store import CODECS
+from ._units import DEFAULT_EXPERT_PATTERN, LAYOUT_NAMES, ExpertLayout
 
 __all__ = ["MoCConfig", "SHARDINGS"]
 

@@ -24,9 +24,9 @@ from typing import Mapping
 
 import torch
 
-from ._codec import TreePlan
 from ._dist import Comm
-from ._snapshot_plan import PublishedSizes
+from ._snapshot import PublishedSizes
+from ._store import TreePlan
 
 __all__ = ["Ballot", "Agreement", "Coordinator"]
 

@@ -16,11 +16,16 @@ Per checkpoint (every ``interval`` steps, called right after ``optimizer.step()`
 What the ranks must decide alike at a checkpoint (SIGTERM, failures, routing counts, K,
 which snapshot to persist, unit sizes) is settled in one round, one collective in steady
 state (:mod:`moc._coordination`); unit serialisation plans are cached across checkpoints
-(:mod:`moc._plan_cache`), so the rest of ``step()`` is local and short.
+(:mod:`moc._units.plans`), so the rest of ``step()`` is local and short.
+
+Exact mode (``MoCConfig(exact=True)``) replaces this per-checkpoint protocol: the manager
+calls one mode object (:mod:`moc._modes`: plain or exact) for ``step``, ``restore``,
+``wait`` and the rest, never asking which one it has.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -38,26 +43,22 @@ import torch
 
 from storage_backends import open_store
 
-from ._buffers import BufferPool
-from ._ckpt_store import CheckpointStore
-from ._codec import plan_tree
 from ._config import MoCConfig
-from ._coordination import Agreement, Ballot, Coordinator
+from ._coordination import Coordinator
 from ._dist import Comm
 from ._errors import CheckpointError
 from ._exact import ExactCheckpointer
+from ._modes import ExactMode, Mode, PlainMode, extra_tree
 from ._persister import Persister
-from ._plan_cache import UnitPlans
 from ._plt import PLTTracker
 from ._policy import CheckpointPolicy
 from ._recovery import Recovery
 from ._restore import RestorePlan
-from ._routing import RouterTaps, routing_reporters
 from ._run_state import RunState
-from ._snapshot_engine import SnapshotEngine
-from ._snapshot_plan import Inventory, plan_snapshot
+from ._snapshot import BufferPool, Inventory, SnapshotEngine
+from ._store import CheckpointStore
 from ._topology import check_node, default_node
-from ._units import UnitLayout, capture_rng, discover_units, optimizer_groups
+from ._units import RouterTaps, UnitLayout, UnitPlans, discover_units, routing_reporters
 
 __all__ = ["CheckpointManager", "CheckpointError", "Handover"]
 
@@ -91,11 +92,12 @@ class CheckpointManager:
     """Wraps a training loop; see the module docstring and ``README.md``.
 
     The manager owns the training-loop protocol (``step``, ``wait``, ``close``, SIGTERM)
-    and composes small parts: the :class:`~moc._snapshot_plan.Inventory` (layout: which
+    and composes small parts: the :class:`~moc._snapshot.plan.Inventory` (layout: which
     units exist, who holds them), the :class:`~moc._policy.CheckpointPolicy` (selection,
-    K, interval, PLT), the :class:`~moc._snapshot_engine.SnapshotEngine` (first level),
+    K, interval, PLT), the :class:`~moc._snapshot.engine.SnapshotEngine` (first level),
     the :class:`~moc._persister.Persister` (second level) and
-    :class:`~moc._recovery.Recovery`.
+    :class:`~moc._recovery.Recovery`; the training-loop calls go to its :attr:`mode`
+    (:class:`~moc._modes.PlainMode`, or :class:`~moc._modes.ExactMode` with ``cfg.exact``).
 
     Args:
         cfg: the configuration.
@@ -170,7 +172,7 @@ class CheckpointManager:
         else:
             pool = BufferPool(self.snapshot_dir)
         # One lock for the buffers' states, shared with the background jobs of a manager this
-        # one replaces (they may still run; see moc._buffers).
+        # one replaces (they may still run; see moc._snapshot.buffers).
         self.run = RunState(rank=self.rank, world=self.world, lock=pool.lock)
         self.policy = CheckpointPolicy(cfg, num_experts=self.inventory.num_experts, run=self.run, comm=self.comm)
         self.plans = UnitPlans(model, optimizer, layout)
@@ -181,23 +183,28 @@ class CheckpointManager:
         self.recovery = Recovery(cfg, model=model, optimizer=optimizer, inventory=self.inventory, comm=self.comm,
                                  run=self.run, store=store, snapshot_dir=self.snapshot_dir, policy=self.policy,
                                  extra_state=self.extra_state)
-        self._step_call_last = 0.0    # synchronous part of a checkpoint inside step()
-        self._step_call_total = 0.0
         self._closed = False
-        self._sigterm = False
         self._adopt([t["handover"] for t in told])
-        self.exact = self._exact_mode(store, pool) if cfg.exact else None
+        #: exact mode's checkpointer (None: plain mode); the manager calls only :attr:`mode`
+        self.exact = self._exact_checkpointer(store, pool) if cfg.exact else None
+        self.mode: Mode
         if self.exact is not None:
-            self.exact.adopt([(t["handover"] or {}).get("exact") for t in told])
+            self.mode = ExactMode(cfg, checkpointer=self.exact, comm=self.comm, run=self.run)
+            self.mode.adopt([(t["handover"] or {}).get("exact") for t in told])
 
         self._attach_routing()
-        pre_hook = self.exact.before_optimizer_step if self.exact is not None else self.engine.before_optimizer_step
-        self._hook = optimizer.register_step_pre_hook(pre_hook) if optimizer is not None else None
+        if self.exact is None:
+            self.mode = PlainMode(cfg, inventory=self.inventory, comm=self.comm, run=self.run, policy=self.policy,
+                                  plans=self.plans, coordinator=self.coordinator, engine=self.engine,
+                                  persister=self.persister, recovery=self.recovery, model=model, optimizer=optimizer,
+                                  extra_state=self.extra_state,
+                                  drain=functools.partial(self._taps.drain, fed=self._fed.__contains__))
+        self._hook = optimizer.register_step_pre_hook(self.mode.before_optimizer_step) if optimizer is not None else None
         self._old_sigterm = None
         if threading.current_thread() is threading.main_thread():
             self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
 
-    def _exact_mode(self, store: CheckpointStore, pool: BufferPool) -> ExactCheckpointer:
+    def _exact_checkpointer(self, store: CheckpointStore, pool: BufferPool) -> ExactCheckpointer:
         """``cfg.exact``: the exact-mode protocol; every rank captures and replays its own
         pieces (DTensor shards included); units several ranks hold are stored per holder."""
         shared = {u for u in self.inventory.layout.units if len(self.inventory.holders.get(u, ())) > 1}
@@ -255,12 +262,12 @@ class CheckpointManager:
         """Exact mode: the manager this one took over from (``handover=``, on any rank) was
         replaying a window, so the model is half replayed: call ``restore(reshard=True)``
         before training on."""
-        return self.exact is not None and self.exact.interrupted_replay
+        return self.mode.interrupted_replay
 
     @property
     def replaying(self) -> bool:
         """Exact mode: a restored window is being replayed (the steps up to its last one)."""
-        return self.exact is not None and self.exact.replay is not None
+        return self.mode.replaying
 
     @property
     def last_restore(self) -> RestorePlan | None:
@@ -300,7 +307,7 @@ class CheckpointManager:
 
     def _attach_routing(self) -> None:
         """Count routing without user calls: layers that report their own counts (Lazarus's,
-        through :data:`moc._routing.GLOBAL_ROUTING_ATTR`) are wired up, other routers
+        through :data:`moc._units.routing.GLOBAL_ROUTING_ATTR`) are wired up, other routers
         (transformers, Megatron) are tapped with forward hooks."""
         lazarus_layers = set()
         self._fed: set[str] = set()
@@ -329,108 +336,12 @@ class CheckpointManager:
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
         self.run.last_step = step
-        if self.exact is not None:
-            # One process flushes at once; several agree on it at the next window's round.
-            if self._sigterm and not self.comm.distributed:
-                self._flush_and_exit()
-            if self.exact.step(step, sigterm=self._sigterm):
-                self._flush_and_exit()
-            return
-        self.policy.observe_step()
-        due = self.policy.due(step)
-        if not (due or self.policy.decision_point(step)):
-            return
-        # Checkpoints and decision points are the same steps on every rank, so the rounds
-        # (one collective each in steady state) line up.
-        t0 = time.perf_counter()
-        has_buffer = True
-        if due:
-            self.engine.wait()
-            has_buffer = self.engine.reserve()   # the buffer to fill, kept from everyone else
-        plans, extra, error = self._plan_units(step) if due else (None, None, None)
-        agreed = self._agree(step, due, plans, extra, error, no_buffer=not has_buffer)
-        if due and (agreed.sigterm or agreed.broken or agreed.failed or agreed.no_buffer):
-            self.engine.unreserve()
-        if agreed.sigterm:
+        if self.mode.step(step):
             self._flush_and_exit()
-        self.persister.settle(agreed.finished_seq)
-        self.policy.adopt(agreed.k_snapshot, agreed.interval)
-        if not due or agreed.no_buffer:
-            if due:   # every rank skips it: no buffer on some rank (logged with its reason there)
-                self.engine.skip(step, self.engine.reserve_error if not has_buffer else "no snapshot buffer on "
-                                 "another rank (see its log)")
-            retry = agreed.persist_step(False, step)
-            if retry is not None:
-                self.persister.start(retry)
-            return
-        if agreed.broken:
-            if error is not None:
-                raise error
-            raise CheckpointError(f"{self.run.where()}: another rank could not plan its units (see its log)")
-        if agreed.failed:
-            raise self.engine.failure_error(self.persister.last_persisted_step)
-        self._checkpoint(step, agreed, plans, extra)
-        self._step_call_last = time.perf_counter() - t0
-        self._step_call_total += self._step_call_last
-        self.policy.save_overhead = self._step_call_last + self.engine.stall_last
-        self.policy.tune(self.engine.seconds)
-
-    def _plan_units(self, step: int) -> tuple[Any, Any, BaseException | None]:
-        """Every unit's serialisation plan (cached while its tensors are unchanged) and the
-        extra unit's; an error is reported in the round, so all ranks raise together."""
-        try:
-            plans = self.plans.refresh()
-            extra = plan_tree(self._extra_tree(step))
-        except Exception as exc:  # noqa: BLE001 - raised after the round, on every rank
-            log.error("%s: planning the checkpoint failed: %s", self.run.where(), exc)
-            return None, None, exc
-        return plans, extra, None
-
-    def _agree(self, step: int, due: bool, plans: Any, extra: Any, error: BaseException | None, *,
-               no_buffer: bool = False) -> Agreement:
-        """This step's round: what every rank must decide alike (see :mod:`moc._coordination`)."""
-        proposal = self.policy.take_proposal()
-        ballot = Ballot(sigterm=self._sigterm, persist_busy=self.persister.busy, no_buffer=no_buffer,
-                        retry_step=self.persister.retry_candidate(before_snapshot=due),
-                        finished_seq=self.persister.finished_seq,
-                        k_snapshot=proposal.get("k_snapshot"), interval=proposal.get("interval"))
-        if due:
-            ballot.failed = self.engine.failing()
-            ballot.broken = error is not None
-            ballot.routing = self.policy.take_routing(self._drain)
-            if error is None:
-                ballot.sizes = self.coordinator.changed_sizes({**plans, f"extra/rank{self.rank}": extra})
-        return self.coordinator.agree(ballot)
-
-    def _checkpoint(self, step: int, agreed: Agreement, plans: Any, extra: Any) -> None:
-        self.policy.fold_routing(agreed.routing)
-        # Until one checkpoint holding every unit is committed, save (and persist) every
-        # expert; afterwards every persist_every-th snapshot also goes to storage.
-        designated = self.policy.designated()
-        selection = self.policy.select(not self.run.has_base, designated)
-        plan = plan_snapshot(self.cfg, self.inventory, rank=self.rank, world=self.world, step=step,
-                             selection=selection, plans=plans, extra=extra, sizes=self.coordinator.sizes)
-        meta = self._meta()
-        plt_state = self.policy.mark_snapshot(selection, designated)
-        header = {"run": self.run.run_id, "rank": self.rank, "world": self.world, "step": step,
-                  "plt": plt_state, "meta": meta, "persist_due": designated,
-                  "selection": {l: list(v[1]) for l, v in selection.items()}}
-        persist = agreed.persist_step(designated, step)
-        snapshot = self.engine.start(plan, header)
-        self.run.first_done = True
-        if persist is not None:
-            self.persister.start(persist, snapshot if designated else None)
 
     def _extra_tree(self, step: int) -> dict[str, Any]:
-        extra: dict[str, Any] = {"step": step, "rng": capture_rng(), "rank": self.rank, "world": self.world}
-        if self.optimizer is not None:
-            extra["optimizer_groups"] = optimizer_groups(self.model, self.optimizer, params=self.plans.params or None)
-        if self.extra_state:
-            extra["user"] = {name: obj.state_dict() for name, obj in self.extra_state.items()}
-        return {"extra": extra}
-
-    def _meta(self) -> dict[str, Any]:
-        return {"run_id": self.run.run_id, "layout": self.inventory.info, **self.policy.meta(), "world": self.world}
+        return extra_tree(step, model=self.model, optimizer=self.optimizer, plans=self.plans,
+                          extra_state=self.extra_state, rank=self.rank, world=self.world)
 
     def young_daly_interval(self, step_time: float) -> int:
         """Steps between checkpoints: I* = sqrt(2 * save_overhead / failure_rate)."""
@@ -454,20 +365,7 @@ class CheckpointManager:
         replay-divergence check is off unless the world and every rank's units are the
         window's (``status()["exact"]["last_replay"]`` says which).
         """
-        if reshard and self.exact is None:
-            raise ValueError("restore(reshard=True) needs MoCConfig(exact=True); restore() already restores "
-                             "any placement by unit name without exact mode")
-        if self.exact is not None:
-            return self.exact.restore(reshard=reshard)
-        self.engine.wait()
-        self.persister.drain(self.cfg.persist_timeout.total_seconds())
-        try:
-            next_step, manifest = self.recovery.restore()
-        finally:
-            self.plans.invalidate()   # the model and optimizer state were written into
-        if next_step:
-            self.persister.base = manifest if self.rank == 0 else None
-        return next_step
+        return self.mode.restore(reshard=reshard)
 
     def restore_units(self, names: list[str]) -> dict[str, dict[str, Any]]:
         """Replace the named units (typically experts that lost every replica) with their
@@ -480,16 +378,7 @@ class CheckpointManager:
         "lost_tokens": int}``; level None means no saved version exists anywhere (the unit
         keeps its current values).
         """
-        if self.exact is not None:
-            raise CheckpointError("restore_units() is not available with MoCConfig(exact=True): restore() and "
-                                  "replay the window instead (no tokens are lost)")
-        self.engine.wait()
-        self.persister.drain(self.cfg.persist_timeout.total_seconds())
-        self._sync_routing()
-        try:
-            return self.recovery.restore_units(names)
-        finally:
-            self.plans.invalidate()
+        return self.mode.restore_units(names)
 
     # -- reconfiguration -----------------------------------------------------------------
     def _export_state(self) -> dict[str, Any]:
@@ -528,7 +417,7 @@ class CheckpointManager:
         before they are handed over (the successor page-locks them again, off its
         training thread).
         """
-        exact = self.exact.detach() if self.exact is not None else None
+        exact = self.mode.detach()
         with self.run.lock:
             self.run.abandoned = True
         self.engine.abandon(grace)        # waits for the copies into the buffers too
@@ -549,14 +438,12 @@ class CheckpointManager:
         """After :meth:`detach` or :meth:`close`: wait up to ``timeout`` (in all) for the
         background threads to end (a job left behind on storage that hangs keeps its thread);
         True once they have. A process about to exit calls it (off its training thread, as
-        :func:`lazarus.runtime._abort.release_in_background` does): daemon threads still at
+        :func:`lazarus.runtime.worker._abort.release_in_background` does): daemon threads still at
         work while the interpreter finalises abort it as soon as they leave a C++ call."""
         deadline = time.monotonic() + timeout.total_seconds()
         left = lambda: max(0.0, deadline - time.monotonic())   # noqa: E731
         done = self.persister.join(left())
-        if self.exact is not None:
-            done = self.exact.join(left()) and done
-        return done
+        return self.mode.join(left()) and done
 
     # -- waiting, flushing, closing ------------------------------------------------------
     def wait(self, *, flush: bool = True) -> None:
@@ -566,22 +453,14 @@ class CheckpointManager:
         flight and the persist in flight (a memory-only snapshot stays memory-only). That
         form is local to this rank; the flushing form is collective under
         torch.distributed (every rank decides the flush together)."""
-        if self.exact is not None:
-            self.exact.wait(flush=flush, timeout=self.cfg.persist_timeout.total_seconds())
-            return
-        self.engine.wait()
-        try:
-            if not flush:
-                self.persister.wait_in_flight(self.cfg.persist_timeout.total_seconds())
-                return
-            self.persister.flush(time.monotonic() + self.cfg.persist_timeout.total_seconds())
-        finally:
-            # Local, and still deterministic: a rank's next round makes every other rank
-            # catch up with the jobs it has booked (Persister.settle).
-            self.persister.apply_outcomes()
+        self.mode.wait(flush=flush)
+
+    @property
+    def _sigterm(self) -> bool:
+        return self.run.sigterm
 
     def _on_sigterm(self, signum, frame) -> None:
-        self._sigterm = True
+        self.run.sigterm = True
         log.warning("rank %d: SIGTERM received; flushing the newest snapshot at the next step", self.rank)
         if not self.comm.distributed and self.run.last_step is not None and not self._closed:
             self._flush_and_exit()
@@ -630,8 +509,7 @@ class CheckpointManager:
             self._release_hooks()
             self.engine.shutdown(wait=True)
             self.persister.shutdown(wait=True)
-            if self.exact is not None:
-                self.exact.shutdown(wait=True)
+            self.mode.shutdown()
             self.engine.quiesce()
             if not keep_snapshots:
                 self.engine.pool.remove_files()
@@ -652,7 +530,7 @@ class CheckpointManager:
     def status(self) -> dict[str, Any]:
         busy = self.persister.busy
         e, p, pol = self.engine, self.persister, self.policy
-        exact = self.exact.status() if self.exact is not None else None
+        exact = self.mode.status()
         with self.run.lock:
             return {
                 "exact": exact,
@@ -665,8 +543,8 @@ class CheckpointManager:
                 "layout": self.inventory.info["description"],
                 "k_snapshot": pol.k_snapshot, "k_persist": pol.k_persist, "interval": pol.interval,
                 "stall_seconds_last": e.stall_last, "stall_seconds_total": e.stall_total, "stalls": e.stalls,
-                "step_call_seconds_last": self._step_call_last, "step_call_seconds_total": self._step_call_total,
-                "blocked_seconds_total": e.stall_total + self._step_call_total,
+                "step_call_seconds_last": self.mode.step_call_last, "step_call_seconds_total": self.mode.step_call_total,
+                "blocked_seconds_total": e.stall_total + self.mode.step_call_total,
                 "snapshot_seconds": e.seconds, "buffer_bytes": e.pool.allocated_bytes(),
                 "device_snapshots_async": e.device_snapshots_async,
                 "device_snapshots_fallback": e.device_snapshots_fallback,

@@ -15,15 +15,14 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 from datetime import timedelta
 from typing import Any
 
-from ._buffers import PERSIST, READY, BufferPool, SnapshotBuffer
-from ._ckpt_store import CheckpointStore
 from ._config import MoCConfig
 from ._daemon import DaemonExecutor
 from ._dist import Comm
-from ._format import ChunkRecord, Manifest, UnitRecord
 from ._plt import PLTTracker
 from ._policy import CheckpointPolicy
 from ._run_state import RunState
+from ._snapshot import PERSIST, READY, BufferPool, SnapshotBuffer
+from ._store import CheckpointStore, ChunkRecord, Manifest, UnitRecord
 from ._together import tick_seconds, wait_together
 
 __all__ = ["Persister"]

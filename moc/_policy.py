@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ._config import MoCConfig
-from ._device_copy import LateCopies
+from ._cuda import LateCopies
 from ._dist import Comm
 from ._plt import PLTTracker
 from ._run_state import RunState

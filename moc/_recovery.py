@@ -10,19 +10,15 @@ from typing import Any, Mapping
 import torch
 import xxhash
 
-from ._buffers import read_headers
-from ._ckpt_store import CheckpointStore
-from ._codec import TensorMeta, decode_tree, unit_buffer
 from ._config import MoCConfig
 from ._dist import Comm
 from ._errors import CheckpointError
-from ._format import Manifest, manifest_key
 from ._policy import CheckpointPolicy
 from ._restore import (MemoryPiece, RestorePlan, manifest_inventory, module_units_of, plan_restore, plan_units,
                        restore_snapshots)
 from ._run_state import RunState
-from ._snapshot_plan import Inventory
-from ._snapshot_reader import SnapshotMaps
+from ._snapshot import Inventory, SnapshotMaps, read_headers
+from ._store import CheckpointStore, Manifest, TensorMeta, decode_tree, manifest_key, unit_buffer
 from ._units import apply_partial, apply_units, local_box, own_tree, restore_rng, unit_base
 
 __all__ = ["Recovery"]

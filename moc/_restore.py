@@ -57,7 +57,7 @@ class RestorePlan:
 
 
 def manifest_inventory(manifest: Any) -> dict[str, Any] | None:
-    """What the planner needs of a :class:`moc._format.Manifest` (None stays None)."""
+    """What the planner needs of a :class:`moc._store.format.Manifest` (None stays None)."""
     if manifest is None:
         return None
     return {"step": manifest.step, "plt": manifest.plt, "meta": manifest.meta,

@@ -23,6 +23,8 @@ class RunState:
         has_base: a committed manifest holds every unit (partial checkpoints may start).
         first_done: a snapshot was taken by this process or the manager it replaced.
         abandoned: the manager was detached; background jobs must not touch its buffers.
+        sigterm: SIGTERM was received; the newest snapshot is flushed and the process exits
+            (at once in a single process, else at the step the ranks agree on).
         last_step: the step passed to the newest ``step()`` call.
         last_error: the newest error any part reported (status only).
         lock: guards these facts and the snapshot buffers' states; the manager passes its
@@ -36,6 +38,7 @@ class RunState:
     has_base: bool = False
     first_done: bool = False
     abandoned: bool = False
+    sigterm: bool = False
     last_step: int | None = None
     last_error: str | None = None
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)

@@ -23,11 +23,11 @@ from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 from storage_backends import open_store
 
-from ._ckpt_store import CheckpointStore
-from ._export_formats import FORMATS
-from ._format import Manifest
-from ._inspect import format_summary, format_units, header_lines, human, summarize
-from ._inspect_memory import find_folders, format_memory, memory_report
+from ._export import pick_manifest
+from ._export.formats import FORMATS
+from ._inspect import (find_folders, format_memory, format_summary, format_units, header_lines, human, memory_report,
+                       summarize)
+from ._store import CheckpointStore
 
 __all__ = ["main", "summarize"]
 
@@ -66,15 +66,6 @@ def _open(args: argparse.Namespace) -> CheckpointStore:
     return CheckpointStore(open_store(url, **opts))
 
 
-def _pick(cs: CheckpointStore, step: int | None) -> Manifest:
-    if step is not None:
-        return cs.read_manifest(step)
-    manifest = cs.latest_manifest()
-    if manifest is None:
-        raise FileNotFoundError(f"no committed checkpoint in {cs.store.url}")
-    return manifest
-
-
 def cmd_inspect(args: argparse.Namespace) -> int:
     if args.memory is not None and args.step is not None:
         raise ValueError("--step cannot be combined with --memory: restore() always starts from the newest step")
@@ -82,14 +73,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         find_folders(args.memory)  # a bad --memory path fails before the store is read
     cs = _open(args)
     # --memory previews a restore, which starts from the newest readable manifest.
-    manifest = cs.latest_manifest() if args.memory is not None else _pick(cs, args.step)
+    manifest = cs.latest_manifest() if args.memory is not None else pick_manifest(cs, args.step)
     info = summarize(cs, manifest) if manifest is not None else None
     memory = memory_report(args.memory, manifest) if args.memory is not None else None
     png = None
     if args.png is not None:
         if manifest is None:
             raise FileNotFoundError(f"--png: no committed checkpoint in {cs.store.url} to plot")
-        from ._inspect_plot import write_heatmap  # matplotlib only when asked for
+        from ._inspect.plot import write_heatmap  # matplotlib only when asked for
 
         png = write_heatmap(manifest, args.png, url=cs.store.url)
     if args.json:
@@ -131,7 +122,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ._export_formats import export
+    from ._export.formats import export
 
     cs = _open(args)
     with _bar(f"export {args.format}") as progress:
@@ -157,7 +148,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _size(text: str) -> int:
-    from ._export_formats import parse_size
+    from ._export.formats import parse_size
 
     try:
         return parse_size(text)

@@ -19,12 +19,11 @@ uses for that; everything else in moc stays internal:
 
 from __future__ import annotations
 
-from ._codec import TensorMeta, decode_tree, plan_tree, unit_buffer
 from ._dist import Comm
-from ._layouts import discover_units
 from ._manager import Handover
 from ._optional import import_optional
-from ._units import apply_partial, capture_unit
+from ._store import TensorMeta, decode_tree, plan_tree, unit_buffer
+from ._units import apply_partial, capture_unit, discover_units
 
 __all__ = [
     "Comm",

@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
 from moc import CheckpointStore  # noqa: E402
-from moc._codec import compress, decompress, encode_tree  # noqa: E402
+from moc._store.codec import compress, decompress, encode_tree  # noqa: E402
 from storage_backends import open_store  # noqa: E402
 
 MiB = 2**20

@@ -89,7 +89,7 @@ class ElasticMoE(nn.Module):
         last_received_per_expert: int64 [E], the same per expert.
     """
 
-    #: moc's routing protocol (moc._routing.GLOBAL_ROUTING_ATTR): ``routing_hook`` gets the
+    #: moc's routing protocol (moc._units.routing.GLOBAL_ROUTING_ATTR): ``routing_hook`` gets the
     #: global counts after each forward, so moc needs no import of lazarus to wire it up.
     reports_global_routing = True
 

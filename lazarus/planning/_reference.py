@@ -7,7 +7,7 @@ implementations of Eq. 1 (exact ``Fraction`` arithmetic) and of the MRO construc
 They are kept, unchanged in behaviour, for two uses only:
 
 - tests assert that the fast planner returns exactly the same replica counts and the
-  same plans on seeded random inputs (``tests/test_planning_reference.py``);
+  same plans on seeded random inputs (``tests/lazarus/planning/test_reference.py``);
 - ``make bench-placement`` times both in the same run.
 
 The local search (:func:`lazarus.planning.improve_placement`) did not change and is shared.

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from gpu_common import GPU, free_port, shm_dir, to_host  # noqa: F401 - shm_dir is a fixture
 from moc import CheckpointManager, MoCConfig
-from moc._device_copy import CudaCopier, live_registrations
+from moc._cuda.copies import CudaCopier, live_registrations
 from examples.toy_moe import BigramTask, ToyMoE
 
 pytestmark = GPU

@@ -1,4 +1,4 @@
-"""A stand-in for the CUDA runtime moc calls (:mod:`moc._cuda`), for machines without a GPU.
+"""A stand-in for the CUDA runtime moc calls (:mod:`moc._cuda.calls`), for machines without a GPU.
 
 It keeps CUDA's rules instead of waving calls through:
 

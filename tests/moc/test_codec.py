@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moc._codec import DTYPES, checksum, compress, decode_tree, decompress, encode_tree
+from moc._store.codec import DTYPES, checksum, compress, decode_tree, decompress, encode_tree
 
 FLOATS = ["float32", "float64", "float16", "bfloat16"]
 
@@ -125,7 +125,7 @@ def test_decode_rejects_metadata_that_does_not_fit():
 @settings(max_examples=80, deadline=None)
 @given(trees, st.integers(0, 300), st.integers(0, 300))
 def test_plan_copy_range_matches_encoded_stream(tree, a, b):
-    from moc._codec import plan_tree
+    from moc._store.codec import plan_tree
 
     plan = plan_tree(tree)
     enc = encode_tree(tree)

@@ -15,8 +15,8 @@ import torch
 
 from tests.helpers.fake_cuda import ALREADY_REGISTERED, NOT_REGISTERED, CudaRuleViolation, FakeCuda
 from moc import CheckpointManager, MoCConfig
-from moc._buffers import BufferPool
-from moc._device_copy import CudaCopier, live_registrations
+from moc._cuda.copies import CudaCopier, live_registrations
+from moc._snapshot.buffers import BufferPool
 from tests.helpers.moc_helpers import clone_state, make, train_step
 
 DEVICE = 1      # the rank's GPU: not 0, so a thread that never bound its device shows up

@@ -1,4 +1,4 @@
-"""moc's copy helper (:mod:`moc._device_copy`) on the host: which copier a snapshot gets,
+"""moc's copy helper (:mod:`moc._cuda.copies`) on the host: which copier a snapshot gets,
 page-locking guarded where CUDA is absent, restores' host-to-device helper. The CUDA side
 is exercised by ``tests/gpu`` (``make test-gpu``)."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from moc._buffers import BufferPool
-from moc._codec import plan_tree
-from moc._device_copy import (CudaCopier, HostCopier, LateCopies, copier_for, copy_into, cuda_devices, finish_copies,
+from moc._snapshot.buffers import BufferPool
+from moc._store.codec import plan_tree
+from moc._cuda.copies import (CudaCopier, HostCopier, LateCopies, copier_for, copy_into, cuda_devices, finish_copies,
                               host_register)
 
 import pytest
@@ -141,7 +141,7 @@ class _Event:
 
 
 def test_late_copies_hand_over_only_what_arrived_with_their_labels(monkeypatch) -> None:
-    import moc._device_copy as dc
+    import moc._cuda.copies as dc
 
     events: list[_Event] = []
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moc import CheckpointError, CheckpointManager, MoCConfig
-from moc._codec import ALIGN
+from moc._store.codec import ALIGN
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 

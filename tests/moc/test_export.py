@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from moc import CheckpointManager, CheckpointStore, MoCConfig
-from moc._export import plan_export
+from moc._export.plan import plan_export
 from moc.cli import main
 from tests.helpers.moc_helpers import make, train_step
 
@@ -288,7 +288,7 @@ def test_sharded_pieces_are_reassembled(tmp_path):
     assert out["optimizer"]["param_groups"] == [{"lr": 0.1, "params": ["emb", "experts.w"]}]
     assert set(out["extra"]) == {"rank0", "rank1"}
     # moc's own restore of the same units agrees.
-    from moc._units import apply_units
+    from moc._units.capture import apply_units
 
     live = torch.nn.Module()
     live.emb = torch.nn.Parameter(torch.zeros(6, 4))
@@ -358,10 +358,10 @@ def test_cli_process_exit_code_and_summary(toy_ckpt, tmp_path):
 # -- memory: streaming, not the model ---------------------------------------------------------
 MEMORY_PROBE = r"""
 import resource, sys, torch
-import moc._export as ex
+import moc._export.plan as ex
 from moc import CheckpointStore
-from moc._export_formats import export
-import moc._export_formats as fm
+from moc._export.formats import export
+import moc._export.formats as fm
 ex.READ_AHEAD_BYTES = 4 << 20
 fm.DCP_FILE_BYTES = 8 << 20
 cs = CheckpointStore(sys.argv[1])

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from moc import CheckpointManager, CheckpointStore, MoCConfig
-from moc._inspect_plot import heatmap_geometry
+from moc._inspect.plot import heatmap_geometry
 from moc.cli import main
 from tests.helpers.moc_helpers import make
 
@@ -162,7 +162,7 @@ def test_png_heatmap_has_the_expected_size_and_shows_the_ages(run_copy, tmp_path
     assert png_size(out) == (geo["width"], geo["height"])
     assert f"heatmap  {out} ({geo['width']} x {geo['height']} px)" in capsys.readouterr().out
     img = matplotlib.image.imread(out)
-    from moc._inspect_plot import LEFT, TOP
+    from moc._inspect.plot import LEFT, TOP
 
     # The map's pixels: several distinct colours (ages 0, 8, 16 -> different colours).
     region = img[TOP + 2: TOP + geo["map_h"] - 2, LEFT + 2: LEFT + geo["map_w"] - 2, :3]

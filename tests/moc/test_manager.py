@@ -436,7 +436,7 @@ def test_a_persist_never_leases_the_buffer_reserved_for_the_next_snapshot(tmp_pa
     missing), takes no lease, and the reserved buffer can be filled."""
     from concurrent.futures import Future
 
-    from moc._buffers import FREE
+    from moc._snapshot.buffers import FREE
     from moc._persister import _Handoff
 
     model, opt, task = make(0)

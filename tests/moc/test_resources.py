@@ -2,7 +2,7 @@
 
 Each test drives one resource to exhaustion against real parts (a moto S3 server behind a
 proxy that hangs, a real tmpfs that fills up, real gloo ranks) and checks the rule of
-``moc._buffers``: the due snapshot is skipped and counted (or another buffer serves it),
+``moc._snapshot.buffers``: the due snapshot is skipped and counted (or another buffer serves it),
 the newest complete snapshot stays recoverable, nothing committed is lost, and snapshots
 and persists resume once the resource is back.
 """

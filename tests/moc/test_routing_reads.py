@@ -14,7 +14,7 @@ import torch
 
 from tests.helpers import hf_zoo as zoo
 from moc import CheckpointManager, ExpertLayout, MoCConfig, discover_units
-from moc._routing import RouterTaps
+from moc._units.routing import RouterTaps
 
 pytest.importorskip("transformers")
 E = 4

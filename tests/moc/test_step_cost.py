@@ -25,8 +25,8 @@ import torch
 
 from tests.helpers import layout_models as lm
 from moc import CheckpointError, CheckpointManager, MoCConfig
-from moc._layouts import local_tensor
-from moc._units import capture_unit
+from moc._units.capture import capture_unit
+from moc._units.layouts import local_tensor
 from tests.helpers.rank_harness import run_ranks
 
 
@@ -93,7 +93,7 @@ def test_persist_decision_needs_idle_ranks_and_one_candidate():
 
 
 def test_published_sizes_merge_and_flag_disagreeing_holders():
-    from moc._snapshot_plan import PublishedSizes
+    from moc._snapshot.plan import PublishedSizes
 
     sizes = PublishedSizes(3)
     sizes.update(0, {"expert/l0/1": 64, "module/a": 32, "extra/rank0": 8})

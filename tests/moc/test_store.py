@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moc import CheckpointStore, CorruptObjectError, ManifestError, UnsupportedFormatError
-from moc._format import FORMAT_VERSION, manifest_key
+from moc._store.format import FORMAT_VERSION, manifest_key
 from storage_backends import open_store
 
 
@@ -54,8 +54,8 @@ def test_partial_checkpoints_compose(cs):
 
 def test_sharded_unit_chunks_from_several_writers(cs):
     """One unit's bytes split over two writers (as ranks holding replicas do)."""
-    from moc._ckpt_store import make_record
-    from moc._codec import encode_tree
+    from moc._store.store import make_record
+    from moc._store.codec import encode_tree
 
     tree = expert_tree(0, 0, 7.0)
     enc = encode_tree(tree)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from moc import MoCConfig  # noqa: E402
-from moc._snapshot_plan import copy_targets  # noqa: E402
+from moc._snapshot.plan import copy_targets  # noqa: E402
 from moc._topology import check_node, default_node  # noqa: E402
 
 
@@ -84,7 +84,7 @@ def prog_copies(rank: int, world: int, tmp: str, mode: str) -> None:
 
     from tests.helpers.workers.mp_moc_worker import Model
     from moc import CheckpointManager
-    from moc._buffers import read_headers
+    from moc._snapshot.buffers import read_headers
 
     local = [2 * rank, 2 * rank + 1]
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ import pytest
 
 from examples.local_cluster import LocalCluster
 from lazarus.planning import round_robin_gpus
-from moc._ckpt_store import CheckpointStore
+from moc._store.store import CheckpointStore
 
 STEPS = 45
 NODES = ["n0", "n1", "n2"]

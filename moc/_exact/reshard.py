@@ -27,12 +27,10 @@ from typing import Any, Iterable
 
 import xxhash
 
-from ._buffers import PERSIST, READY, BufferPool, SnapshotBuffer
-from ._ckpt_store import CheckpointStore
-from ._codec import TensorMeta, decode_tree
-from ._errors import CheckpointError
-from ._exact_store import extra_name, weights_name
-from ._format import Manifest
+from .._errors import CheckpointError
+from .._snapshot import PERSIST, READY, BufferPool, SnapshotBuffer
+from .._store import CheckpointStore, Manifest, TensorMeta, decode_tree
+from .store import extra_name, weights_name
 
 __all__ = ["Resharded", "canonical_sources", "read_resharded"]
 

@@ -2,7 +2,7 @@
 ``restore()`` would take from them, without reading a tensor.
 
 The plan comes from the same functions ``CheckpointManager.restore()`` calls
-(:func:`moc._buffers.read_headers` for the published headers, then
+(:func:`moc._snapshot.buffers.read_headers` for the published headers, then
 :func:`moc._restore.restore_snapshots`, :func:`~moc._restore.manifest_inventory`,
 :func:`~moc._restore.module_units_of` and :func:`~moc._restore.plan_restore`), so the
 report is by construction what a restore does, assuming every folder found is served by a
@@ -23,10 +23,10 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ._buffers import HEADER_VERSION, _checksum_header, read_headers
-from ._format import Manifest
-from ._inspect import group_rows, human, layer_labels, natural_key
-from ._restore import RestorePlan, manifest_inventory, module_units_of, plan_restore, restore_snapshots
+from .._restore import RestorePlan, manifest_inventory, module_units_of, plan_restore, restore_snapshots
+from .._snapshot.buffers import HEADER_VERSION, _checksum_header, read_headers
+from .._store import Manifest
+from .summary import group_rows, human, layer_labels, natural_key
 
 __all__ = ["BufferInfo", "find_folders", "scan_folder", "memory_report", "format_memory"]
 

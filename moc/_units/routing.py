@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ._device_copy import LateCopies
+from .._cuda import LateCopies
 
 __all__ = ["RouterTaps", "find_router", "GLOBAL_ROUTING_ATTR", "routing_reporters"]
 

@@ -1,6 +1,6 @@
 """Where snapshot bytes come from: host tensors, or CUDA tensors copied on a side stream.
 
-CUDA calls go through :mod:`moc._cuda` (a test installs a stand-in there). Two copiers
+CUDA calls go through :mod:`moc._cuda.calls` (a test installs a stand-in there). Two copiers
 share one interface:
 
 * :class:`HostCopier` (CPU tensors): a copy completes inside the call, so the snapshot
@@ -17,7 +17,7 @@ share one interface:
 A copy into pageable memory would be synchronous and, issued from the training stream,
 serialise with training: never done here. A buffer not page-locked (yet: buffers are
 page-locked in the background after a snapshot that created or grew them, see
-:mod:`moc._buffers`; or ever: locked-memory limits) makes :class:`SnapshotEngine` copy
+:mod:`moc._snapshot.buffers`; or ever: locked-memory limits) makes :class:`SnapshotEngine` copy
 from the snapshot thread instead, waited for by the pre-hook like on CPU.
 
 Page-locking (:func:`host_register`) hands out :class:`HostRegistration` objects, kept in a
@@ -39,7 +39,7 @@ from typing import Any, Callable, Generic, Iterable, Iterator, TypeVar
 
 import torch
 
-from ._cuda import HOST_REGISTER_PORTABLE, SUCCESS, runtime
+from .calls import HOST_REGISTER_PORTABLE, SUCCESS, runtime
 
 __all__ = ["HostCopier", "CudaCopier", "CudaCopyBatch", "HostRegistration", "copier_for", "cuda_devices",
            "host_register", "live_registrations", "copy_into", "finish_copies", "to_host_later", "LateCopies"]
@@ -227,7 +227,7 @@ class CudaCopyBatch:
 
     def synchronize(self) -> None:
         """Block the calling thread until every copy has landed in host memory (the
-        thread's current device must be set: see :mod:`moc._cuda`)."""
+        thread's current device must be set: see :mod:`moc._cuda.calls`)."""
         for ev in self._done.values():
             ev.synchronize()
 

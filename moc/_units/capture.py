@@ -1,6 +1,6 @@
 """Units: what moc saves and restores, found from a model and its optimizer.
 
-* one unit per expert of each MoE layer (see :mod:`moc._layouts` for the layouts
+* one unit per expert of each MoE layer (see :mod:`moc._units.layouts` for the layouts
   recognised: per-expert modules, fused expert tensors, DTensor shards) holding its
   weights and optimizer state;
 * one unit per non-expert module (the entries of ``model.state_dict()`` grouped by the
@@ -27,11 +27,10 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ._cuda import runtime
-from ._device_copy import copy_into, finish_copies
-from ._layouts import (DEFAULT_EXPERT_PATTERN, ExpertLayout, TensorRef, UnitLayout, UnitSpec, discover_units,
-                       expert_unit_name, fused_row_map, is_dtensor, local_box, local_tensor, module_unit_name,
-                       parse_expert, unit_base)
+from .._cuda import copy_into, finish_copies, runtime
+from .layouts import (DEFAULT_EXPERT_PATTERN, ExpertLayout, TensorRef, UnitLayout, UnitSpec, discover_units,
+                      expert_unit_name, fused_row_map, is_dtensor, local_box, local_tensor, module_unit_name,
+                      parse_expert, unit_base)
 
 log = logging.getLogger("moc")
 

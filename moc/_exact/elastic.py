@@ -1,7 +1,7 @@
 """Exact mode in an elastic job: the hand-over of a manager to the next one on a new process
 group (:meth:`ElasticExact.detach`, :meth:`ElasticExact.adopt`) and the restore of a window
 onto other ranks or another placement (``restore(reshard=True)``, read by
-:mod:`moc._exact_reshard`). A mixin of :class:`moc._exact.ExactCheckpointer`."""
+:mod:`moc._exact.reshard`). A mixin of :class:`moc._exact.checkpointer.ExactCheckpointer`."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import logging
 import time
 from typing import Any
 
-from ._errors import CheckpointError
-from ._exact_reshard import read_resharded
-from ._exact_state import Replay as _Replay
-from ._together import tick_seconds, wait_together
+from .._errors import CheckpointError
+from .._together import tick_seconds, wait_together
+from .reshard import read_resharded
+from .state import Replay as _Replay
 
 __all__ = ["ElasticExact"]
 

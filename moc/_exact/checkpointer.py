@@ -1,10 +1,10 @@
 """Exact mode (``MoCConfig(exact=True)``): sparse checkpoints that lose no tokens.
 
 Every step (``step(t)``, right after ``optimizer.step()``) captures, per the window
-schedule (:mod:`moc._exact_schedule`), the full state of the units whose slot is now and
+schedule (:mod:`moc._exact.schedule`), the full state of the units whose slot is now and
 the compute weights of the units whose full capture is later, plus the extra state
 (RNG, optimizer hyper-parameters, the user's ``extra_state``). The copies go into one of
-the three shared-memory buffers of :mod:`moc._buffers` (one buffer holds one window, filled
+the three shared-memory buffers of :mod:`moc._snapshot.buffers` (one buffer holds one window, filled
 step by step, reserved and leased by its rules) on a background thread; the optimizer's
 step pre-hook waits for it (the stall). A window's header is published once its last step
 is copied: an incomplete window is never read.
@@ -17,7 +17,7 @@ has a buffer for it (else every rank skips it and tries again at the next step),
 previous window *counts* only when every rank completed it, a SIGTERM or too many failed
 windows on any rank stop every rank, and the persist of a window (the first counted one,
 then every ``persist_every``-th) starts on every rank together: each rank writes its part,
-rank 0 commits one manifest for the window (:mod:`moc._exact_store`) and tells the others.
+rank 0 commits one manifest for the window (:mod:`moc._exact.store`) and tells the others.
 
 Recovery (:meth:`ExactCheckpointer.restore`, collective) loads the newest window complete
 on every rank (from memory, else storage) and returns its first step + 1; the user's loop
@@ -39,7 +39,7 @@ every rank (the ranks OR their verdicts in one all-reduce, so none is left waiti
 
 ``restore(reshard=True)`` (a window restored by unit name onto other ranks or another
 placement) and the hand-over between the managers of an elastic job are
-:mod:`moc._exact_elastic`'s.
+:mod:`moc._exact.elastic`'s.
 """
 
 from __future__ import annotations
@@ -53,23 +53,20 @@ from typing import Any, Callable, Mapping
 import torch
 import xxhash
 
-from ._buffers import FREE, PERSIST, READY, BufferPool, SnapshotBuffer, read_headers
-from ._ckpt_store import CheckpointStore
-from ._codec import TensorMeta, TreePlan, decode_tree, plan_tree
-from ._config import MoCConfig
-from ._daemon import DaemonExecutor
-from ._dist import Comm
-from ._errors import CheckpointError
-from ._exact_elastic import ElasticExact
-from ._exact_schedule import ExactSchedule, plan_schedule
-from ._exact_state import Replay as _Replay, Round as _Round, Window as _Window, grad_digest
-from ._exact_store import extra_name, rank_meta, read_part, weights_name, window_meta, write_part
-from ._format import UnitRecord
-from ._layouts import UnitLayout, local_tensor
-from ._plan_cache import UnitPlans
-from ._run_state import RunState
-from ._together import tick_seconds, wait_together
-from ._units import _clone_all, apply_partial, apply_units, restore_rng
+from .._config import MoCConfig
+from .._daemon import DaemonExecutor
+from .._dist import Comm
+from .._errors import CheckpointError
+from .._run_state import RunState
+from .._snapshot import FREE, PERSIST, READY, BufferPool, SnapshotBuffer, read_headers
+from .._store import CheckpointStore, TensorMeta, TreePlan, UnitRecord, decode_tree, plan_tree
+from .._together import tick_seconds, wait_together
+from .._units import UnitLayout, UnitPlans, local_tensor
+from .._units.capture import _clone_all, apply_partial, apply_units, restore_rng
+from .elastic import ElasticExact
+from .schedule import ExactSchedule, plan_schedule
+from .state import Replay as _Replay, Round as _Round, Window as _Window, grad_digest
+from .store import extra_name, rank_meta, read_part, weights_name, window_meta, write_part
 
 __all__ = ["ExactCheckpointer", "grad_digest", "weights_name", "extra_name"]
 
@@ -591,7 +588,7 @@ class ExactCheckpointer(ElasticExact):
         """Load the newest window complete on every rank and start its replay; return the
         next step to run (the window's first step + 1), 0 when nothing is stored.
         ``reshard``: the newest window committed to storage, each unit read by name
-        whatever ranks wrote it (:mod:`moc._exact_reshard`). Collective: every rank calls it."""
+        whatever ranks wrote it (:mod:`moc._exact.reshard`). Collective: every rank calls it."""
         self._settle()
         self._abort_window("restore")
         if self.persist_in_flight is not None:

@@ -1,5 +1,5 @@
 """What ``moc inspect`` reports about a store: a screen-sized summary (one line per MoE
-layer) and the per-unit table. Pure functions over a :class:`moc._format.Manifest`; no
+layer) and the per-unit table. Pure functions over a :class:`moc._store.format.Manifest`; no
 tensor is read.
 
 Terms used in the output:
@@ -20,7 +20,7 @@ import statistics
 import time
 from typing import Any, Sequence
 
-from ._format import Manifest
+from .._store import Manifest
 
 __all__ = ["summarize", "layer_summary", "layer_labels", "format_summary", "format_units", "human",
            "natural_key", "MAX_ROWS"]

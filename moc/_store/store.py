@@ -1,6 +1,6 @@
 """The persistent level: writing, committing, reading, verifying and retiring checkpoints.
 
-:class:`CheckpointStore` owns the store layout described in :mod:`moc._format`. Saving is
+:class:`CheckpointStore` owns the store layout described in :mod:`moc._store.format`. Saving is
 split so that many ranks can write in parallel and one of them commits:
 
 1. each writer packs its share of unit bytes into one object per group with a
@@ -26,21 +26,11 @@ import xxhash
 
 from storage_backends import Store, open_store
 
-from ._codec import (CODECS, EncodedUnit, TensorMeta, checksum, compress, decode_tree, decompress, encode_tree,
-                     unit_buffer)
-from ._export import export_state
-from ._format import (
-    DATA_PREFIX,
-    MANIFEST_PREFIX,
-    ChunkRecord,
-    Manifest,
-    ManifestError,
-    UnitRecord,
-    data_prefix,
-    manifest_key,
-    step_of_data_key,
-    step_of_manifest_key,
-)
+from .._export import export_state
+from .codec import (CODECS, EncodedUnit, TensorMeta, checksum, compress, decode_tree, decompress, encode_tree,
+                    unit_buffer)
+from .format import (DATA_PREFIX, MANIFEST_PREFIX, ChunkRecord, Manifest, ManifestError, UnitRecord, data_prefix,
+                     manifest_key, step_of_data_key, step_of_manifest_key)
 
 __all__ = ["CheckpointStore", "ShardWriter", "CorruptObjectError", "LoadResult", "VerifyProblem"]
 
@@ -157,7 +147,7 @@ def make_record(name: str, enc: EncodedUnit, chunks: list[ChunkRecord], *, kind:
 
 
 class CheckpointStore:
-    """Checkpoints of one run in one store (see :mod:`moc._format` for the layout).
+    """Checkpoints of one run in one store (see :mod:`moc._store.format` for the layout).
 
     ``compression``: ``"raw"`` (default) or ``"zstd"`` (byte-plane shuffled).
     ``keep_last``: number of committed steps to keep (None keeps all).

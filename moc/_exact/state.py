@@ -9,9 +9,9 @@ from typing import Any
 import torch
 import xxhash
 
-from ._buffers import SnapshotBuffer
-from ._exact_schedule import ExactSchedule
-from ._layouts import local_tensor
+from .._snapshot import SnapshotBuffer
+from .._units import local_tensor
+from .schedule import ExactSchedule
 
 __all__ = ["Window", "Replay", "Round", "grad_digest"]
 

@@ -9,7 +9,7 @@ piece is a tensor view of the map, its checksum is taken on the map, and the onl
 the one into the parameters / the optimizer state.
 
 Tensors from :meth:`SnapshotMaps.piece` alias the snapshot file: callers must copy what
-they keep (``moc._units.own_tree`` does) and drop the views before the buffer is refilled.
+they keep (``moc._units.capture.own_tree`` does) and drop the views before the buffer is refilled.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Iterable
 
 import torch
 
-from ._restore import MemoryPiece
+from .._restore import MemoryPiece
 
 __all__ = ["SnapshotMaps"]
 

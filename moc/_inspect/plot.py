@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 import os
 
-from ._format import Manifest
-from ._optional import import_optional
-from ._inspect import layer_labels, layer_summary, natural_key
+from .._optional import import_optional
+from .._store import Manifest
+from .summary import layer_labels, layer_summary, natural_key
 
 __all__ = ["heatmap_geometry", "write_heatmap", "age_matrix"]
 

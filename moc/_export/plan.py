@@ -25,12 +25,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
-from ._codec import TensorMeta, meta_tree
-from ._format import Manifest
-from ._units import _copy_box, _saved_box
+# the store's codec and manifest modules, not the room: the store exports through this module
+from .._store.codec import TensorMeta, meta_tree
+from .._store.format import Manifest
+from .._units.capture import _copy_box, _saved_box
 
 if TYPE_CHECKING:   # the store exports through this module (CheckpointStore.export): a type only here
-    from ._ckpt_store import CheckpointStore
+    from .._store.store import CheckpointStore
 
 __all__ = ["Entry", "Piece", "Group", "ExportPlan", "TensorStream", "plan_export", "read_extras",
            "merged_param_groups", "export_state", "pick_manifest", "natural_key"]
@@ -108,6 +109,8 @@ class ExportPlan:
 
 
 def pick_manifest(cs: CheckpointStore, step: int | None) -> Manifest:
+    """The manifest of ``step``, or the newest committed one when ``step`` is None (``moc
+    export`` and ``moc inspect`` alike); FileNotFoundError when the store has none."""
     if step is not None:
         return cs.read_manifest(step)
     manifest = cs.latest_manifest()

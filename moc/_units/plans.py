@@ -1,7 +1,7 @@
 """Per-unit serialisation plans, reused from one checkpoint to the next while the unit's
 tensors stay the same.
 
-A unit's :class:`~moc._codec.TreePlan` (skeleton, tensor table, byte layout, views of the
+A unit's :class:`~moc._store.codec.TreePlan` (skeleton, tensor table, byte layout, views of the
 live tensors it copies from) depends only on which tensors the unit reads (weights,
 buffers, optimizer state), their memory, shapes and dtypes, and the non-tensor values of
 its tree. Capturing a unit (state-dict views, DTensor local shards, Adam state) and laying
@@ -36,9 +36,9 @@ from typing import Any, Mapping
 
 import torch
 
-from ._codec import TreePlan, plan_tree
-from ._layouts import UnitLayout, UnitSpec, _dtensor_cls, fused_row_map, local_box
-from ._units import capture_unit
+from .._store import TreePlan, plan_tree
+from .capture import capture_unit
+from .layouts import UnitLayout, UnitSpec, _dtensor_cls, fused_row_map, local_box
 
 __all__ = ["UnitPlans"]
 

@@ -3,14 +3,14 @@ the next forward/backward runs.
 
 CPU tensors are copied by a background thread; the optimizer's step pre-hook waits for
 it (the only stall), so no snapshot ever sees the next update. CUDA tensors are copied on
-a side stream into page-locked buffers (:mod:`moc._device_copy`): the copies are issued in
+a side stream into page-locked buffers (:mod:`moc._cuda.copies`): the copies are issued in
 ``step()`` after an event recorded behind ``optimizer.step()``, the pre-hook orders the
 next update after their completion event on the device, and the background thread only
 waits for that event, then checksums and publishes; it binds the device of the tensors
 it waits on first (a thread's current device is 0 until set: waiting from there would
 create a context on GPU 0 for every rank of a node). A buffer not page-locked yet (created
 or grown by this snapshot; page-locked in the background once its copies are done, see
-:mod:`moc._buffers`) or that cannot be page-locked is filled by the snapshot thread
+:mod:`moc._snapshot.buffers`) or that cannot be page-locked is filled by the snapshot thread
 instead, and the pre-hook waits for it (counted as stall). Before a buffer changes hands
 (detach, close) the copies into it are waited for (:meth:`SnapshotEngine.quiesce`).
 Failures are counted;
@@ -42,15 +42,14 @@ from typing import Any
 import torch
 import xxhash
 
-from ._buffers import FREE, PERSIST, READY, SNAPSHOT, BufferPool, SnapshotBuffer
-from ._codec import TensorMeta, decode_tree
-from ._config import MoCConfig
-from ._cuda import runtime
-from ._device_copy import CudaCopier, CudaCopyBatch, HostCopier, copier_for
-from ._dist import Comm
-from ._errors import CheckpointError
-from ._run_state import RunState
-from ._snapshot_plan import SnapshotPlan, unit_meta
+from .._config import MoCConfig
+from .._cuda import CudaCopier, CudaCopyBatch, HostCopier, copier_for, runtime
+from .._dist import Comm
+from .._errors import CheckpointError
+from .._run_state import RunState
+from .._store import TensorMeta, decode_tree
+from .buffers import FREE, PERSIST, READY, SNAPSHOT, BufferPool, SnapshotBuffer
+from .plan import SnapshotPlan, unit_meta
 
 __all__ = ["SnapshotEngine"]
 
@@ -151,7 +150,7 @@ class SnapshotEngine:
         self.copier = copier_for((src for e in plan.entries for src in e[1].sources), self.copier)
         nbytes = plan.nbytes(self.run.rank)
         self._in_flight_step = header["step"]
-        # Page-locking happens later, off this thread (see moc._buffers): never here.
+        # Page-locking happens later, off this thread (see moc._snapshot.buffers): never here.
         buf, exc = self._take_buffer(nbytes)
         if buf is None:
             return self._skip_here(plan, header, nbytes, exc)

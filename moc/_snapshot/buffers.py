@@ -27,8 +27,8 @@ for lack of one, and a stale thread from ever writing into a buffer someone else
   ``OSError`` (ENOSPC) at that point, never a SIGBUS while copying.
 
 For snapshots of CUDA tensors a buffer is page-locked (``cudaHostRegister`` of its
-mapping, :func:`moc._device_copy.host_register`) so device-to-host copies into it are
-asynchronous. The page-locking lifecycle, by CUDA's rules (see :mod:`moc._cuda`):
+mapping, :func:`moc._cuda.copies.host_register`) so device-to-host copies into it are
+asynchronous. The page-locking lifecycle, by CUDA's rules (see :mod:`moc._cuda.calls`):
 
 * a registration is released before any truncate that cuts into it and before its
   mapping is dropped, and a range is never registered twice;
@@ -41,7 +41,7 @@ asynchronous. The page-locking lifecycle, by CUDA's rules (see :mod:`moc._cuda`)
   still runs waits for it (warm-up only: a buffer is reused two snapshots later at the
   earliest);
 * every registration is released by :meth:`BufferPool.unpin` / :meth:`BufferPool.remove_files`
-  (close, detach), else at process exit (:mod:`moc._device_copy`'s registry).
+  (close, detach), else at process exit (:mod:`moc._cuda.copies`'s registry).
 
 A buffer that cannot be page-locked keeps the reason (``pin_error``) and is not retried
 until it is mapped anew.
@@ -61,8 +61,7 @@ from typing import Any, Iterator
 import torch
 import xxhash
 
-from ._cuda import runtime
-from ._device_copy import HostRegistration, host_register
+from .._cuda import HostRegistration, host_register, runtime
 
 __all__ = ["SnapshotBuffer", "BufferPool", "FREE", "SNAPSHOT", "READY", "PERSIST"]
 

@@ -1,7 +1,7 @@
 """Writers for ``moc export``: safetensors (Hugging Face), DCP and ``torch.save`` files.
 
 Each writer lays its output out from the export plan (names, shapes, dtypes: known from
-the manifest before any data is read), then fills it from a :class:`moc._export.TensorStream`
+the manifest before any data is read), then fills it from a :class:`moc._export.plan.TensorStream`
 one tensor at a time, so memory stays at about one group of units however big the model.
 
 * ``safetensors``: ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` plus
@@ -34,10 +34,10 @@ from typing import Any, Callable
 
 import torch
 
-from ._ckpt_store import CheckpointStore
-from ._codec import _tensor_view
-from ._export import (Entry, ExportPlan, TensorStream, assemble_state, merged_param_groups, pick_manifest,
-                      plan_export, read_extras)
+from .._store import CheckpointStore
+from .._store.codec import _tensor_view
+from .plan import (Entry, ExportPlan, TensorStream, assemble_state, merged_param_groups, pick_manifest, plan_export,
+                   read_extras)
 
 __all__ = ["FORMATS", "ExportResult", "parse_size", "export_safetensors", "export_dcp", "export_torch", "export"]
 
@@ -376,7 +376,7 @@ def _pickle(obj: Any, zw: _ZipWriter) -> bytes:
 def export_torch(cs: CheckpointStore, out_file: str, *, step: int | None = None,
                  progress: Progress | None = None) -> ExportResult:
     """One file for ``torch.load(weights_only=True)``: ``{"model", "optimizer", "extra", "moc"}``
-    (see :func:`moc._export.export_state`), streamed record by record."""
+    (see :func:`moc._export.plan.export_state`), streamed record by record."""
     plan = plan_export(pick_manifest(cs, step))
     extras = read_extras(cs, plan)
     entries = plan.entries()

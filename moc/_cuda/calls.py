@@ -2,7 +2,7 @@
 
 Every CUDA call moc makes goes through :func:`runtime`, an object with the few methods
 below (:class:`CudaRuntime` forwards them to ``torch.cuda``). Tests install a stand-in
-(``tests/fake_cuda.py``) with :func:`use_runtime`; it enforces the CUDA rules these calls
+(``tests/helpers/fake_cuda.py``) with :func:`use_runtime`; it enforces the CUDA rules these calls
 are subject to (one registration per host range, unregister only what was registered, no
 truncating or unmapping a registered range, contexts created on the calling thread's
 current device), so the snapshot path's lifecycle is checked on machines without a GPU.

@@ -4,7 +4,7 @@ parts committed as one manifest, and one rank's part read back.
 A window's manifest holds, for every rank r:
 
 * the full state of each of r's units, under the unit's name (a DTensor piece carries its
-  piece suffix, :mod:`moc._layouts`), version step = the unit's slot step;
+  piece suffix, :mod:`moc._units.layouts`), version step = the unit's slot step;
 * the compute weights of each unit at the steps before its slot, ``exact/weights/<t>/<unit>``;
 * the extra state of every step, ``exact/extra/<t>`` (rank 0) or ``exact/extra/<t>/rank<r>``.
 
@@ -18,10 +18,9 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from ._buffers import SnapshotBuffer
-from ._ckpt_store import CheckpointStore
-from ._errors import CheckpointError
-from ._format import Manifest, UnitRecord
+from .._errors import CheckpointError
+from .._snapshot import SnapshotBuffer
+from .._store import CheckpointStore, Manifest, UnitRecord
 
 __all__ = ["weights_name", "extra_name", "stored_name", "write_part", "rank_meta", "read_part"]
 

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from ._layouts import UnitLayout
+from .._units import UnitLayout
 
 __all__ = ["ExactSchedule", "plan_schedule", "window_length"]
 

@@ -16,13 +16,12 @@ from typing import Any, Mapping
 
 import torch
 
-from ._codec import TreePlan
-from ._config import MoCConfig
-from ._dist import Comm
-from ._layouts import UnitLayout, UnitSpec
-from ._policy import Selection
-from ._sharding import plan_shares
-from ._units import expert_unit_name, parse_expert, unit_base
+from .._config import MoCConfig
+from .._dist import Comm
+from .._policy import Selection
+from .._sharding import plan_shares
+from .._store import TreePlan
+from .._units import UnitLayout, UnitSpec, expert_unit_name, parse_expert, unit_base
 
 __all__ = ["Inventory", "PublishedSizes", "SnapshotPlan", "copy_targets", "plan_snapshot", "unit_meta"]
 
