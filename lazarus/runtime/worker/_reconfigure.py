@@ -66,7 +66,7 @@ from ._backend import nccl_init_kwargs
 from ._join_gate import JoinGate
 from ._moc_groups import MocGroups
 from ._plan_feed import latest_plan
-from ._store_connect import GaveUp, connect_store
+from ._rendezvous_store import StoreClients
 from ._transfer import StoreBoard, choose_moves, exchange_units, read_all, unit_needs, world_comm
 
 if TYPE_CHECKING:
@@ -77,9 +77,6 @@ __all__ = ["Reconfigurer", "Superseded"]
 log = logging.getLogger("lazarus.reconfigure")
 
 
-#: Longest single connect to a rendezvous store (then a newer plan is looked for, and again).
-STORE_CONNECT_ATTEMPT = timedelta(seconds=1)
-
 #: Largest world whose inventory travels through the rendezvous store (each rank writes
 #: its entry as it arrives and reads every entry once all have arrived: no collective
 #: round after the group forms, 10-25 ms of every member's wait on 2 loaded cores). Past
@@ -88,7 +85,7 @@ STORE_CONNECT_ATTEMPT = timedelta(seconds=1)
 STORE_INVENTORY_WORLD = 64
 
 
-class Reconfigurer(JoinGate, MocGroups):
+class Reconfigurer:
     def __init__(self, trainer: "ElasticTrainer", *, build_model: Callable, make_optimizer: Callable) -> None:
         self.t = trainer
         self.build_model = build_model
@@ -98,20 +95,38 @@ class Reconfigurer(JoinGate, MocGroups):
         self._pending_lost_mine: set[str] = set()
         self._joiners = 0   # members of the plan being applied that arrive without a model (they build it)
         self._dense: list[nn.Parameter] | None = None
-        self._store = None
-        self._store_key: tuple[Any, ...] | None = None
-        self._board_store = None   # a second client of the same store (_board_client)
-        self._board_key: tuple[Any, ...] | None = None
+        self.stores = StoreClients(trainer.config, where=trainer.where, channel=trainer.channel)
         self.group_store: tuple[Any, ...] | None = None   # the store the current group formed on
         self._hosted = None   # the rendezvous store this worker hosts (host_store)
         self.aborter = GroupAborter(trainer.backend.backend)
         self.sockets = self.aborter.sockets    # gloo connections opened by our groups
-        self._store_sockets = SocketTracker()
         self._superseded = threading.Event()  # set while applying a plan once a newer one arrived
         self._form_failures = 0   # group formations in a row that failed with no newer plan meanwhile (_form_timeout)
-        self._init_moc_groups()
-        self._init_join_gate()
+        self.moc_groups = MocGroups(trainer.config, where=trainer.where, sockets=self.sockets,
+                                    superseded=self._superseded, stores=self.stores)
+        self.gate = JoinGate(trainer.config, where=trainer.where, stores=self.stores)
+        # A joiner's model built before its group formed (see _prepare_join): it holds no
+        # trained state until the plan's transfer is installed.
+        self.stateless = False
         self.rollback: dict[str, Any] | None = None   # what the newest plan's rollback did (lost_experts="replay")
+
+    def _prepare_join(self, plan: Plan) -> None:
+        """A joiner, before the plan's rendezvous: build the model for its rank of the plan
+        while the members still train (:meth:`._join_gate.JoinGate.build`), then count
+        itself prepared on the store the plan's group forms on (either way)."""
+        t = self.t
+        rank, world = self._plan_position(plan)
+        t0 = time.time()
+        if t.model is None:
+            t.model = self.gate.build(rank, world, lambda: self.build_model(self._placements(plan)), t.device)
+            if t.model is not None:
+                self.stateless = True
+        self.gate.announce(plan, rank, world, t0, built=t.model is not None)
+
+    def joiners_prepared(self, plan: Plan) -> bool:
+        """A member, at a step boundary: may it switch to ``plan`` now
+        (:meth:`._join_gate.JoinGate.joiners_prepared`)?"""
+        return self.gate.joiners_prepared(plan, self.t.step)
 
     def _plan_position(self, plan: Plan) -> tuple[int, int]:
         """(this worker's rank, the world size) in ``plan``."""
@@ -153,10 +168,10 @@ class Reconfigurer(JoinGate, MocGroups):
             retired.append(t.ckpt)
             settle.append(t.ckpt.join_threads)   # its daemon threads let go of it first
             t.ckpt = None
-        if self._live_comm is not None:   # moc's private groups (their sockets are shut already)
-            self._live_comm.destroy()
-            retired.append(self._live_comm)
-            self._live_comm = None
+        if self.moc_groups.live is not None:   # moc's private groups (their sockets are shut already)
+            self.moc_groups.live.destroy()
+            retired.append(self.moc_groups.live)
+            self.moc_groups.live = None
         if retired:
             release_in_background(retired, name=f"lazarus-release-{t.generation}", settle=settle)
         group = ("none" if report is None else
@@ -181,55 +196,6 @@ class Reconfigurer(JoinGate, MocGroups):
             log.info("node %s step -: hosting a rendezvous store on %s:%d", self.t.where, host, self._hosted.port)
         return {"host": host, "port": int(self._hosted.port)}
 
-    def _store_client(self, spec: dict[str, Any], generation: int | None = None):
-        """A client of the plan's store (``spec``: its ``store`` field): a member's worker's,
-        or the controller's. A store that changed (another member hosts it, a restarted
-        controller hosts a new one, maybe on the same port) gets a new client.
-
-        It connects in attempts of at most :data:`STORE_CONNECT_ATTEMPT`: the store's host
-        may have died (the member killed the moment a join's plan was issued), and one
-        connect to a dead port retries for the whole ``rendezvous_timeout`` without a
-        socket that a newer plan could shut. Between two attempts a newer plan of
-        ``generation``'s successor raises :class:`Superseded`; past ``rendezvous_timeout``
-        a ``TimeoutError`` says which store did not answer."""
-        key = tuple(sorted(spec.items()))
-        if self._store is None or self._store_key != key:
-            self._store = None
-            self._store_sockets = SocketTracker()
-            self._store = self._connect_store(str(spec["host"]), int(spec["port"]), generation)
-            self._store_key = key
-        return self._store
-
-    def _connect_store(self, host: str, port: int, generation: int | None):
-        """A client of the store at ``host:port`` in attempts of at most
-        :data:`STORE_CONNECT_ATTEMPT`, each watched (:func:`._store_connect.connect_store`):
-        a newer plan of ``generation``'s successor raises :class:`Superseded` within 50 ms
-        even while torch's client sleeps between its own retries (soak seed 1 on the
-        previous code: a joiner held two failure rendezvous 3 s and 1.5 s that way)."""
-        limit = self.t.config.rendezvous_timeout
-        deadline = time.monotonic() + limit.total_seconds()
-
-        def superseded() -> bool:
-            latest = latest_plan(self.t.channel)
-            return generation is not None and latest is not None and latest.generation > generation
-
-        while True:
-            attempt = max(0.05, min(STORE_CONNECT_ATTEMPT.total_seconds(), deadline - time.monotonic()))
-            try:
-                store = connect_store(host, port, timeout=timedelta(seconds=attempt), tracker=self._store_sockets,
-                                      give_up=superseded)
-                store.set_timeout(limit)   # the rendezvous' own waits
-                return store
-            except GaveUp:
-                raise Superseded() from None
-            except (RuntimeError, OSError) as exc:   # torch's DistNetworkError is a RuntimeError
-                if superseded():
-                    raise Superseded() from None
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"node {self.t.where}: the rendezvous store {host}:{port} of generation "
-                                       f"{generation} did not answer within {limit}: "
-                                       f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}") from None
-
     def _rendezvous(self, plan: Plan, inventory: dict[str, Any] | None = None) -> list[Any] | None:
         """Form the plan's group; with ``inventory`` (this rank's entry) and a world of at
         most :data:`STORE_INVENTORY_WORLD`, return every rank's entry in rank order, read
@@ -237,45 +203,19 @@ class Reconfigurer(JoinGate, MocGroups):
         try:
             return self._rendezvous_inner(plan, inventory)
         except BaseException:
-            self._drop_store()   # it may be the store of a controller that died: reconnect next time
+            self.stores.drop()   # it may be the store of a controller that died: reconnect next time
             raise
-
-    def _drop_store(self, *, shut: bool = False) -> int:
-        """Forget the store client: the next plan connects a new one. ``shut``: also shut its
-        connections (an operation waiting on it elsewhere fails now); returns how many."""
-        n = self._store_sockets.shutdown_all() if shut and self._store is not None else 0
-        self._store = self._board_store = None
-        return n
-
-    def _board_client(self, plan: Plan) -> Any:
-        """A second client of the plan's store, for the units' descriptions
-        (:class:`._transfer.StoreBoard`). The first one is shared with the thread forming
-        moc's groups, and a client waiting for a key is held until it is set: a rank
-        waiting for a peer's post there would block its own groups' connection, which the
-        peer's groups wait for before it can post (a cycle until the timeout). Made once
-        per store; its sockets are shut with the first client's.
-
-        Connected in the rendezvous, before this plan's group forms: a socket that appears
-        while a group forms is counted as that group's (:class:`SocketTracker` compares the
-        process's descriptors), and it would be shut when the group retires (then the
-        next plan's descriptions found this client's connection shut: "Broken pipe")."""
-        self._store_client(plan.store, plan.generation)
-        if self._board_store is None or self._board_key != self._store_key:
-            self._board_store = self._connect_store(str(plan.store["host"]), int(plan.store["port"]),
-                                                    plan.generation)
-            self._board_key = self._store_key
-        return self._board_store
 
     def _rendezvous_inner(self, plan: Plan, inventory: dict[str, Any] | None) -> list[Any] | None:
         t = self.t
         members = plan.members
         rank, world = self._plan_position(plan)
-        store = self._store_client(plan.store, plan.generation)
+        store = self.stores.client_for(plan.store, plan.generation)
         prefix = plan.prefix
         by_store = inventory is not None and world <= STORE_INVENTORY_WORLD
         if by_store:   # written before the arrival is counted: all are there once all arrived
             store.set(f"{prefix}/inventory/{rank}", json.dumps(inventory))
-            self._board_client(plan)   # now: see _board_client
+            self.stores.board_for(plan)   # now: see StoreClients.board_for
         store.add(f"{prefix}/arrived", 1)
         deadline = time.monotonic() + t.config.rendezvous_timeout.total_seconds()
         while store.add(f"{prefix}/arrived", 0) < world:
@@ -358,7 +298,7 @@ class Reconfigurer(JoinGate, MocGroups):
         """Every member of ``plan`` past point ``name``, met on the controller's store (the
         client of this plan's rendezvous), waiting up to ``rendezvous_timeout``. A newer
         plan interrupts the wait (:meth:`_interruptible` shuts the store's sockets)."""
-        store = self._store
+        store = self.stores.client
         if store is None:
             raise RuntimeError(f"barrier {name!r} of generation {plan.generation} without a store client")
         key = f"{plan.prefix}/{name}"
@@ -397,7 +337,7 @@ class Reconfigurer(JoinGate, MocGroups):
                     # NCCL: abort the communicator being formed or just formed (a blocked
                     # all-reduce of _nccl_ready, a non-blocking init waiting on a dead peer).
                     self.aborter.interrupt_nccl()
-                    n = SocketTracker.shutdown_opened_since(before) + self._store_sockets.shutdown_all()
+                    n = SocketTracker.shutdown_opened_since(before) + self.stores.sockets.shutdown_all()
                     log.warning("node %s: plan %d arrived while applying generation %d; interrupted %d connections",
                                 self.t.where, latest.generation, gen, n)
                 else:   # connects retried meanwhile
@@ -412,7 +352,7 @@ class Reconfigurer(JoinGate, MocGroups):
             self._superseded.clear()
             th.join()
             if interrupted:
-                self._drop_store()   # its connections were shut by the watch: a new client next time
+                self.stores.drop()   # its connections were shut by the watch: a new client next time
 
     # -- the plan ----------------------------------------------------------------------------
     def apply(self, plan: Plan, t_error: float | None) -> None:
@@ -422,7 +362,7 @@ class Reconfigurer(JoinGate, MocGroups):
             try:
                 self._apply(plan, t_error)
             except Exception:
-                self._drop_moc_comm()
+                self.moc_groups.drop(step=self.t.step, generation=self.t.generation)
                 if interrupted:
                     raise Superseded() from None
                 raise
@@ -433,8 +373,8 @@ class Reconfigurer(JoinGate, MocGroups):
         t = self.t
         t0 = time.time()
         timings: dict[str, float] = {}
-        self._moc_groups_wait = None
-        if self.is_prepared_join(plan) and t.node in plan.joined and (t.model is None or self.stateless):
+        self.moc_groups.waited = None
+        if self.gate.is_prepared_join(plan) and t.node in plan.joined and (t.model is None or self.stateless):
             self._prepare_join(plan)
             timings["prepare"] = time.time() - t0
             t0 = time.time()
@@ -466,7 +406,7 @@ class Reconfigurer(JoinGate, MocGroups):
                 self.handover = t.ckpt.detach()
                 t.ckpt = None
             t.generation = plan.generation
-            self._start_moc_comm(plan)
+            self.moc_groups.start(plan, rank=t.rank, world=t.world, generation=t.generation)
         else:
             t1 = time.time()
             self.retire_group(planned=plan.mode == "between_steps")
@@ -475,7 +415,7 @@ class Reconfigurer(JoinGate, MocGroups):
             mine = self._inventory_entry()
             inventory = self._rendezvous(plan, mine[0])
             timings["rendezvous"] = time.time() - t1
-            self._start_moc_comm(plan)
+            self.moc_groups.start(plan, rank=t.rank, world=t.world, generation=t.generation)
             t1 = time.time()
             received, lost, newest, stats = self._migrate(plan, members, mine=mine, inventory=inventory)
             timings["migrate"] = time.time() - t1
@@ -486,7 +426,7 @@ class Reconfigurer(JoinGate, MocGroups):
             # moc's groups first: they connect through this process's store client, which the
             # barrier's wait would hold until every rank arrived (a rank whose groups wait on
             # ours, and ours on its barrier: a cycle until the groups' timeout)
-            self._await_moc_comm()
+            self.moc_groups.wait(step=t.step, generation=t.generation)
             t1 = time.time()
             self._store_barrier(plan, "installed")
             timings["joiners"] = time.time() - t1
@@ -494,8 +434,8 @@ class Reconfigurer(JoinGate, MocGroups):
         self.rollback = None
         sources = self._moc(lost, fresh_start=newest < 0)
         timings["moc"] = time.time() - t1
-        if self._moc_groups_wait is not None:   # part of "moc": waiting for its groups
-            timings["moc_groups_wait"] = self._moc_groups_wait
+        if self.moc_groups.waited is not None:   # part of "moc": waiting for its groups
+            timings["moc_groups_wait"] = self.moc_groups.waited
         stats["sources"] = dict(stats["sources"], **sources)
         t_resumed = time.time()
         record = {"kind": "reconfigured", "type": "reconfigured", "generation": t.generation,
@@ -574,8 +514,8 @@ class Reconfigurer(JoinGate, MocGroups):
                     trees[m.unit] = capture_unit(layout.units[m.unit], t.model, t.optimizer, state=state,
                                                  params=params)
         # read at the rendezvous: the descriptions of what moves go through its store too
-        board = (StoreBoard(self._board_store, f"{plan.prefix}/units", t.config.collective_timeout)
-                 if inventory is not None and self._board_store is not None else None)
+        board = (StoreBoard(self.stores.board, f"{plan.prefix}/units", t.config.collective_timeout)
+                 if inventory is not None and self.stores.board is not None else None)
         received = exchange_units(moves, trees, comm, device=t.backend.transfer_device, board=board)
         stats["moved"] = sum(1 for m in moves if m.unit.startswith("expert/"))
         # expert copies that moved between two GPUs of one node (never over the network)
@@ -685,8 +625,8 @@ class Reconfigurer(JoinGate, MocGroups):
         cfg_dir = os.environ.get("LAZARUS_SNAPSHOT_DIR") or getattr(t.channel, "snapshot_dir", None)
         if cfg_dir and cfg.snapshot_dir is None:
             cfg.snapshot_dir = cfg_dir
-        self._moc_timeout()
-        comm = self._take_moc_comm()
+        self.moc_groups.timeout()
+        comm = self.moc_groups.take(step=t.step, generation=t.generation)
         with self.sockets.track():   # moc's own gloo groups (made here if not beforehand)
             t.ckpt = CheckpointManager(cfg, model=t.model, optimizer=t.optimizer, memory_key=t.memory_key,
                                        handover=self.handover, node=t.node, comm=comm)
