@@ -2,10 +2,12 @@
 
 Everything here runs inside the training process, beside the user's model:
 
-* ``_trainer`` — :class:`ElasticTrainer`, the step loop (``_elastic_config``: its config);
+* ``_trainer`` — :class:`ElasticTrainer`, the step loop (``_elastic_config``: its config;
+  ``_worker_state``: the state it holds, which each reconfiguration takes and returns);
 * ``_channel`` — :class:`AgentChannel`, the worker's end of the agent connection
   (``_plan_feed``: its plan messages read as :class:`~lazarus.runtime._plan.Plan`);
-* ``_reconfigure`` — applying a controller plan in process; its parts, owned by the
+* ``_reconfigure`` — applying a controller plan in process to a worker's state (it
+  imports no trainer); its parts, owned by the
   reconfigurer: ``_join_gate`` (a join prepared while the members train), ``_moc_groups``
   (moc's groups formed in a thread), ``_rendezvous_store`` (its clients of the plans'
   stores); with ``_transfer`` (unit states moved between ranks) and ``_store_connect`` (a

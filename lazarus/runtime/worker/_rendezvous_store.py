@@ -85,9 +85,9 @@ class StoreClients:
                 if superseded():
                     raise Superseded() from None
                 if time.monotonic() >= deadline:
+                    why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
                     raise TimeoutError(f"node {self.where}: the rendezvous store {host}:{port} of generation "
-                                       f"{generation} did not answer within {limit}: "
-                                       f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}") from None
+                                       f"{generation} did not answer within {limit}: {why}") from None
 
     def drop(self, *, shut: bool = False) -> int:
         """Forget the store client: the next plan connects a new one. ``shut``: also shut its

@@ -14,16 +14,19 @@ import torch.distributed as dist
 
 from lazarus.runtime._plan import Plan
 from lazarus.runtime.worker._reconfigure import Reconfigurer
+from lazarus.runtime.worker._worker_state import WorkerContext
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _trainer(rendezvous_s: float) -> SimpleNamespace:
+def _reconfigurer(rendezvous_s: float) -> Reconfigurer:
     config = SimpleNamespace(rendezvous_timeout=timedelta(seconds=rendezvous_s),
                              collective_timeout=timedelta(seconds=5),
                              moc=SimpleNamespace(coordination_timeout=timedelta(seconds=5)))
-    return SimpleNamespace(backend=SimpleNamespace(backend="gloo"), config=config, rank=0, world=2, generation=11,
-                           where="n3", step=7, local_rank=0, channel=SimpleNamespace(latest_plan=lambda: None))
+    context = WorkerContext(node="n3", local_rank=0, local_world=1, where="n3",
+                            backend=SimpleNamespace(backend="gloo"), layout={"layers": {}},
+                            channel=SimpleNamespace(latest_plan=lambda: None))
+    return Reconfigurer(config, context=context, build_model=None, make_optimizer=None)
 
 
 def test_a_failed_plan_leaves_no_store_client_held_by_moc_groups_still_connecting():
@@ -34,7 +37,7 @@ def test_a_failed_plan_leaves_no_store_client_held_by_moc_groups_still_connectin
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         rendezvous_s = 20.0
-        r = Reconfigurer(_trainer(rendezvous_s), build_model=None, make_optimizer=None)
+        r = _reconfigurer(rendezvous_s)
         spec = {"host": "127.0.0.1", "port": server.port}
         # generation 11: rank 0 of 2 forms moc's groups; rank 1 died, its keys never come
         r.moc_groups.start(Plan.from_wire({"prefix": "lazarus/gen11", "store": spec, "generation": 11,
