@@ -2,13 +2,16 @@
 
 Everything here runs inside the training process, beside the user's model:
 
-* ``_trainer`` — :class:`ElasticTrainer`, the step loop (``_elastic_config``: its config);
+* ``_trainer`` — :class:`ElasticTrainer`, the step loop (``_elastic_config``: its config;
+  ``_worker_state``: the state it holds, which each reconfiguration takes and returns);
 * ``_channel`` — :class:`AgentChannel`, the worker's end of the agent connection
   (``_plan_feed``: its plan messages read as :class:`~lazarus.runtime._plan.Plan`);
-* ``_reconfigure`` — applying a controller plan in process (with ``_join_gate``: a join
-  prepared while the members train; ``_moc_groups``: moc's groups formed in a thread;
-  ``_transfer``: unit states moved between ranks; ``_store_connect``: a rendezvous-store
-  connect that can be given up on);
+* ``_reconfigure`` — applying a controller plan in process to a worker's state (it
+  imports no trainer); its parts, owned by the
+  reconfigurer: ``_join_gate`` (a join prepared while the members train), ``_moc_groups``
+  (moc's groups formed in a thread), ``_rendezvous_store`` (its clients of the plans'
+  stores); with ``_transfer`` (unit states moved between ranks) and ``_store_connect`` (a
+  rendezvous-store connect that can be given up on);
 * ``_abort`` — hard abort of a broken process group; ``_backend`` — device and backend;
   ``_step_reduce`` — the step's one all-reduce; ``_lazy_dynamo`` — ``torch._dynamo``
   deferred until something compiles.

@@ -101,7 +101,7 @@ def registered_groups() -> list[Any]:
 
 
 def _socket_fds() -> dict[int, str]:
-    out = {}
+    out: dict[int, str] = {}
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:

@@ -1,4 +1,4 @@
-"""A join prepared while the members train (mixed into :class:`._reconfigure.Reconfigurer`).
+"""A join prepared while the members train (owned by :class:`._reconfigure.Reconfigurer`).
 
 A between-steps plan that adds nodes is applied in two halves. The joiner, as soon as the
 plan reaches it, builds its model for the rank the plan gives it, before any process group
@@ -16,12 +16,14 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
+from torch import nn
 
 from lazarus.moe._comm import building_for
 
 from .._plan import Plan
+from ._rendezvous_store import StoreClients
 from ._store_connect import connect_store
 
 __all__ = ["GATE_STORE_TIMEOUT", "JoinGate"]
@@ -33,19 +35,15 @@ GATE_STORE_TIMEOUT = timedelta(seconds=2)
 
 
 class JoinGate:
-    """The joiner's preparation and the members' gate. Expects of the class it is mixed
-    into: ``t`` (the trainer), ``build_model``, ``_placements(plan)``,
-    ``_plan_position(plan)``, ``_store_client(spec, generation)`` and its ``_store`` / ``_store_key``."""
+    """The joiner's preparation and the members' gate. ``config``: the worker's
+    :class:`.ElasticConfig` (its ``rendezvous_timeout``); ``where``: this worker's name in
+    log lines; ``stores``: the reconfigurer's clients of the plans' stores (the gate asks
+    through the rendezvous client when it is that store's)."""
 
-    t: Any
-    build_model: Any
-    _store: Any
-    _store_key: Any
-
-    def _init_join_gate(self) -> None:
-        # A joiner's model built before its group formed (see _prepare_join): it holds no
-        # trained state until the plan's transfer is installed.
-        self.stateless = False
+    def __init__(self, config: Any, *, where: str, stores: StoreClients) -> None:
+        self.config = config
+        self.where = where
+        self.stores = stores
         self._gate: tuple[int, float] | None = None   # (generation, first seen) of a join plan held back
         self._gate_client: tuple[tuple[Any, ...], Any] | None = None   # (store spec, client) asked by the gate
 
@@ -55,58 +53,58 @@ class JoinGate:
         the members switch to it only once every joiner has (:meth:`joiners_prepared`)."""
         return plan.mode == "between_steps" and bool(plan.joined)
 
-    def _prepare_key(self, plan: Plan) -> str:
+    @staticmethod
+    def _prepare_key(plan: Plan) -> str:
         return f"{plan.prefix}/prepared"
 
-    def _prepare_join(self, plan: Plan) -> None:
-        """A joiner, before the plan's rendezvous: build the model for its rank of the plan
-        (:func:`lazarus.moe._comm.building_for`: its MoE layers hold the experts the plan
-        gives it) while the members still train, then count itself prepared on the store
-        the plan's group forms on. A ``build_model`` that cannot build before its process group
-        exists (it calls torch.distributed itself) is logged and built after the rendezvous,
-        as before; the joiner counts itself prepared either way."""
-        t = self.t
-        rank, world = self._plan_position(plan)
-        t0 = time.time()
-        if t.model is None:
-            try:
-                with building_for(rank, world):
-                    model = self.build_model(self._placements(plan))
-                t.model = model.to(t.device)
-                self.stateless = True
-            except Exception as exc:  # noqa: BLE001 - user code; the build after the rendezvous reports it
-                log.warning("node %s step -: build_model failed before the group formed (%s: %s); building it after "
-                            "the rendezvous", t.where, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc)
-                            else "")
-                t.model = None
-        store = self._store_client(plan.store, plan.generation)   # the store the plan's group forms on
+    def build(self, rank: int, world: int, build: Callable[[], nn.Module], device: Any) -> nn.Module | None:
+        """A joiner, before the plan's rendezvous: ``build()`` (the user's ``build_model``
+        for the plan's placements; then moved to ``device``) under
+        :func:`lazarus.moe._comm.building_for` ``(rank, world)``: its MoE layers hold the
+        experts the plan gives it. A ``build_model`` that cannot build before its process
+        group exists (it calls torch.distributed itself) is logged, and None returned: it
+        is built after the rendezvous, as before."""
+        try:
+            with building_for(rank, world):
+                model = build()
+            return model.to(device)
+        except Exception as exc:  # noqa: BLE001 - user code; the build after the rendezvous reports it
+            log.warning("node %s step -: build_model failed before the group formed (%s: %s); building it after "
+                        "the rendezvous", self.where, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc)
+                        else "")
+            return None
+
+    def announce(self, plan: Plan, rank: int, world: int, t0: float, *, built: bool) -> None:
+        """A joiner counts itself prepared on the store the plan's group forms on (built or
+        not: the members then switch at their next step)."""
+        store = self.stores.client_for(plan.store, plan.generation)   # the store the plan's group forms on
         store.add(self._prepare_key(plan), 1)
         log.info("node %s rank %d/%d step - gen %d: prepared to join in %.3f s (model %s); the members switch at "
-                 "their next step", t.where, rank, world, plan.generation, time.time() - t0,
-                 "built" if t.model is not None else "to build after the rendezvous")
+                 "their next step", self.where, rank, world, plan.generation, time.time() - t0,
+                 "built" if built else "to build after the rendezvous")
 
-    def joiners_prepared(self, plan: Plan) -> bool:
-        """A member, at a step boundary: may it switch to ``plan`` now? Yes unless it is a
-        join whose joiners are still building (then the member trains another step). A
-        joiner that never prepares holds the members back at most ``rendezvous_timeout``
-        from when this member first saw the plan; then they switch and wait for it as
-        before. A store that cannot be asked (its host went away) does not hold the switch
-        back either: the rendezvous reports it."""
+    def joiners_prepared(self, plan: Plan, step: int) -> bool:
+        """A member, at a step boundary (``step``: its next step): may it switch to ``plan``
+        now? Yes unless it is a join whose joiners are still building (then the member
+        trains another step). A joiner that never prepares holds the members back at most
+        ``rendezvous_timeout`` from when this member first saw the plan; then they switch
+        and wait for it as before. A store that cannot be asked (its host went away) does
+        not hold the switch back either: the rendezvous reports it."""
         if not self.is_prepared_join(plan):
             return True
         gen = plan.generation
         now = time.monotonic()
         if self._gate is None or self._gate[0] != gen:
             self._gate = (gen, now)
-        if now - self._gate[1] > self.t.config.rendezvous_timeout.total_seconds():
+        if now - self._gate[1] > self.config.rendezvous_timeout.total_seconds():
             log.warning("node %s step %d: the joiners %s of generation %d did not prepare within %s; switching anyway",
-                        self.t.where, self.t.step, plan.joined, gen, self.t.config.rendezvous_timeout)
+                        self.where, step, plan.joined, gen, self.config.rendezvous_timeout)
             return True
         try:
             done = self._gate_store(plan.store).add(self._prepare_key(plan), 0)
         except Exception as exc:  # noqa: BLE001 - the rendezvous reports a dead store
             log.warning("node %s step %d: cannot ask the store whether generation %d's joiners are prepared (%s)",
-                        self.t.where, self.t.step, gen, str(exc).splitlines()[0][:200] if str(exc) else exc)
+                        self.where, step, gen, str(exc).splitlines()[0][:200] if str(exc) else exc)
             self._gate_client = None
             return True
         if done >= len(plan.joined) * plan.gpus_per_node:
@@ -122,12 +120,11 @@ class JoinGate:
         that: the connect is watched, :func:`._store_connect.connect_store`; the
         rendezvous, interruptible, reports a dead store)."""
         key = tuple(sorted(spec.items()))
-        if self._store is not None and self._store_key == key:
-            return self._store
+        if self.stores.client is not None and self.stores.key == key:
+            return self.stores.client
         if self._gate_client is None or self._gate_client[0] != key:
             self._gate_client = None
             client = connect_store(str(spec["host"]), int(spec["port"]), timeout=GATE_STORE_TIMEOUT,
                                    wall=GATE_STORE_TIMEOUT.total_seconds())
             self._gate_client = (key, client)
         return self._gate_client[1]
-

@@ -46,7 +46,7 @@ import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 from urllib.parse import urlsplit
 
 import torch
@@ -56,7 +56,7 @@ from torch import nn
 from lazarus.moe import moe_layers
 from lazarus.moe._placement import rank_slots
 from lazarus.planning import Placement
-from moc import CheckpointManager
+from moc import CheckpointManager, UnitSpec
 from storage_backends import open_store
 from moc.elastic import apply_partial, capture_unit, discover_units
 
@@ -66,19 +66,14 @@ from ._backend import nccl_init_kwargs
 from ._join_gate import JoinGate
 from ._moc_groups import MocGroups
 from ._plan_feed import latest_plan
-from ._store_connect import GaveUp, connect_store
+from ._rendezvous_store import StoreClients
 from ._transfer import StoreBoard, choose_moves, exchange_units, read_all, unit_needs, world_comm
-
-if TYPE_CHECKING:
-    from ._trainer import ElasticTrainer
+from ._worker_state import StateDraft, WorkerContext, WorkerState, carry_state
 
 __all__ = ["Reconfigurer", "Superseded"]
 
 log = logging.getLogger("lazarus.reconfigure")
 
-
-#: Longest single connect to a rendezvous store (then a newer plan is looked for, and again).
-STORE_CONNECT_ATTEMPT = timedelta(seconds=1)
 
 #: Largest world whose inventory travels through the rendezvous store (each rank writes
 #: its entry as it arrives and reads every entry once all have arrived: no collective
@@ -88,9 +83,19 @@ STORE_CONNECT_ATTEMPT = timedelta(seconds=1)
 STORE_INVENTORY_WORLD = 64
 
 
-class Reconfigurer(JoinGate, MocGroups):
-    def __init__(self, trainer: "ElasticTrainer", *, build_model: Callable, make_optimizer: Callable) -> None:
-        self.t = trainer
+class Reconfigurer:
+    """Applies plans to a worker's :class:`WorkerState` (:meth:`apply`): it never holds
+    the trainer, only what it needs of it. ``config``: the worker's :class:`.ElasticConfig`;
+    ``context``: its node, backend, layout, agent channel and metrics callback;
+    ``build_model`` / ``make_optimizer``: the user's (see :class:`.ElasticTrainer`).
+    Owns its parts: :attr:`stores` (the plans' store clients), :attr:`gate` (joins
+    prepared while the members train), :attr:`moc_groups` (moc's groups formed in a
+    thread) and :attr:`aborter` (the current group's teardown)."""
+
+    def __init__(self, config: Any, *, context: WorkerContext, build_model: Callable,
+                 make_optimizer: Callable) -> None:
+        self.config = config
+        self.ctx = context
         self.build_model = build_model
         self.make_optimizer = make_optimizer
         self.handover = None
@@ -98,35 +103,62 @@ class Reconfigurer(JoinGate, MocGroups):
         self._pending_lost_mine: set[str] = set()
         self._joiners = 0   # members of the plan being applied that arrive without a model (they build it)
         self._dense: list[nn.Parameter] | None = None
-        self._store = None
-        self._store_key: tuple[Any, ...] | None = None
-        self._board_store = None   # a second client of the same store (_board_client)
-        self._board_key: tuple[Any, ...] | None = None
+        self.stores = StoreClients(config, where=context.where, channel=context.channel)
         self.group_store: tuple[Any, ...] | None = None   # the store the current group formed on
-        self._hosted = None   # the rendezvous store this worker hosts (host_store)
-        self.aborter = GroupAborter(trainer.backend.backend)
+        self._hosted: dist.TCPStore | None = None   # the rendezvous store this worker hosts (host_store)
+        self.aborter = GroupAborter(context.backend.backend)
         self.sockets = self.aborter.sockets    # gloo connections opened by our groups
-        self._store_sockets = SocketTracker()
         self._superseded = threading.Event()  # set while applying a plan once a newer one arrived
         self._form_failures = 0   # group formations in a row that failed with no newer plan meanwhile (_form_timeout)
-        self._init_moc_groups()
-        self._init_join_gate()
+        self.moc_groups = MocGroups(config, where=context.where, sockets=self.sockets,
+                                    superseded=self._superseded, stores=self.stores)
+        self.gate = JoinGate(config, where=context.where, stores=self.stores)
+        # A joiner's model built before its group formed (see _prepare_join): it holds no
+        # trained state until the plan's transfer is installed.
+        self.stateless = False
         self.rollback: dict[str, Any] | None = None   # what the newest plan's rollback did (lost_experts="replay")
+
+    def _prepare_join(self, s: StateDraft, plan: Plan) -> None:
+        """A joiner, before the plan's rendezvous: build the model for its rank of the plan
+        while the members still train (:meth:`._join_gate.JoinGate.build`), then count
+        itself prepared on the store the plan's group forms on (either way)."""
+        rank, world = self._plan_position(plan)
+        t0 = time.time()
+        if s.model is None:
+            s.model = self.gate.build(rank, world, lambda: self.build_model(self._placements(plan)), self.ctx.device)
+            if s.model is not None:
+                self.stateless = True
+        self.gate.announce(plan, rank, world, t0, built=s.model is not None)
+
+    def joiners_prepared(self, plan: Plan, step: int) -> bool:
+        """A member, at a step boundary (``step``: its next): may it switch to ``plan`` now
+        (:meth:`._join_gate.JoinGate.joiners_prepared`)?"""
+        return self.gate.joiners_prepared(plan, step)
 
     def _plan_position(self, plan: Plan) -> tuple[int, int]:
         """(this worker's rank, the world size) in ``plan``."""
-        t = self.t
-        return plan.rank(t.node, t.local_rank, t.local_world), plan.world
+        return plan.rank(self.ctx.node, self.ctx.local_rank, self.ctx.local_world), plan.world
 
     # -- groups ----------------------------------------------------------------------------
-    def retire_group(self, planned: bool = False) -> None:
-        """Retire the moc manager (keep its buffers) and tear the process group down.
-        ``planned``: every member retires this healthy group together at a step boundary
-        (a between-steps plan), so nothing waits on its sockets closing and the full
-        garbage collection that forces them closed after a failure is skipped (it costs
-        0.7-1.3 s on 2 loaded cores, all of it members' waiting time)."""
-        t = self.t
-        if not dist.is_initialized() and t.ckpt is None:
+    def retire_group(self, state: WorkerState, planned: bool = False) -> WorkerState:
+        """Retire the moc manager (keep its buffers) and tear the process group down;
+        returns ``state`` without its manager. ``planned``: every member retires this
+        healthy group together at a step boundary (a between-steps plan), so nothing waits
+        on its sockets closing and the full garbage collection that forces them closed
+        after a failure is skipped (it costs 0.7-1.3 s on 2 loaded cores, all of it
+        members' waiting time). On an error the state reached goes with it
+        (:func:`._worker_state.state_after`)."""
+        s = StateDraft(state)
+        del state   # the draft holds it alone (see apply)
+        try:
+            self._retire(s, planned)
+        except BaseException as exc:
+            carry_state(exc, s.freeze())
+            raise
+        return s.freeze()
+
+    def _retire(self, s: StateDraft, planned: bool = False) -> None:
+        if not dist.is_initialized() and s.ckpt is None:
             return   # retired already (a failure retires before waiting for the plan)
         # Abort the NCCL communicators and shut the gloo sockets down first: every peer's
         # pending operation (training thread, or moc's snapshot/persist threads) fails at
@@ -145,25 +177,25 @@ class Reconfigurer(JoinGate, MocGroups):
         if not planned:
             gc.collect()  # drop the last references so the broken group's sockets close now
         t2 = time.time()
-        if t.ckpt is not None:
+        if s.ckpt is not None:
             try:
-                self.handover = t.ckpt.detach()
+                self.handover = s.ckpt.detach()
             except Exception as exc:  # noqa: BLE001
-                log.warning("node %s: moc detach failed: %s", t.where, exc)
-            retired.append(t.ckpt)
-            settle.append(t.ckpt.join_threads)   # its daemon threads let go of it first
-            t.ckpt = None
-        if self._live_comm is not None:   # moc's private groups (their sockets are shut already)
-            self._live_comm.destroy()
-            retired.append(self._live_comm)
-            self._live_comm = None
+                log.warning("node %s: moc detach failed: %s", self.ctx.where, exc)
+            retired.append(s.ckpt)
+            settle.append(s.ckpt.join_threads)   # its daemon threads let go of it first
+            s.ckpt = None
+        if self.moc_groups.live is not None:   # moc's private groups (their sockets are shut already)
+            self.moc_groups.live.destroy()
+            retired.append(self.moc_groups.live)
+            self.moc_groups.live = None
         if retired:
-            release_in_background(retired, name=f"lazarus-release-{t.generation}", settle=settle)
+            release_in_background(retired, name=f"lazarus-release-{s.generation}", settle=settle)
         group = ("none" if report is None else
                  f"{report.backend} {report.teardown or 'none'}, {report.nccl_aborted} NCCL communicators aborted, "
                  f"{report.sockets_shut} connections shut")
-        log.info("node %s step %d gen %d: retired in %.3f s (group %.3f: %s; gc %.3f, moc detach %.3f)", t.where,
-                 t.step, t.generation, time.time() - t0, t1 - t0, group, t2 - t1, time.time() - t2)
+        log.info("node %s step %d gen %d: retired in %.3f s (group %.3f: %s; gc %.3f, moc detach %.3f)", self.ctx.where,
+                 s.step, s.generation, time.time() - t0, t1 - t0, group, t2 - t1, time.time() - t2)
 
     def host_store(self) -> dict[str, Any] | None:
         """Host this node's rendezvous store (local rank 0, when the agent says at which
@@ -171,115 +203,40 @@ class Reconfigurer(JoinGate, MocGroups):
         its group on it, so a join, a leave or a failure's group forms even while the
         controller is away (restarting). Returns ``{"host", "port"}`` for the hello; None
         when this worker hosts none (plans then name the controller's store)."""
-        host = getattr(self.t.channel, "store_host", None)
-        if not host or self.t.local_rank != 0:
+        host = getattr(self.ctx.channel, "store_host", None)
+        if not host or self.ctx.local_rank != 0:
             return None
-        if self._hosted is None:
-            self._hosted = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                         timeout=self.t.config.rendezvous_timeout)
-            SocketTracker.protect_port(self._hosted.port)   # its connections are the other members'
-            log.info("node %s step -: hosting a rendezvous store on %s:%d", self.t.where, host, self._hosted.port)
-        return {"host": host, "port": int(self._hosted.port)}
+        hosted = self._hosted
+        if hosted is None:
+            hosted = self._hosted = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                                  timeout=self.config.rendezvous_timeout)
+            SocketTracker.protect_port(hosted.port)   # its connections are the other members'
+            log.info("node %s step -: hosting a rendezvous store on %s:%d", self.ctx.where, host, hosted.port)
+        return {"host": host, "port": int(hosted.port)}
 
-    def _store_client(self, spec: dict[str, Any], generation: int | None = None):
-        """A client of the plan's store (``spec``: its ``store`` field): a member's worker's,
-        or the controller's. A store that changed (another member hosts it, a restarted
-        controller hosts a new one, maybe on the same port) gets a new client.
-
-        It connects in attempts of at most :data:`STORE_CONNECT_ATTEMPT`: the store's host
-        may have died (the member killed the moment a join's plan was issued), and one
-        connect to a dead port retries for the whole ``rendezvous_timeout`` without a
-        socket that a newer plan could shut. Between two attempts a newer plan of
-        ``generation``'s successor raises :class:`Superseded`; past ``rendezvous_timeout``
-        a ``TimeoutError`` says which store did not answer."""
-        key = tuple(sorted(spec.items()))
-        if self._store is None or self._store_key != key:
-            self._store = None
-            self._store_sockets = SocketTracker()
-            self._store = self._connect_store(str(spec["host"]), int(spec["port"]), generation)
-            self._store_key = key
-        return self._store
-
-    def _connect_store(self, host: str, port: int, generation: int | None):
-        """A client of the store at ``host:port`` in attempts of at most
-        :data:`STORE_CONNECT_ATTEMPT`, each watched (:func:`._store_connect.connect_store`):
-        a newer plan of ``generation``'s successor raises :class:`Superseded` within 50 ms
-        even while torch's client sleeps between its own retries (soak seed 1 on the
-        previous code: a joiner held two failure rendezvous 3 s and 1.5 s that way)."""
-        limit = self.t.config.rendezvous_timeout
-        deadline = time.monotonic() + limit.total_seconds()
-
-        def superseded() -> bool:
-            latest = latest_plan(self.t.channel)
-            return generation is not None and latest is not None and latest.generation > generation
-
-        while True:
-            attempt = max(0.05, min(STORE_CONNECT_ATTEMPT.total_seconds(), deadline - time.monotonic()))
-            try:
-                store = connect_store(host, port, timeout=timedelta(seconds=attempt), tracker=self._store_sockets,
-                                      give_up=superseded)
-                store.set_timeout(limit)   # the rendezvous' own waits
-                return store
-            except GaveUp:
-                raise Superseded() from None
-            except (RuntimeError, OSError) as exc:   # torch's DistNetworkError is a RuntimeError
-                if superseded():
-                    raise Superseded() from None
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"node {self.t.where}: the rendezvous store {host}:{port} of generation "
-                                       f"{generation} did not answer within {limit}: "
-                                       f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}") from None
-
-    def _rendezvous(self, plan: Plan, inventory: dict[str, Any] | None = None) -> list[Any] | None:
+    def _rendezvous(self, s: StateDraft, plan: Plan, inventory: dict[str, Any] | None = None) -> list[Any] | None:
         """Form the plan's group; with ``inventory`` (this rank's entry) and a world of at
         most :data:`STORE_INVENTORY_WORLD`, return every rank's entry in rank order, read
         from the store as the rendezvous completes (None: gather it on the group)."""
         try:
-            return self._rendezvous_inner(plan, inventory)
+            return self._rendezvous_inner(s, plan, inventory)
         except BaseException:
-            self._drop_store()   # it may be the store of a controller that died: reconnect next time
+            self.stores.drop()   # it may be the store of a controller that died: reconnect next time
             raise
 
-    def _drop_store(self, *, shut: bool = False) -> int:
-        """Forget the store client: the next plan connects a new one. ``shut``: also shut its
-        connections (an operation waiting on it elsewhere fails now); returns how many."""
-        n = self._store_sockets.shutdown_all() if shut and self._store is not None else 0
-        self._store = self._board_store = None
-        return n
-
-    def _board_client(self, plan: Plan) -> Any:
-        """A second client of the plan's store, for the units' descriptions
-        (:class:`._transfer.StoreBoard`). The first one is shared with the thread forming
-        moc's groups, and a client waiting for a key is held until it is set: a rank
-        waiting for a peer's post there would block its own groups' connection, which the
-        peer's groups wait for before it can post (a cycle until the timeout). Made once
-        per store; its sockets are shut with the first client's.
-
-        Connected in the rendezvous, before this plan's group forms: a socket that appears
-        while a group forms is counted as that group's (:class:`SocketTracker` compares the
-        process's descriptors), and it would be shut when the group retires (then the
-        next plan's descriptions found this client's connection shut: "Broken pipe")."""
-        self._store_client(plan.store, plan.generation)
-        if self._board_store is None or self._board_key != self._store_key:
-            self._board_store = self._connect_store(str(plan.store["host"]), int(plan.store["port"]),
-                                                    plan.generation)
-            self._board_key = self._store_key
-        return self._board_store
-
-    def _rendezvous_inner(self, plan: Plan, inventory: dict[str, Any] | None) -> list[Any] | None:
-        t = self.t
+    def _rendezvous_inner(self, s: StateDraft, plan: Plan, inventory: dict[str, Any] | None) -> list[Any] | None:
         members = plan.members
         rank, world = self._plan_position(plan)
-        store = self._store_client(plan.store, plan.generation)
+        store = self.stores.client_for(plan.store, plan.generation)
         prefix = plan.prefix
         by_store = inventory is not None and world <= STORE_INVENTORY_WORLD
         if by_store:   # written before the arrival is counted: all are there once all arrived
             store.set(f"{prefix}/inventory/{rank}", json.dumps(inventory))
-            self._board_client(plan)   # now: see _board_client
+            self.stores.board_for(plan)   # now: see StoreClients.board_for
         store.add(f"{prefix}/arrived", 1)
-        deadline = time.monotonic() + t.config.rendezvous_timeout.total_seconds()
+        deadline = time.monotonic() + self.config.rendezvous_timeout.total_seconds()
         while store.add(f"{prefix}/arrived", 0) < world:
-            latest = latest_plan(t.channel)
+            latest = latest_plan(self.ctx.channel)
             if latest is not None and latest.generation > plan.generation:
                 raise Superseded()
             if time.monotonic() > deadline:
@@ -299,28 +256,28 @@ class Reconfigurer(JoinGate, MocGroups):
             # gloo: formed with the short connect timeout (see _form_timeout), the group's
             # collectives then get collective_timeout.
             try:
-                dist.init_process_group(t.backend.init_backend, store=dist.PrefixStore(prefix + "/pg", store),
+                dist.init_process_group(self.ctx.backend.init_backend, store=dist.PrefixStore(prefix + "/pg", store),
                                         rank=rank, world_size=world, timeout=form,
-                                        **nccl_init_kwargs(t.backend))
+                                        **nccl_init_kwargs(self.ctx.backend))
             except Exception:
                 # no newer plan meanwhile: a slow member (or a death not yet planned): wait longer next time
                 if not self._superseded.is_set():
                     self._form_failures += 1
                     log.warning("node %s step %d: the group of generation %s did not form within %.2f s per member; "
-                                "the next attempt waits %.2f s", t.where, t.step, plan.generation,
+                                "the next attempt waits %.2f s", self.ctx.where, s.step, plan.generation,
                                 form.total_seconds(), self._form_timeout().total_seconds())
                 raise
         self._form_failures = 0
-        if form != t.config.collective_timeout:
-            dist.distributed_c10d._set_pg_timeout(t.config.collective_timeout)
+        if form != self.config.collective_timeout:
+            dist.distributed_c10d._set_pg_timeout(self.config.collective_timeout)
         self.aborter.formed()
-        if t.backend.backend == "nccl":
+        if self.ctx.backend.backend == "nccl":
             self._nccl_ready(plan)
-        t.rank, t.world, t.members, t.generation = rank, world, list(members), plan.generation
+        s.rank, s.world, s.members, s.generation = rank, world, list(members), plan.generation
         self.group_store = tuple(sorted(plan.store.items()))
         # what torchrun would say, for user code that reads it (the rank changes with the plan)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), GROUP_RANK=str(members.index(t.node)),
-                          LOCAL_RANK=str(t.local_rank), LOCAL_WORLD_SIZE=str(t.local_world))
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), GROUP_RANK=str(members.index(self.ctx.node)),
+                          LOCAL_RANK=str(self.ctx.local_rank), LOCAL_WORLD_SIZE=str(self.ctx.local_world))
         return gathered
 
     def _form_timeout(self) -> timedelta:
@@ -332,8 +289,8 @@ class Reconfigurer(JoinGate, MocGroups):
         milliseconds: ``connect_timeout``, 4x longer after each attempt that failed with
         no newer plan meanwhile (a member slowed by load, a slow name lookup), ``collective_timeout`` at
         most. NCCL: ``collective_timeout`` (its communicator is aborted instead)."""
-        cfg = self.t.config
-        if self.t.backend.backend == "nccl":
+        cfg = self.config
+        if self.ctx.backend.backend == "nccl":
             return cfg.collective_timeout
         return min(cfg.connect_timeout * (4 ** min(self._form_failures, 8)), cfg.collective_timeout)
 
@@ -342,10 +299,9 @@ class Reconfigurer(JoinGate, MocGroups):
         element on the device, synchronised. A non-blocking init finishes here (not in the
         first training collective); a peer that died meanwhile makes the watchdog record a
         timeout after ``collective_timeout``, and a newer plan aborts it at once."""
-        t = self.t
-        probe = torch.ones(1, device=t.device)
+        probe = torch.ones(1, device=self.ctx.device)
         dist.all_reduce(probe)
-        torch.cuda.current_stream(t.device).synchronize()
+        torch.cuda.current_stream(self.ctx.device).synchronize()
         errors = nccl_errors()
         if self.aborter.interrupted or errors:
             raise RuntimeError(f"NCCL communicator of generation {plan.generation} failed to form: "
@@ -358,13 +314,13 @@ class Reconfigurer(JoinGate, MocGroups):
         """Every member of ``plan`` past point ``name``, met on the controller's store (the
         client of this plan's rendezvous), waiting up to ``rendezvous_timeout``. A newer
         plan interrupts the wait (:meth:`_interruptible` shuts the store's sockets)."""
-        store = self._store
+        store = self.stores.client
         if store is None:
             raise RuntimeError(f"barrier {name!r} of generation {plan.generation} without a store client")
         key = f"{plan.prefix}/{name}"
         if store.add(key, 1) == plan.world:
             store.set(key + "/all", "1")
-        store.wait([key + "/all"], self.t.config.rendezvous_timeout)
+        store.wait([key + "/all"], self.config.rendezvous_timeout)
 
     @contextmanager
     def _interruptible(self, plan: Plan) -> Iterator[list[int]]:
@@ -387,9 +343,9 @@ class Reconfigurer(JoinGate, MocGroups):
                 if error is not None:
                     n = self.aborter.interrupt_nccl()
                     log.warning("node %s: NCCL watchdog reported %s while applying generation %d; aborted %d "
-                                "NCCL communicators", self.t.where, error, gen, n)
+                                "NCCL communicators", self.ctx.where, error, gen, n)
                 if not interrupted:
-                    latest = latest_plan(self.t.channel)
+                    latest = latest_plan(self.ctx.channel)
                     if latest is None or latest.mode != "immediate" or latest.generation <= gen:
                         continue
                     interrupted.append(latest.generation)
@@ -397,9 +353,9 @@ class Reconfigurer(JoinGate, MocGroups):
                     # NCCL: abort the communicator being formed or just formed (a blocked
                     # all-reduce of _nccl_ready, a non-blocking init waiting on a dead peer).
                     self.aborter.interrupt_nccl()
-                    n = SocketTracker.shutdown_opened_since(before) + self._store_sockets.shutdown_all()
+                    n = SocketTracker.shutdown_opened_since(before) + self.stores.sockets.shutdown_all()
                     log.warning("node %s: plan %d arrived while applying generation %d; interrupted %d connections",
-                                self.t.where, latest.generation, gen, n)
+                                self.ctx.where, latest.generation, gen, n)
                 else:   # connects retried meanwhile
                     SocketTracker.shutdown_opened_since(before)
 
@@ -412,136 +368,149 @@ class Reconfigurer(JoinGate, MocGroups):
             self._superseded.clear()
             th.join()
             if interrupted:
-                self._drop_store()   # its connections were shut by the watch: a new client next time
+                self.stores.drop()   # its connections were shut by the watch: a new client next time
 
     # -- the plan ----------------------------------------------------------------------------
-    def apply(self, plan: Plan, t_error: float | None) -> None:
-        """Apply ``plan`` (see the module docstring). Raises :class:`Superseded` when a
-        newer immediate plan arrived meanwhile (what was blocked is interrupted)."""
-        with self._interruptible(plan) as interrupted:
-            try:
-                self._apply(plan, t_error)
-            except Exception:
-                self._drop_moc_comm()
-                if interrupted:
-                    raise Superseded() from None
-                raise
-        if interrupted:   # done anyway, but a newer immediate plan replaces it
-            raise Superseded()
+    def apply(self, plan: Plan, state: WorkerState, t_error: float | None) -> WorkerState:
+        """Apply ``plan`` (see the module docstring) to ``state``; returns the new state
+        (``state`` itself is left as it was). Raises :class:`Superseded` when a newer
+        immediate plan arrived meanwhile (what was blocked is interrupted). Whatever it
+        raises carries the state the apply reached (:func:`._worker_state.state_after`):
+        the fields written before the failure (a retired manager, the new group's rank,
+        an installed model), which the trainer keeps as it did when they were its own."""
+        s = StateDraft(state)
+        # From here the draft alone holds the state's objects (the caller lent its state,
+        # :meth:`._trainer.ElasticTrainer._lend_state`, and CPython hands an argument's
+        # reference over to the callee): a manager retired below is released off this
+        # thread (release_in_background) and a replaced optimizer freed when replaced, as
+        # when they were the trainer's own fields.
+        del state
+        try:
+            with self._interruptible(plan) as interrupted:
+                try:
+                    self._apply(s, plan, t_error)
+                except Exception:
+                    self.moc_groups.drop(step=s.step, generation=s.generation)
+                    if interrupted:
+                        raise Superseded() from None
+                    raise
+            if interrupted:   # done anyway, but a newer immediate plan replaces it
+                raise Superseded()
+        except BaseException as exc:
+            carry_state(exc, s.freeze())
+            raise
+        return s.freeze()
 
-    def _apply(self, plan: Plan, t_error: float | None) -> None:
-        t = self.t
+    def _apply(self, s: StateDraft, plan: Plan, t_error: float | None) -> None:
         t0 = time.time()
         timings: dict[str, float] = {}
-        self._moc_groups_wait = None
-        if self.is_prepared_join(plan) and t.node in plan.joined and (t.model is None or self.stateless):
-            self._prepare_join(plan)
+        self.moc_groups.waited = None
+        if self.gate.is_prepared_join(plan) and self.ctx.node in plan.joined and (s.model is None or self.stateless):
+            self._prepare_join(s, plan)
             timings["prepare"] = time.time() - t0
             t0 = time.time()
         members = list(plan.members)
         leaving = list(plan.leaving)
         in_old = (plan.mode == "between_steps" and dist.is_initialized()
-                  and set(members) | set(leaving) <= set(t.members))
+                  and set(members) | set(leaving) <= set(s.members))
         if in_old:
             # Hand-over on the current group (leaves, rebalancing): every holder is here.
-            received, lost, newest, stats = self._migrate(plan, t.members)
+            received, lost, newest, stats = self._migrate(s, plan, s.members)
             dist.barrier()
             timings["migrate"] = time.time() - t0
-            if t.node in leaving:
-                log.info("node %s: handed over %d units, leaving the job", t.where, stats["moved"])
-                self.retire_group()
-                t._left = True
+            if self.ctx.node in leaving:
+                log.info("node %s: handed over %d units, leaving the job", self.ctx.where, stats["moved"])
+                self._retire(s)
+                s.left = True
                 return
             # A group formed on another store (the one of an earlier controller incarnation)
             # is re-formed on the plan's: moc's groups (and any later new_group) need a live store.
-            same_group = members == t.members and tuple(sorted(plan.store.items())) == self.group_store
+            same_group = members == s.members and tuple(sorted(plan.store.items())) == self.group_store
             if not same_group:
                 t1 = time.time()
-                self.retire_group(planned=True)
+                self._retire(s, planned=True)
                 timings["retire"] = time.time() - t1
                 t1 = time.time()
-                self._rendezvous(plan)
+                self._rendezvous(s, plan)
                 timings["rendezvous"] = time.time() - t1
-            elif t.ckpt is not None:
-                self.handover = t.ckpt.detach()
-                t.ckpt = None
-            t.generation = plan.generation
-            self._start_moc_comm(plan)
+            elif s.ckpt is not None:
+                self.handover = s.ckpt.detach()
+                s.ckpt = None
+            s.generation = plan.generation
+            self.moc_groups.start(plan, rank=s.rank, world=s.world, generation=s.generation)
         else:
             t1 = time.time()
-            self.retire_group(planned=plan.mode == "between_steps")
+            self._retire(s, planned=plan.mode == "between_steps")
             timings["retire"] = time.time() - t1
             t1 = time.time()
-            mine = self._inventory_entry()
-            inventory = self._rendezvous(plan, mine[0])
+            mine = self._inventory_entry(s)
+            inventory = self._rendezvous(s, plan, mine[0])
             timings["rendezvous"] = time.time() - t1
-            self._start_moc_comm(plan)
+            self.moc_groups.start(plan, rank=s.rank, world=s.world, generation=s.generation)
             t1 = time.time()
-            received, lost, newest, stats = self._migrate(plan, members, mine=mine, inventory=inventory)
+            received, lost, newest, stats = self._migrate(s, plan, members, mine=mine, inventory=inventory)
             timings["migrate"] = time.time() - t1
         t1 = time.time()
-        self._install(plan, received, newest)
+        self._install(s, plan, received, newest)
         timings["install"] = time.time() - t1
         if self._joiners:
             # moc's groups first: they connect through this process's store client, which the
             # barrier's wait would hold until every rank arrived (a rank whose groups wait on
             # ours, and ours on its barrier: a cycle until the groups' timeout)
-            self._await_moc_comm()
+            self.moc_groups.wait(step=s.step, generation=s.generation)
             t1 = time.time()
             self._store_barrier(plan, "installed")
             timings["joiners"] = time.time() - t1
         t1 = time.time()
         self.rollback = None
-        sources = self._moc(lost, fresh_start=newest < 0)
+        sources = self._moc(s, lost, fresh_start=newest < 0)
         timings["moc"] = time.time() - t1
-        if self._moc_groups_wait is not None:   # part of "moc": waiting for its groups
-            timings["moc_groups_wait"] = self._moc_groups_wait
+        if self.moc_groups.waited is not None:   # part of "moc": waiting for its groups
+            timings["moc_groups_wait"] = self.moc_groups.waited
         stats["sources"] = dict(stats["sources"], **sources)
         t_resumed = time.time()
-        record = {"kind": "reconfigured", "type": "reconfigured", "generation": t.generation,
-                  "reason": plan.reason, "world_size": t.world, "members": members, "step": t.step,
+        record = {"kind": "reconfigured", "type": "reconfigured", "generation": s.generation,
+                  "reason": plan.reason, "world_size": s.world, "members": members, "step": s.step,
                   "t_error": t_error, "t_plan": plan.issued_at, "detected_at": plan.detected_at,
                   "t_resumed": t_resumed, "timings": timings, "moved": stats["moved"],
                   "same_node_moved": stats.get("same_node_moved", 0),
                   "dense_moves": stats["dense_moves"], "sources": stats["sources"],
-                  "lost_experts": sorted(lost), "plt": t.ckpt.plt() if t.ckpt is not None else 0.0,
-                  "recovery": None if not lost and self.rollback is None else t.config.lost_experts,
+                  "lost_experts": sorted(lost), "plt": s.ckpt.plt() if s.ckpt is not None else 0.0,
+                  "recovery": None if not lost and self.rollback is None else self.config.lost_experts,
                   "rollback": self.rollback,
                   "fetches": plan.fetches, "recovery_probability": plan.recovery_probability}
-        if t.rank == 0:
-            t.channel.send({k: v for k, v in record.items() if k != "kind"})
-            t._metric(record)
+        if s.rank == 0:
+            self.ctx.channel.send({k: v for k, v in record.items() if k != "kind"})
+            self.ctx.metric(record)
         log.info("node %s rank %d/%d gen %d (%s): resumed at step %d in %.3f s; %d experts moved, sources %s; %s",
-                 t.where, t.rank, t.world, t.generation, plan.reason, t.step, t_resumed - t0,
+                 self.ctx.where, s.rank, s.world, s.generation, plan.reason, s.step, t_resumed - t0,
                  stats["moved"], stats["sources"], " ".join(f"{k} {v:.3f}" for k, v in timings.items()))
 
     # -- inventory and migration -------------------------------------------------------------
-    def _held(self) -> dict[str, list[int]]:
-        t = self.t
-        if t.model is None or self.stateless:
+    def _held(self, s: StateDraft) -> dict[str, list[int]]:
+        if s.model is None or self.stateless:
             return {}
         return {name: [e for e in layer.local_experts if f"expert/{name}/{e}" not in self.unrestored]
-                for name, layer in moe_layers(t.model)}
+                for name, layer in moe_layers(s.model)}
 
-    def _inventory_entry(self) -> tuple[dict[str, Any], Any]:
+    def _inventory_entry(self, s: StateDraft) -> tuple[dict[str, Any], Any]:
         """This rank's inventory entry (node, step, the units it holds) and its model's unit
         layout (None without state)."""
-        t = self.t
-        has_state = t.model is not None and not self.stateless
-        layout = discover_units(t.model) if has_state else None
+        model = s.model
+        has_state = model is not None and not self.stateless
+        layout = discover_units(model) if model is not None and not self.stateless else None
         modules = sorted(u.name for u in layout.modules()) if layout is not None else []
-        return ({"node": t.node, "local": t.local_rank, "step": t.step if has_state else -1,
-                 "experts": self._held(), "modules": modules, "built": t.model is not None}, layout)
+        return ({"node": self.ctx.node, "local": self.ctx.local_rank, "step": s.step if has_state else -1,
+                 "experts": self._held(s), "modules": modules, "built": s.model is not None}, layout)
 
-    def _migrate(self, plan: Plan, group_members: list[str], *,
+    def _migrate(self, s: StateDraft, plan: Plan, group_members: list[str], *,
                  mine: tuple[dict[str, Any], Any] | None = None, inventory: list[Any] | None = None):
         """Move units so every member of ``plan`` holds what it needs at the newest step.
         Runs on the current group, whose ranks are ``group_members``. ``mine``: this rank's
         inventory entry and layout (:meth:`_inventory_entry`), ``inventory``: every rank's,
         read at the rendezvous (else gathered here)."""
-        t = self.t
         comm = world_comm()
-        entry, layout = mine if mine is not None else self._inventory_entry()
+        entry, layout = mine if mine is not None else self._inventory_entry(s)
         inv = inventory if inventory is not None else comm.gather_json(entry)
         if len(inv) != comm.world or inv[comm.rank] != entry:
             raise RuntimeError(f"inventory of generation {plan.generation} does not match the group: "
@@ -550,14 +519,14 @@ class Reconfigurer(JoinGate, MocGroups):
         # A joiner that built its model before the rendezvous (_prepare_join) installs the
         # state at once: only one still to build is waited for at the store barrier.
         self._joiners = sum(1 for r in inv if r["step"] < 0 and not r.get("built"))
-        stats = {"moved": 0, "same_node_moved": 0, "dense_moves": 0, "sources": {"peer": 0}}
+        stats: dict[str, Any] = {"moved": 0, "same_node_moved": 0, "dense_moves": 0, "sources": {"peer": 0}}
         self._pending_lost_mine = set()
         if newest < 0:
             return {}, [], newest, stats
         rank_of = {(r["node"], int(r.get("local", 0))): i for i, r in enumerate(inv)}
         per_rank = {layer: rank_slots(p) for layer, p in self._placements(plan).items()}
         g = plan.gpus_per_node
-        slots = {rank_of[(plan.members[p // g], p % g)]: {layer: s[p] for layer, s in per_rank.items()}
+        slots = {rank_of[(plan.members[p // g], p % g)]: {layer: sl[p] for layer, sl in per_rank.items()}
                  for p in range(plan.world)}
         needs, holders = unit_needs(inv, newest, slots)
         moves, missing = choose_moves(needs, holders, [r["node"] for r in inv])
@@ -567,16 +536,18 @@ class Reconfigurer(JoinGate, MocGroups):
             raise RuntimeError(f"no rank holds dense units {dense_missing[:3]} at step {newest}")
         trees = {}
         if layout is not None:
-            state = t.model.state_dict(keep_vars=True)
-            params = dict(t.model.named_parameters())   # once: capture_unit would list them per unit
+            model = s.model
+            assert model is not None   # it has a layout
+            state = model.state_dict(keep_vars=True)
+            params = dict(model.named_parameters())   # once: capture_unit would list them per unit
             for m in moves:
                 if m.src == comm.rank and m.unit not in trees:
-                    trees[m.unit] = capture_unit(layout.units[m.unit], t.model, t.optimizer, state=state,
+                    trees[m.unit] = capture_unit(layout.units[m.unit], model, s.optimizer, state=state,
                                                  params=params)
         # read at the rendezvous: the descriptions of what moves go through its store too
-        board = (StoreBoard(self._board_store, f"{plan.prefix}/units", t.config.collective_timeout)
-                 if inventory is not None and self._board_store is not None else None)
-        received = exchange_units(moves, trees, comm, device=t.backend.transfer_device, board=board)
+        board = (StoreBoard(self.stores.board, f"{plan.prefix}/units", self.config.collective_timeout)
+                 if inventory is not None and self.stores.board is not None else None)
+        received = exchange_units(moves, trees, comm, device=self.ctx.backend.transfer_device, board=board)
         stats["moved"] = sum(1 for m in moves if m.unit.startswith("expert/"))
         # expert copies that moved between two GPUs of one node (never over the network)
         stats["same_node_moved"] = sum(1 for m in moves if m.unit.startswith("expert/")
@@ -584,8 +555,7 @@ class Reconfigurer(JoinGate, MocGroups):
         stats["dense_moves"] = sum(1 for m in moves if not m.unit.startswith("expert/"))
         stats["sources"]["peer"] = stats["moved"]
         # Units this rank must get from moc (no surviving replica anywhere).
-        mine = {u for u, dst in missing if dst == comm.rank}
-        self._pending_lost_mine = mine
+        self._pending_lost_mine = {u for u, dst in missing if dst == comm.rank}
         return received, lost, newest, stats
 
     def _placements(self, plan: Plan) -> dict[str, Placement]:
@@ -593,20 +563,19 @@ class Reconfigurer(JoinGate, MocGroups):
         plan's ``gpus`` split says (round-robin in plans without one)."""
         g = plan.gpus_per_node
         split = plan.gpus or {}
-        return {layer: Placement([list(s) for s in slots], num_experts=int(self.t.layout["layers"][layer]),
+        return {layer: Placement([list(s) for s in slots], num_experts=int(self.ctx.layout["layers"][layer]),
                                  gpus_per_node=g, gpus=split.get(layer) if g > 1 else None)
                 for layer, slots in plan.layers.items()}
 
-    def _install(self, plan: Plan, received: dict[str, Any], newest: int) -> None:
-        t = self.t
-        me = t.rank
+    def _install(self, s: StateDraft, plan: Plan, received: dict[str, Any], newest: int) -> None:
+        me = s.rank
         placements = self._placements(plan)
         carried: list[Any] = []
-        if t.model is None:
-            t.model = self.build_model(placements).to(t.device)
+        if s.model is None:
+            s.model = self.build_model(placements).to(self.ctx.device)
         else:
             layout = None
-            for name, layer in moe_layers(t.model):
+            for name, layer in moe_layers(s.model):
                 new = placements[name]
                 held = layer.local_experts
                 mine = rank_slots(new)[me]
@@ -617,23 +586,23 @@ class Reconfigurer(JoinGate, MocGroups):
                     # experts' weights and optimizer state over as units (views of the old
                     # tensors, applied to the new ones below).
                     if layout is None:
-                        layout = discover_units(t.model)
-                        state = t.model.state_dict(keep_vars=True)
-                        params = dict(t.model.named_parameters())
-                    carried += [capture_unit(layout.expert_unit(name, e), t.model, t.optimizer, state=state,
-                                             params=params) for e in keep]
+                        layout = discover_units(s.model)
+                        state = s.model.state_dict(keep_vars=True)
+                        params = dict(s.model.named_parameters())
+                    carried += [capture_unit(cast(UnitSpec, layout.expert_unit(name, e)), s.model, s.optimizer,
+                                             state=state, params=params) for e in keep]
                 # Placeholders: the received units (below) and moc (for lost experts) overwrite them.
                 layer.set_placement(new, expert_states=layer.initial_expert_states(added))
-        old = t.optimizer
-        t.optimizer = self.make_optimizer(t.model)
+        old = s.optimizer
+        s.optimizer = self.make_optimizer(s.model)
         if old is not None:
-            for p in t.model.parameters():
+            for p in s.model.parameters():
                 if p in old.state:
-                    t.optimizer.state[p] = old.state[p]
-        apply_partial(t.model, t.optimizer, [*carried, *received.values()])
+                    s.optimizer.state[p] = old.state[p]
+        apply_partial(s.model, s.optimizer, [*carried, *received.values()])
         self.unrestored |= {u for u in self._pending_lost_mine}
         if newest >= 0:
-            t.step = newest
+            s.step = newest
             self.stateless = False   # a prepared joiner's model now holds the newest step
         self._dense = None
 
@@ -645,7 +614,7 @@ class Reconfigurer(JoinGate, MocGroups):
         inside a reconfiguration held the other ranks' collective past its timeout while S3
         hung, and every new plan failed the same way (issue 28's soak: a join while a
         persist hung stalled the job until the joiner gave up)."""
-        cfg = self.t.config.moc
+        cfg = self.config.moc
         if cfg is None or urlsplit(str(cfg.storage)).scheme.lower() not in ("s3", "s3a"):
             return
         if cfg.storage_options.get("check") is False:
@@ -662,7 +631,7 @@ class Reconfigurer(JoinGate, MocGroups):
         # A hung endpoint answers nothing for minutes (each attempt waits out the read
         # timeout): wait at most the rendezvous timeout, in a thread that cannot hold the
         # process up at exit.
-        limit = self.t.config.rendezvous_timeout.total_seconds()
+        limit = self.config.rendezvous_timeout.total_seconds()
         th = threading.Thread(target=probe, name="lazarus-storage-probe", daemon=True)
         th.start()
         th.join(limit)
@@ -671,37 +640,37 @@ class Reconfigurer(JoinGate, MocGroups):
             raise exc
         if exc is not None:
             log.warning("node %s step -: storage %s unreachable at start (%s); joining anyway, persists will retry",
-                        self.t.where, cfg.storage, str(exc).splitlines()[0][:200])
+                        self.ctx.where, cfg.storage, str(exc).splitlines()[0][:200])
         cfg.storage_options = {**cfg.storage_options, "check": False}
 
-    def _moc(self, lost: list[str], fresh_start: bool) -> dict[str, int]:
-        t = self.t
-        cfg = t.config.moc
+    def _moc(self, s: StateDraft, lost: list[str], fresh_start: bool) -> dict[str, int]:
+        cfg = self.config.moc
         out = {"memory": 0, "storage": 0}
         if cfg is None:
             if lost:
                 raise RuntimeError(f"experts {lost[:4]} lost every replica and no moc checkpoint is configured")
             return out
-        cfg_dir = os.environ.get("LAZARUS_SNAPSHOT_DIR") or getattr(t.channel, "snapshot_dir", None)
+        cfg_dir = os.environ.get("LAZARUS_SNAPSHOT_DIR") or getattr(self.ctx.channel, "snapshot_dir", None)
         if cfg_dir and cfg.snapshot_dir is None:
             cfg.snapshot_dir = cfg_dir
-        self._moc_timeout()
-        comm = self._take_moc_comm()
+        self.moc_groups.timeout()
+        comm = self.moc_groups.take(step=s.step, generation=s.generation)
         with self.sockets.track():   # moc's own gloo groups (made here if not beforehand)
-            t.ckpt = CheckpointManager(cfg, model=t.model, optimizer=t.optimizer, memory_key=t.memory_key,
-                                       handover=self.handover, node=t.node, comm=comm)
+            s.ckpt = CheckpointManager(cfg, model=cast(nn.Module, s.model), optimizer=s.optimizer,
+                                       memory_key=self.ctx.memory_key, handover=self.handover, node=self.ctx.node,
+                                       comm=comm)
         self.handover = None
         if fresh_start:
-            t.step = t.ckpt.restore(reshard=True) if cfg.exact else t.ckpt.restore()
+            s.step = s.ckpt.restore(reshard=True) if cfg.exact else s.ckpt.restore()
             self.unrestored.clear()
             self.stateless = False
             return out
-        if cfg.exact and (lost or t.ckpt.interrupted_replay):
-            self.rollback = self._rollback(lost)
+        if cfg.exact and (lost or s.ckpt.interrupted_replay):
+            self.rollback = self._rollback(s, lost)
             out["storage"] = len(lost)     # a lost expert's state died with its holders: from storage
             return out
         if lost:
-            result = t.ckpt.restore_units(lost)
+            result = s.ckpt.restore_units(lost)
             for unit, r in result.items():
                 if r["level"] == "snapshot":
                     out["memory"] += 1
@@ -710,53 +679,55 @@ class Reconfigurer(JoinGate, MocGroups):
             self.unrestored.clear()
         return out
 
-    def _rollback(self, lost: list[str]) -> dict[str, Any]:
+    def _rollback(self, s: StateDraft, lost: list[str]) -> dict[str, Any]:
         """``lost_experts="replay"``: every rank of the new generation restores the units it
         holds now from the newest exact window in storage (its own memory copy where it has
         the same record) and the step goes back to the window's first step + 1; the loop
         then replays the window (moc promotes the units as in any exact restore). Also run
         when the previous generation was itself replaying (its model is half replayed)."""
-        t = self.t
-        assert t.ckpt is not None
-        before, t0 = t.step, time.time()
-        step = t.ckpt.restore(reshard=True)
+        assert s.ckpt is not None
+        before, t0 = s.step, time.time()
+        step = s.ckpt.restore(reshard=True)
         if step == 0:
-            raise RuntimeError(f"node {t.where} step {before}: experts {lost[:4]} lost every replica and no exact "
-                               "window is committed to storage yet: nothing to roll back to (lost_experts='replay' "
+            raise RuntimeError(f"node {self.ctx.where} step {before}: experts {lost[:4]} lost every replica and no "
+                               "exact window is committed to storage yet: nothing to roll back to (lost_experts='replay' "
                                "needs one; persist_every sets how often windows are written)")
-        t.step = step
+        s.step = step
         self.unrestored.clear()
-        rep = t.ckpt.status()["exact"]["last_replay"]
+        rep = s.ckpt.status()["exact"]["last_replay"]
         info = {"from_step": before, "to_step": step, "steps": before - step, "window": [rep["start"], rep["end"]],
                 "source": rep["source"], "units": rep.get("units"), "checked": rep.get("checked"),
                 "cause": "lost_experts" if lost else "interrupted_replay", "seconds": round(time.time() - t0, 4)}
         log.info("node %s rank %d step %d gen %d: rolled back %d steps to the exact window %d-%d (%s; units %s; "
-                 "replay check %s) in %.3f s", t.where, t.rank, step, t.generation, info["steps"], rep["start"],
+                 "replay check %s) in %.3f s", self.ctx.where, s.rank, step, s.generation, info["steps"], rep["start"],
                  rep["end"], info["cause"], info["units"], "on" if info["checked"] else "off", info["seconds"])
         return info
 
     # -- helpers -----------------------------------------------------------------------------
-    def dense_params(self) -> list[nn.Parameter]:
-        """Parameters outside the MoE layers (data-parallel over all ranks), in name order."""
+    def dense_params(self, model: nn.Module) -> list[nn.Parameter]:
+        """Parameters of ``model`` (the current state's) outside the MoE layers
+        (data-parallel over all ranks), in name order; cached until the next install."""
         if self._dense is None:
-            t = self.t
-            moe = {id(p) for _, layer in moe_layers(t.model) for p in layer.parameters()}
-            self._dense = [p for _, p in sorted(t.model.named_parameters()) if id(p) not in moe]
+            moe = {id(p) for _, layer in moe_layers(model) for p in layer.parameters()}
+            self._dense = [p for _, p in sorted(model.named_parameters()) if id(p) not in moe]
         return self._dense
 
-    def digests(self, experts: bool = True) -> dict[str, str]:
-        t = self.t
-        layout = discover_units(t.model)
-        state = t.model.state_dict(keep_vars=True)
+    @staticmethod
+    def digests(model: nn.Module, optimizer: Any, experts: bool = True) -> dict[str, str]:
+        """``unit -> digest`` of each expert's (``experts``) or else each dense unit's weights
+        and optimizer state."""
+        layout = discover_units(model)
+        state = model.state_dict(keep_vars=True)
         out = {}
         for name, spec in layout.units.items():
             if (spec.kind == "expert") == experts:
-                out[name] = _digest(capture_unit(spec, t.model, t.optimizer, state=state))
+                out[name] = _digest(capture_unit(spec, model, optimizer, state=state))
         return out
 
-    def dense_digest(self) -> str:
+    @classmethod
+    def dense_digest(cls, model: nn.Module, optimizer: Any) -> str:
         h = hashlib.sha256()
-        for name, d in sorted(self.digests(experts=False).items()):
+        for name, d in sorted(cls.digests(model, optimizer, experts=False).items()):
             h.update(name.encode())
             h.update(d.encode())
         return h.hexdigest()[:16]

@@ -26,7 +26,7 @@ import re
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Mapping
+from typing import IO, Any, Callable, Mapping, cast
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,7 @@ from ._lazy_dynamo import defer_dynamo_import
 from ._plan_feed import latest_plan, wait_plan
 from ._reconfigure import Reconfigurer
 from ._step_reduce import all_reduce_step, clip_total_norm_
+from ._worker_state import WorkerContext, WorkerState, state_after
 
 __all__ = ["ElasticTrainer", "is_collective_error"]
 
@@ -124,29 +125,99 @@ class ElasticTrainer:
             log.info("node %s step -: NCCL settings %s", self.where,
                      " ".join(f"{k}={v}" for k, v in applied.items()) or "all from the environment")
         log.info("node %s step -: device %s, backend %s", self.where, self.backend.device, self.backend.backend)
-        self.reconf = Reconfigurer(self, build_model=build_model, make_optimizer=make_optimizer)
-        self.model: nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.ckpt: Any = None
-        self.generation = -1
-        self.members: list[str] = []
-        self.rank, self.world = -1, 0
-        self.step = 0                    # next step to run == optimizer steps applied
+        context = WorkerContext(node=self.node, local_rank=self.local_rank, local_world=self.local_world,
+                                where=self.where, backend=self.backend, layout=self.layout, channel=channel,
+                                memory_key=self.memory_key, metric=self._metric)
+        self.reconf = Reconfigurer(config, context=context, build_model=build_model, make_optimizer=make_optimizer)
+        # model, optimizer, moc manager, step, place in the group: replaced whole by every
+        # reconfiguration (Reconfigurer.apply), read through the properties below
+        self._state = WorkerState()
         self.losses: list[tuple[int, float]] = []
         self._routing: dict[str, torch.Tensor] = {}
         self._agreed: int | None = None   # the plan agreement of the step just applied (its all-reduce)
-        self._metrics = None
+        self._metrics: IO[str] | None = None
         self._step_s: deque[float] = deque(maxlen=21)   # this rank's recent steps, end to end
         self._last_end: float | None = None              # when its last step ended (None: after a failure)
         self._paused: dict[str, Any] | None = None       # a between-steps plan applied after a step
         self._storage_failures = 0       # moc persist failures already reported
         self._storage_bad_since: int | None = None  # last persisted step when storage went bad
-        self._left = False
         self._training = threading.Event()   # set while the step loop runs on a healthy group
         self._watch_lock = threading.Lock()
         self._stop_watch = threading.Event()
 
     # -- public ----------------------------------------------------------------------------
+    @property
+    def state(self) -> WorkerState:
+        """The model, optimizer, moc manager, step and place in the group, as one
+        :class:`._worker_state.WorkerState` (each also an attribute of its own)."""
+        return self._state
+
+    @property
+    def model(self) -> nn.Module | None:
+        return self._state.model
+
+    @model.setter
+    def model(self, value: nn.Module | None) -> None:
+        self._state = self._state.replace(model=value)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self._state.optimizer
+
+    @optimizer.setter
+    def optimizer(self, value: torch.optim.Optimizer | None) -> None:
+        self._state = self._state.replace(optimizer=value)
+
+    @property
+    def ckpt(self) -> Any:
+        """The moc CheckpointManager of this generation (None between generations)."""
+        return self._state.ckpt
+
+    @ckpt.setter
+    def ckpt(self, value: Any) -> None:
+        self._state = self._state.replace(ckpt=value)
+
+    @property
+    def step(self) -> int:
+        """The next step to run (== optimizer steps applied)."""
+        return self._state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._state = self._state.replace(step=value)
+
+    @property
+    def rank(self) -> int:
+        return self._state.rank
+
+    @rank.setter
+    def rank(self, value: int) -> None:
+        self._state = self._state.replace(rank=value)
+
+    @property
+    def world(self) -> int:
+        return self._state.world
+
+    @world.setter
+    def world(self, value: int) -> None:
+        self._state = self._state.replace(world=value)
+
+    @property
+    def members(self) -> list[str]:
+        return self._state.members
+
+    @members.setter
+    def members(self, value: list[str]) -> None:
+        self._state = self._state.replace(members=value)
+
+    @property
+    def generation(self) -> int:
+        return self._state.generation
+
+    @generation.setter
+    def generation(self, value: int) -> None:
+        self._state = self._state.replace(generation=value)
+
     @property
     def device(self) -> torch.device:
         """Where the model lives (``ElasticConfig.device`` resolved): ``build_model``'s
@@ -213,7 +284,7 @@ class ElasticTrainer:
                 self._training.clear()
 
     def _loop(self, loss_fn: LossFn, total_steps: int) -> None:
-        while self.step < total_steps and not self._left:
+        while self.step < total_steps and not self.left:
             failure = None
             try:
                 loss = self._train_step(loss_fn)
@@ -236,7 +307,7 @@ class ElasticTrainer:
             if failure is not None:
                 self._last_end = None   # the recovery is no step
                 self._on_broken_collective(failure)
-        if self._left:
+        if self.left:
             self._report_left()
         else:
             self._finish()
@@ -255,16 +326,16 @@ class ElasticTrainer:
     @property
     def left(self) -> bool:
         """This node left the job gracefully (a between-steps plan without it)."""
-        return self._left
+        return self._state.left
 
     def expert_digests(self) -> dict[str, str]:
         """``unit -> hex digest`` of the weights and optimizer state of every expert this
         rank holds (tests compare replicas across ranks)."""
-        return self.reconf.digests(experts=True)
+        return self.reconf.digests(cast(nn.Module, self.model), self.optimizer, experts=True)
 
     def dense_digest(self) -> str:
         """One digest over all non-expert weights and their optimizer state."""
-        return self.reconf.dense_digest()
+        return self.reconf.dense_digest(cast(nn.Module, self.model), self.optimizer)
 
     # -- the step --------------------------------------------------------------------------
     def _train_step(self, loss_fn: LossFn) -> float:
@@ -304,7 +375,7 @@ class ElasticTrainer:
         pending = latest.generation if latest is not None and latest.generation > self.generation else 0
         if pending and self.ckpt is not None and self.ckpt.replaying:
             pending = 0
-        if pending and not self.reconf.joiners_prepared(latest):
+        if pending and latest is not None and not self.reconf.joiners_prepared(latest, self.step):
             pending = 0
         return pending
 
@@ -333,10 +404,13 @@ class ElasticTrainer:
         # (one rank: nothing to average, its replicated gradients are its own)
         params: list[tuple[nn.Parameter, Callable[[torch.Tensor], torch.Tensor]]] = []
         if self.world > 1:
-            params += [(p, lambda g: g / self.world) for p in self.reconf.dense_params()]
+            def mean(g: torch.Tensor) -> torch.Tensor:
+                return g / self.world
+
+            params += [(p, mean) for p in self.reconf.dense_params(model)]
             for layer in layers:
                 scale = 1.0 / layer.world_size if layer.grad_reduction == "mean" else 1.0
-                params += [(p, lambda g, s=scale: g * s) for p in layer.replicated_parameters()]
+                params += [(p, _times(scale)) for p in layer.replicated_parameters()]
         summed, (target,) = all_reduce_step(params, sums=sums, maxima=[self._pending_generation()],
                                             rank=self.rank, world=self.world)
         return (summed[0] if summed else 0.0), target
@@ -349,7 +423,7 @@ class ElasticTrainer:
         a GPU a read per parameter would wait for the device each time)."""
         model = self.model
         assert model is not None
-        squared = [p.grad for p in self.reconf.dense_params() if p.grad is not None]
+        squared = [p.grad for p in self.reconf.dense_params(model) if p.grad is not None]
         for _, layer in moe_layers(model):
             squared += [p.grad for p in layer.replicated_parameters() if p.grad is not None]   # router, shared
         experts = [p.grad for _, layer in moe_layers(model) for p in layer.experts.parameters() if p.grad is not None]
@@ -398,7 +472,7 @@ class ElasticTrainer:
             t_agreed = time.time() if t_end is None else t_end
             plan = self._wait_plan(self.generation, at_least=target)
             self._reconfigure_loop(plan, error=None)
-            if t_end is not None and not self._left:
+            if t_end is not None and not self.left:
                 self._paused = {"t_last": t_end, "t_agreed": t_agreed, "t_resumed": time.time(),
                                 "reason": plan.reason}
 
@@ -435,7 +509,7 @@ class ElasticTrainer:
                                "step": self.step, "error": error[:300]})
         except Exception:  # noqa: BLE001 - the agent link has its own watchdog
             pass
-        self.reconf.retire_group()
+        self._retire_group()
         plan = self._wait_plan(self.generation)
         self._reconfigure_loop(plan, error=t_error)
 
@@ -453,18 +527,23 @@ class ElasticTrainer:
         while True:
             broken = None
             try:
-                self.reconf.apply(plan, t_error=error)
+                self._state = self.reconf.apply(plan, self._lend_state(), t_error=error)
                 return
-            except Superseded:
+            except Superseded as exc:
+                self._state = state_after(exc, self._state)   # what the plan wrote before it was superseded
                 log.info("node %s: plan %d superseded", self.where, plan.generation)
             except Exception as exc:  # noqa: BLE001
+                self._state = state_after(exc, self._state)   # what it wrote before it failed
                 if not is_collective_error(exc):
                     raise
                 broken = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
                 log.warning("node %s: reconfiguration to generation %d failed: %s", self.where,
                             plan.generation, broken)
+            except BaseException as exc:
+                self._state = state_after(exc, self._state)
+                raise
             if broken is not None:  # outside the except block, see run()
-                self.reconf.retire_group()
+                self._retire_group()
                 # Every member may still be alive (one was late, or froze and woke up): without
                 # this report nothing would make the controller issue another plan.
                 try:
@@ -475,6 +554,26 @@ class ElasticTrainer:
             if error is None:
                 error = time.time()
             plan = self._wait_plan(plan.generation)
+
+    def _lend_state(self) -> WorkerState:
+        """The state, handed to the reconfigurer, which returns the next one (or, failing,
+        the one it reached with its exception: :func:`._worker_state.state_after`).
+        Meanwhile this trainer keeps it without its moc manager and optimizer, so that
+        the reconfigurer's is the only reference to them: a manager it retires is released
+        off the training thread, an optimizer it replaces is freed at once (as when it
+        wrote this trainer's fields). Only the step, generation and place in the group are
+        read meanwhile (the plan watcher, log lines)."""
+        state = self._state
+        self._state = state.replace(ckpt=None, optimizer=None)
+        return state
+
+    def _retire_group(self) -> None:
+        """Retire the group and the moc manager (:meth:`._reconfigure.Reconfigurer.retire_group`)."""
+        try:
+            self._state = self.reconf.retire_group(self._lend_state())
+        except BaseException as exc:
+            self._state = state_after(exc, self._state)
+            raise
 
     def _wait_plan(self, newer_than: int, at_least: int | None = None, unbounded: bool = False) -> Plan:
         deadline = time.monotonic() + self.config.plan_timeout.total_seconds()
@@ -520,6 +619,11 @@ class ElasticTrainer:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._metrics = open(path, "a", buffering=1)
         self._metrics.write(json.dumps(record) + "\n")
+
+
+def _times(scale: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A gradient's post-reduction: times ``scale``."""
+    return lambda g: g * scale
 
 
 def _process_start_time() -> float | None:

@@ -205,7 +205,7 @@ def exchange_units(moves: Sequence[Move], trees: Mapping[str, Any], comm: Comm |
         n = int(meta["nbytes"])
         if device.type == "cpu":
             data, view = unit_buffer(n)
-            view[:] = memoryview(received[starts[m.src]: starts[m.src] + n].numpy())
+            view[:] = memoryview(received[starts[m.src]: starts[m.src] + n].numpy())  # type: ignore[arg-type]
         else:   # stays on the device; its own storage, 16-byte aligned like the stream
             data = received[starts[m.src]: starts[m.src] + n].clone()
         starts[m.src] += n

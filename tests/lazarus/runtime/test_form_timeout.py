@@ -34,14 +34,17 @@ COLLECTIVE_S = 5.0
 NODES = ["n1", "n2", "n3"]
 
 
-def _trainer(node: str) -> SimpleNamespace:
+def _reconfigurer(node: str):
     from lazarus.runtime import ElasticConfig
+    from lazarus.runtime.worker._reconfigure import Reconfigurer
+    from lazarus.runtime.worker._worker_state import WorkerContext
 
     config = ElasticConfig(collective_timeout=timedelta(seconds=COLLECTIVE_S),
                            rendezvous_timeout=timedelta(seconds=30), connect_timeout=timedelta(seconds=CONNECT_S))
-    return SimpleNamespace(backend=SimpleNamespace(backend="gloo", init_backend="gloo"), config=config, node=node,
-                           local_rank=0, local_world=1, rank=0, world=1, members=[], generation=0, where=node, step=0,
-                           channel=SimpleNamespace(latest_plan=lambda: None))
+    context = WorkerContext(node=node, local_rank=0, local_world=1, where=node,
+                            backend=SimpleNamespace(backend="gloo", init_backend="gloo"), layout={"layers": {}},
+                            channel=SimpleNamespace(latest_plan=lambda: None))
+    return Reconfigurer(config, context=context, build_model=None, make_optimizer=None)
 
 
 def _plan(generation: int, members: list[str], port: int):
@@ -52,15 +55,15 @@ def _plan(generation: int, members: list[str], port: int):
 
 
 def _member(node: str, port: int, out: str) -> None:
-    from lazarus.runtime.worker._reconfigure import Reconfigurer
+    from lazarus.runtime.worker._worker_state import StateDraft, WorkerState
 
     result: dict = {"node": node}
     try:
         torch.set_num_threads(1)
-        r = Reconfigurer(_trainer(node), build_model=None, make_optimizer=None)
+        r = _reconfigurer(node)
         t0 = time.monotonic()
         try:
-            r._rendezvous(_plan(11, NODES, port))
+            r._rendezvous(StateDraft(WorkerState(generation=0)), _plan(11, NODES, port))
             result["gen11"] = "formed"
         except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
             result["gen11"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
@@ -69,7 +72,7 @@ def _member(node: str, port: int, out: str) -> None:
         if node == "n3":
             return   # the victim never gets here
         dist.destroy_process_group() if dist.is_initialized() else None
-        r._rendezvous(_plan(12, NODES[:2], port))
+        r._rendezvous(StateDraft(WorkerState(generation=0)), _plan(12, NODES[:2], port))
         result["failures_after_12"] = r._form_failures
         result["world12"] = dist.get_world_size()
         # the formed group's collectives wait collective_timeout, not connect_timeout:

@@ -14,42 +14,45 @@ import torch.distributed as dist
 
 from lazarus.runtime._plan import Plan
 from lazarus.runtime.worker._reconfigure import Reconfigurer
+from lazarus.runtime.worker._worker_state import WorkerContext
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _trainer(rendezvous_s: float) -> SimpleNamespace:
+def _reconfigurer(rendezvous_s: float) -> Reconfigurer:
     config = SimpleNamespace(rendezvous_timeout=timedelta(seconds=rendezvous_s),
                              collective_timeout=timedelta(seconds=5),
                              moc=SimpleNamespace(coordination_timeout=timedelta(seconds=5)))
-    return SimpleNamespace(backend=SimpleNamespace(backend="gloo"), config=config, rank=0, world=2, generation=11,
-                           where="n3", step=7, local_rank=0, channel=SimpleNamespace(latest_plan=lambda: None))
+    context = WorkerContext(node="n3", local_rank=0, local_world=1, where="n3",
+                            backend=SimpleNamespace(backend="gloo"), layout={"layers": {}},
+                            channel=SimpleNamespace(latest_plan=lambda: None))
+    return Reconfigurer(config, context=context, build_model=None, make_optimizer=None)
 
 
 def test_a_failed_plan_leaves_no_store_client_held_by_moc_groups_still_connecting():
     if dist.is_initialized():
         pytest.fail("a default process group is left over from another test")
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    # _start_moc_comm forms groups only beside a default group (world 1 here: its own store)
+    # MocGroups.start forms groups only beside a default group (world 1 here: its own store)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         rendezvous_s = 20.0
-        r = Reconfigurer(_trainer(rendezvous_s), build_model=None, make_optimizer=None)
+        r = _reconfigurer(rendezvous_s)
         spec = {"host": "127.0.0.1", "port": server.port}
         # generation 11: rank 0 of 2 forms moc's groups; rank 1 died, its keys never come
-        r._start_moc_comm(Plan.from_wire({"prefix": "lazarus/gen11", "store": spec, "generation": 11,
-                                           "members": ["n3", "n4"]}))
-        assert r._moc_comm is not None
-        thread = r._moc_comm[0]
+        r.moc_groups.start(Plan.from_wire({"prefix": "lazarus/gen11", "store": spec, "generation": 11,
+                                           "members": ["n3", "n4"]}), rank=0, world=2, generation=11)
+        assert r.moc_groups._pending is not None
+        thread = r.moc_groups._pending[0]
         time.sleep(1.0)
         assert thread.is_alive(), "moc's groups formed without their second rank"
-        old_client = r._store
-        r._drop_moc_comm()   # what apply() does when the plan fails
+        old_client = r.stores.client
+        r.moc_groups.drop(step=7, generation=11)   # what apply() does when the plan fails
 
         # generation 12 on the same store: its rendezvous' first operation answers at once
         # (before the fix it queued behind the thread's store wait: ~rendezvous_s)
         t0 = time.monotonic()
-        client = r._store_client(spec, 12)
+        client = r.stores.client_for(spec, 12)
         assert client.add("lazarus/gen12/arrived", 1) == 1
         took = time.monotonic() - t0
         assert took < rendezvous_s / 4, f"the next rendezvous waited {took:.1f} s on the dropped thread's client"

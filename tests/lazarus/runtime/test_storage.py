@@ -18,9 +18,9 @@ from storage_backends.testing import StorageProxy
 
 
 def _worker(cfg: MoCConfig, rendezvous_s: float = 2.0) -> SimpleNamespace:
-    """What probe_storage reads of a Reconfigurer: its trainer's config and name."""
-    return SimpleNamespace(t=SimpleNamespace(config=SimpleNamespace(moc=cfg, rendezvous_timeout=timedelta(
-        seconds=rendezvous_s)), where="n9"))
+    """What probe_storage reads of a Reconfigurer: its config and its worker's name."""
+    return SimpleNamespace(config=SimpleNamespace(moc=cfg, rendezvous_timeout=timedelta(seconds=rendezvous_s)),
+                           ctx=SimpleNamespace(where="n9"))
 
 
 @pytest.mark.timeout(120)

@@ -286,7 +286,11 @@ def test_a_newer_plan_abandons_moc_groups_that_wait_for_a_dead_peer() -> None:
     import time
 
     import torch.distributed as dist
-    from lazarus.runtime.worker._reconfigure import Reconfigurer, Superseded
+    from types import SimpleNamespace
+
+    from lazarus.runtime._plan import Superseded
+    from lazarus.runtime.worker._moc_groups import MocGroups
+    from lazarus.runtime.worker._rendezvous_store import StoreClients
     from moc._dist import Comm
     store = dist.HashStore()
     box: dict = {"sockets": SocketTracker()}
@@ -299,15 +303,15 @@ def test_a_newer_plan_abandons_moc_groups_that_wait_for_a_dead_peer() -> None:
 
     th = threading.Thread(target=form, daemon=True)
     th.start()
-    r = object.__new__(Reconfigurer)
-    r._moc_comm, r._moc_groups_wait, r._superseded = (th, box), 0.0, threading.Event()
-    r._store, r._store_sockets = None, SocketTracker()   # its store is not a rendezvous client here
-    r.t = type("T", (), {"where": "n0", "step": 7, "generation": 3})()
-    threading.Timer(0.3, r._superseded.set).start()
+    config = SimpleNamespace(rendezvous_timeout=timedelta(seconds=30))
+    stores = StoreClients(config, where="n0", channel=None)   # its store is not a rendezvous client here
+    r = MocGroups(config, where="n0", sockets=SocketTracker(), superseded=threading.Event(), stores=stores)
+    r._pending, r.waited = (th, box), 0.0
+    threading.Timer(0.3, r.superseded.set).start()
     t0 = time.monotonic()
     with pytest.raises(Superseded):
-        r._await_moc_comm()
-    assert time.monotonic() - t0 < 2.0 and th.is_alive() and r._moc_comm is None
+        r.wait(step=7, generation=3)
+    assert time.monotonic() - t0 < 2.0 and th.is_alive() and r._pending is None
     th.join(30)   # it fails on its own later, without a trace in torch.distributed
     assert "error" in box and not dist.is_initialized()
 
