@@ -11,9 +11,10 @@ while nothing is being compiled: ``graph_break()`` is a no-op outside tracing an
 
 :func:`defer_dynamo_import` puts a stand-in module under ``sys.modules["torch._dynamo"]``
 that answers exactly those two (and ``trace_rules.clear_lru_cache()``, which
-``init_process_group`` calls whenever the name is in ``sys.modules``) without importing anything, and imports the real module the
-moment anything else is asked of it (``torch.compile``, ``torch._dynamo.config``, a
-submodule import, ...), from then on forwarding every attribute to it. A function
+``init_process_group`` calls whenever the name is in ``sys.modules``) without importing
+anything, and imports the real module the moment anything else is asked of it
+(``torch.compile``, ``torch._dynamo.config``, a submodule import, ...), from then on
+forwarding every attribute to it. A function
 "disabled" through the stand-in calls straight through until the real module is loaded,
 then through torch's own ``disable`` wrapper (built once): before the real module exists
 no frame can be traced by dynamo, so behaviour never differs from torch's. Opt out with

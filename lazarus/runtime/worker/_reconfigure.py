@@ -330,7 +330,8 @@ class Reconfigurer:
         retried) and the store client, so that whatever blocks (``init_process_group``,
         ``new_group``, a store wait, an NCCL kernel) fails now instead of after its
         timeout. An error or timeout NCCL's watchdog records meanwhile aborts the
-        communicators too (torch's own async error handling is off). Yields a list that holds the newer generation once that happened."""
+        communicators too (torch's own async error handling is off). Yields a list that holds
+        the newer generation once that happened."""
         interrupted: list[int] = []
         self._superseded.clear()
         before = SocketTracker.open_sockets()
@@ -689,9 +690,9 @@ class Reconfigurer:
         before, t0 = s.step, time.time()
         step = s.ckpt.restore(reshard=True)
         if step == 0:
-            raise RuntimeError(f"node {self.ctx.where} step {before}: experts {lost[:4]} lost every replica and no "
-                               "exact window is committed to storage yet: nothing to roll back to (lost_experts='replay' "
-                               "needs one; persist_every sets how often windows are written)")
+            raise RuntimeError(f"node {self.ctx.where} step {before}: experts {lost[:4]} lost every replica and "
+                               "no exact window is committed to storage yet: nothing to roll back to "
+                               "(lost_experts='replay' needs one; persist_every sets how often windows are written)")
         s.step = step
         self.unrestored.clear()
         rep = s.ckpt.status()["exact"]["last_replay"]
