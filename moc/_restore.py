@@ -206,7 +206,8 @@ def _newest_sources(names, covers, unit_meta, stored_units, limit: int | None) -
         stored = stored_units.get(name)
         stored_version = int(stored["step"]) if stored is not None else None
         if best_mem is not None and (stored_version is None or best_mem >= stored_version):
-            sources[name] = Source(name, best_mem, "snapshot", covers[(name, best_mem)], dict(unit_meta[(name, best_mem)]))
+            sources[name] = Source(name, best_mem, "snapshot", covers[(name, best_mem)],
+                                   dict(unit_meta[(name, best_mem)]))
         elif stored is not None:
             sources[name] = Source(name, stored_version, "persist", [], dict(stored))
     return sources

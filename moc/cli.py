@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, NoReturn, Sequence
 

@@ -61,7 +61,7 @@ from .._run_state import RunState
 from .._snapshot import FREE, PERSIST, READY, BufferPool, SnapshotBuffer, read_headers
 from .._store import CheckpointStore, TensorMeta, TreePlan, UnitRecord, decode_tree, plan_tree
 from .._together import tick_seconds, wait_together
-from .._units import UnitLayout, UnitPlans, local_tensor
+from .._units import UnitLayout, UnitPlans
 from .._units.capture import _clone_all, apply_partial, apply_units, restore_rng
 from .elastic import ElasticExact
 from .schedule import ExactSchedule, plan_schedule

@@ -279,7 +279,8 @@ class CheckpointStore:
         except FileNotFoundError as exc:
             raise CorruptObjectError(where, "is missing", key=chunk.key, unit=unit) from exc
         if n != chunk.stored_nbytes:
-            raise CorruptObjectError(where, f"is truncated: {n} of {chunk.stored_nbytes} bytes", key=chunk.key, unit=unit)
+            raise CorruptObjectError(where, f"is truncated: {n} of {chunk.stored_nbytes} bytes",
+                                     key=chunk.key, unit=unit)
         got = checksum(out)
         if got != chunk.checksum:
             raise CorruptObjectError(where, f"failed its checksum (expected {chunk.checksum}, got {got})",
@@ -299,7 +300,8 @@ class CheckpointStore:
             return decode_tree(rec.skeleton, tensors, data)
         except (ValueError, KeyError, TypeError) as exc:
             key = rec.chunks[0].key if rec.chunks else "?"
-            raise CorruptObjectError(f"{self.store.url}/{key}", f"does not decode: {exc}", key=key, unit=rec.name) from exc
+            raise CorruptObjectError(f"{self.store.url}/{key}", f"does not decode: {exc}",
+                                     key=key, unit=rec.name) from exc
 
     def _older_versions(self, name: str, below: int, before_step: int) -> Iterable[UnitRecord]:
         """Older saved versions of unit ``name`` (version step < ``below``), newest first."""

@@ -490,8 +490,8 @@ def discover_units(model: torch.nn.Module, expert_pattern: str | None = None, *,
         elif rows is None and not is_dtensor(value):
             declared = _declared_count(model, (owner,))
             if declared is not None and declared < num:     # rows beyond E: no expert's (zero-compute)
-                extra_refs[key] = TensorRef(key, None, None, tuple(declared if i == d else 0 for i in range(len(gshape))),
-                                            gshape, (d, declared, num - declared))
+                start = tuple(declared if i == d else 0 for i in range(len(gshape)))
+                extra_refs[key] = TensorRef(key, None, None, start, gshape, (d, declared, num - declared))
                 module_keys.setdefault(owner, []).append(key)
                 routed[layer] = max(routed.get(layer, 0), num)
                 num = declared
@@ -503,7 +503,8 @@ def discover_units(model: torch.nn.Module, expert_pattern: str | None = None, *,
         if per:
             for e in range(num):
                 off = tuple(e * per if i == d else 0 for i in range(len(gshape)))
-                expert_refs.setdefault((layer, e), []).append(TensorRef(key, None, None, off, gshape, (d, e * per, per)))
+                ref = TensorRef(key, None, None, off, gshape, (d, e * per, per))
+                expert_refs.setdefault((layer, e), []).append(ref)
             continue
         for row in range(min(lshape[d], num) if rows is None and goff[d] == 0 else lshape[d]):
             e = goff[d] + row if rows is None else rows[0][row]
