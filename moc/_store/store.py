@@ -20,7 +20,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Generator, Iterable
 
 import xxhash
 
@@ -342,7 +342,8 @@ class CheckpointStore:
         return result
 
     def iter_units(self, manifest: Manifest, names: Iterable[str], *, fallback: bool = True,
-                   window: int | None = None, max_ahead_bytes: int | None = None) -> Iterator[tuple[str, Any, int]]:
+                   window: int | None = None,
+                   max_ahead_bytes: int | None = None) -> Generator[tuple[str, Any, int], None, None]:
         """``(name, tree, version step)`` of each named unit of ``manifest``, in order.
 
         Reads run on ``read_concurrency`` threads with at most ``window`` units (default
@@ -420,8 +421,8 @@ class CheckpointStore:
             try:
                 blob = self.store.read(key)
             except FileNotFoundError:
-                units = tuple(sorted(set().union(*(u for _, u in entries))))
-                problems.append(VerifyProblem(key, units, "object is missing"))
+                missing = tuple(sorted(set[str]().union(*(u for _, u in entries))))
+                problems.append(VerifyProblem(key, missing, "object is missing"))
                 blob = None
             for c, units in entries:
                 if blob is not None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import defaultdict
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, cast
 
 import numpy as np
 import torch
@@ -69,7 +69,8 @@ def optimizer_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *
 def capture_rng() -> dict[str, Any]:
     """The RNG states to restore with a checkpoint: torch's (CPU), every CUDA device's
     (when CUDA is initialised in this process), Python's and NumPy's."""
-    np_state = np.random.get_state()
+    # legacy=True (the default) returns the tuple form
+    np_state = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
     out = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
@@ -153,6 +154,7 @@ def _take(t: torch.Tensor, ref: TensorRef) -> torch.Tensor:
     if ref.span is not None:
         x = x.narrow(*ref.span)
     elif ref.expert_dim is not None:
+        assert ref.row is not None      # a fused tensor's reference names its row
         x = x.select(ref.expert_dim, ref.row)
     return x
 
