@@ -313,12 +313,14 @@ class CheckpointManager:
         lazarus_layers = set()
         self._fed: set[str] = set()
         self._reporters: list[tuple[torch.nn.Module, Any]] = []   # (layer, the hook set on it here)
-        for name, layer in routing_reporters(self.model):
+        for name, reporter in routing_reporters(self.model):
             if name in self.num_experts:
-                layer.routing_hook = (lambda counts, _n=name: self.policy.record_routing(_n, counts, scope="global"))
-                self._reporters.append((layer, layer.routing_hook))
+                # ignore: torch's stub of Module.__setattr__ takes only Tensor | Module (any value works)
+                reporter.routing_hook = (lambda counts, _n=name:  # type: ignore[assignment]
+                                         self.policy.record_routing(_n, counts, scope="global"))
+                self._reporters.append((reporter, reporter.routing_hook))
                 lazarus_layers.add(name)
-        owners = {}
+        owners: dict[str, str] = {}
         for layer in self.layout.layers:
             units = self.layout.experts(layer)
             if units and units[0].refs:
@@ -482,7 +484,7 @@ class CheckpointManager:
             self._hook = None
         for layer, hook in self._reporters:
             if layer.routing_hook is hook:
-                layer.routing_hook = None
+                layer.routing_hook = None  # type: ignore[assignment]  # torch's Module.__setattr__ stub: Tensor | Module
         self._reporters = []
         self._taps.remove()
         if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
