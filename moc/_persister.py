@@ -180,7 +180,8 @@ class Persister:
             error = mine["error"]
             commit: Future = Future()
             if self.run.rank == 0 and not self.run.abandoned and all(r["ok"] for r in results):
-                commit = self._io.submit(self._commit_io, step, results, hand.buf.header)  # type: ignore[union-attr]
+                assert hand.buf is not None     # this rank's share was written: it leased the buffer
+                commit = self._io.submit(self._commit_io, step, results, hand.buf.header)
             else:
                 if self.run.rank == 0 and not all(r["ok"] for r in results):
                     error = "; ".join(f"rank {i}: {r['error']}" for i, r in enumerate(results) if not r["ok"])
