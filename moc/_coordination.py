@@ -140,6 +140,7 @@ class Coordinator:
         retry = vals[retry0:seq0]
         return Agreement(
             sigterm=vals[_SIGTERM] > 0, failed=vals[_FAILED] > 0, broken=vals[_BROKEN] > 0,
-            persist_busy=vals[_BUSY] > 0, no_buffer=vals[_NO_BUFFER] > 0, retry_steps=[None if s < 0 else s for s in retry],
+            persist_busy=vals[_BUSY] > 0, no_buffer=vals[_NO_BUFFER] > 0,
+            retry_steps=[None if s < 0 else s for s in retry],
             finished_seq=min(vals[seq0:len0]), routing=v[route0:] if ballot.routing is not None else None,
             k_snapshot=vals[_K] or None, interval=vals[_INTERVAL] or None, collectives=collectives)

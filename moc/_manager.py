@@ -199,7 +199,8 @@ class CheckpointManager:
                                   persister=self.persister, recovery=self.recovery, model=model, optimizer=optimizer,
                                   extra_state=self.extra_state,
                                   drain=functools.partial(self._taps.drain, fed=self._fed.__contains__))
-        self._hook = optimizer.register_step_pre_hook(self.mode.before_optimizer_step) if optimizer is not None else None
+        self._hook = (optimizer.register_step_pre_hook(self.mode.before_optimizer_step)
+                      if optimizer is not None else None)
         self._old_sigterm = None
         if threading.current_thread() is threading.main_thread():
             self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -312,12 +313,14 @@ class CheckpointManager:
         lazarus_layers = set()
         self._fed: set[str] = set()
         self._reporters: list[tuple[torch.nn.Module, Any]] = []   # (layer, the hook set on it here)
-        for name, layer in routing_reporters(self.model):
+        for name, reporter in routing_reporters(self.model):
             if name in self.num_experts:
-                layer.routing_hook = (lambda counts, _n=name: self.policy.record_routing(_n, counts, scope="global"))
-                self._reporters.append((layer, layer.routing_hook))
+                # ignore: torch's stub of Module.__setattr__ takes only Tensor | Module (any value works)
+                reporter.routing_hook = (lambda counts, _n=name:  # type: ignore[assignment]
+                                         self.policy.record_routing(_n, counts, scope="global"))
+                self._reporters.append((reporter, reporter.routing_hook))
                 lazarus_layers.add(name)
-        owners = {}
+        owners: dict[str, str] = {}
         for layer in self.layout.layers:
             units = self.layout.experts(layer)
             if units and units[0].refs:
@@ -481,7 +484,7 @@ class CheckpointManager:
             self._hook = None
         for layer, hook in self._reporters:
             if layer.routing_hook is hook:
-                layer.routing_hook = None
+                layer.routing_hook = None  # type: ignore[assignment]  # torch's Module.__setattr__ stub: Tensor | Module
         self._reporters = []
         self._taps.remove()
         if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
@@ -536,14 +539,16 @@ class CheckpointManager:
                 "exact": exact,
                 "rank": self.rank, "world": self.world, "step": self.run.last_step,
                 "last_snapshot_step": e.last_snapshot_step, "last_persisted_step": p.last_persisted_step,
-                "persist_in_flight": busy, "persist_failures": p.failures, "persists_skipped": p.skipped, "last_error": self.run.last_error,
+                "persist_in_flight": busy, "persist_failures": p.failures, "persists_skipped": p.skipped,
+                "last_error": self.run.last_error,
                 "snapshot_failures": e.failures, "consecutive_snapshot_failures": e.consecutive_failures,
                 "snapshots_skipped": e.skipped, "snapshots_skipped_here": e.skipped_local,
                 "last_skip": dict(e.last_skip) if e.last_skip else None,
                 "layout": self.inventory.info["description"],
                 "k_snapshot": pol.k_snapshot, "k_persist": pol.k_persist, "interval": pol.interval,
                 "stall_seconds_last": e.stall_last, "stall_seconds_total": e.stall_total, "stalls": e.stalls,
-                "step_call_seconds_last": self.mode.step_call_last, "step_call_seconds_total": self.mode.step_call_total,
+                "step_call_seconds_last": self.mode.step_call_last,
+                "step_call_seconds_total": self.mode.step_call_total,
                 "blocked_seconds_total": e.stall_total + self.mode.step_call_total,
                 "snapshot_seconds": e.seconds, "buffer_bytes": e.pool.allocated_bytes(),
                 "device_snapshots_async": e.device_snapshots_async,

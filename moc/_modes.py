@@ -140,8 +140,10 @@ class PlainMode:
         self.policy.adopt(agreed.k_snapshot, agreed.interval)
         if not due or agreed.no_buffer:
             if due:   # every rank skips it: no buffer on some rank (logged with its reason there)
-                self.engine.skip(step, self.engine.reserve_error if not has_buffer else "no snapshot buffer on "
-                                 "another rank (see its log)")
+                why = (self.engine.reserve_error if not has_buffer
+                       else "no snapshot buffer on another rank (see its log)")
+                assert why is not None      # reserve() said why when it found no buffer
+                self.engine.skip(step, why)
             retry = agreed.persist_step(False, step)
             if retry is not None:
                 self.persister.start(retry)
@@ -188,6 +190,7 @@ class PlainMode:
         return self.coordinator.agree(ballot)
 
     def _checkpoint(self, step: int, agreed: Agreement, plans: Any, extra: Any) -> None:
+        assert agreed.routing is not None   # a due checkpoint's round carries the routing counts
         self.policy.fold_routing(agreed.routing)
         # Until one checkpoint holding every unit is committed, save (and persist) every
         # expert; afterwards every persist_every-th snapshot also goes to storage.

@@ -13,7 +13,7 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FuturesTimeout
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 from ._config import MoCConfig
 from ._daemon import DaemonExecutor
@@ -82,10 +82,11 @@ class Persister:
                     and b is not refill]
             if mode == "retry":
                 done = [b for b in done if b.header.get("persist_due")]
-            newest = max(done, key=lambda b: b.step) if done else None
+            # done: buffers holding a step (cast: the type checker cannot see the filter)
+            newest = max(done, key=lambda b: cast(int, b.step)) if done else None
             # Never commit a step older than one already committed: manifests only move forward.
             behind = newest is not None and self.last_persisted_step is not None \
-                and newest.step <= self.last_persisted_step
+                and cast(int, newest.step) <= self.last_persisted_step
             return None if newest is None or newest.persisted or behind else newest.step
 
     def start(self, step: int, snapshot: Future | None = None) -> None:
@@ -111,6 +112,7 @@ class Persister:
         steps = self.comm.gather_json(candidate)
         if any(s is None for s in steps) or len(set(steps)) != 1:
             return
+        assert candidate is not None    # this rank's is among the steps gathered, none of them None
         self.start(candidate, snapshot if mode == "new" else None)
 
     def reap(self) -> None:
@@ -178,7 +180,8 @@ class Persister:
             error = mine["error"]
             commit: Future = Future()
             if self.run.rank == 0 and not self.run.abandoned and all(r["ok"] for r in results):
-                commit = self._io.submit(self._commit_io, step, results, hand.buf.header)  # type: ignore[union-attr]
+                assert hand.buf is not None     # this rank's share was written: it leased the buffer
+                commit = self._io.submit(self._commit_io, step, results, hand.buf.header)
             else:
                 if self.run.rank == 0 and not all(r["ok"] for r in results):
                     error = "; ".join(f"rank {i}: {r['error']}" for i, r in enumerate(results) if not r["ok"])
@@ -269,7 +272,7 @@ class Persister:
         return bool(outcome["committed"])
 
     def _write_share(self, buf: SnapshotBuffer) -> dict[str, Any]:
-        header = buf.header  # type: ignore[attr-defined]
+        header = buf.header
         writer = self.store.writer(header["step"], f"r{self.run.rank}")
         out = {}
         for piece in header["pieces"]:

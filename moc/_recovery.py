@@ -222,7 +222,9 @@ class Recovery:
                     lo = recv_offsets[p.rank]
                     part = received[lo: lo + (p.end - p.start)]
                     recv_offsets[p.rank] += p.end - p.start
-                if p.checksum and "xxh3:" + xxhash.xxh3_64_hexdigest(memoryview(part.numpy())) != p.checksum:
+                # ignore: numpy's stubs give ndarray __buffer__ only on Python >= 3.12
+                if p.checksum and "xxh3:" + xxhash.xxh3_64_hexdigest(
+                        memoryview(part.numpy())) != p.checksum:  # type: ignore[arg-type, unused-ignore]
                     raise RuntimeError(f"snapshot piece of {name} (step {p.step}, rank {p.rank}) failed its checksum")
                 parts.append((p, part))
             if len(parts) == 1:
@@ -294,11 +296,11 @@ def _overlaps(meta: dict[str, Any], spec: Any, state: dict[str, Any]) -> bool:
         return True
     for ref in spec.refs:
         box = saved.get(ref.key)
-        value = state.get(ref.key)
+        value: Any = state.get(ref.key)
         if box is None or not hasattr(value, "shape"):
             return True
-        _, off, local = local_box(ref.key, value)
-        off, local = list(off), list(local)
+        _, off_box, local_shape = local_box(ref.key, value)
+        off, local = list(off_box), list(local_shape)
         if ref.expert_dim is not None:
             # the row's global offset (its expert id, whatever the local row number)
             off = list(ref.offset) if ref.offset is not None else [o + (ref.row if i == ref.expert_dim else 0)

@@ -90,7 +90,8 @@ def module_units_of(names: Sequence[str], manifest: Any = None) -> list[str]:
 
 def _cover(pieces: list[MemoryPiece], nbytes: int) -> list[MemoryPiece] | None:
     """A minimal left-to-right cover of ``[0, nbytes)`` from the pieces, or None."""
-    chosen, pos = [], 0
+    chosen: list[MemoryPiece] = []
+    pos = 0
     for p in sorted(pieces, key=lambda p: (p.start, -p.end)):
         if p.start > pos:
             break
@@ -141,7 +142,8 @@ def plan_restore(
     if restore_step is None:
         return None
 
-    stored_units = manifest["units"] if manifest is not None and storage_step <= restore_step else {}
+    stored_units = (manifest["units"] if manifest is not None and storage_step is not None
+                    and storage_step <= restore_step else {})
     names = set(stored_units) | {n for (n, s) in covers if s <= restore_step}
     sources = _newest_sources(sorted(names), covers, unit_meta, stored_units, restore_step)
     missing = [m for m in module_units if m not in sources or sources[m].version != restore_step]
@@ -152,6 +154,7 @@ def plan_restore(
         h = headers[restore_step]
         plt, meta = dict(h.get("plt") or {}), dict(h.get("meta") or {})
     else:
+        assert manifest is not None     # not from memory: the restore step is the stored one
         plt, meta = dict(manifest.get("plt") or {}), dict(manifest.get("meta") or {})
     return RestorePlan(restore_step, from_memory, sources, plt, meta)
 
@@ -206,8 +209,9 @@ def _newest_sources(names, covers, unit_meta, stored_units, limit: int | None) -
         stored = stored_units.get(name)
         stored_version = int(stored["step"]) if stored is not None else None
         if best_mem is not None and (stored_version is None or best_mem >= stored_version):
-            sources[name] = Source(name, best_mem, "snapshot", covers[(name, best_mem)], dict(unit_meta[(name, best_mem)]))
-        elif stored is not None:
+            sources[name] = Source(name, best_mem, "snapshot", covers[(name, best_mem)],
+                                   dict(unit_meta[(name, best_mem)]))
+        elif stored is not None and stored_version is not None:     # (set together)
             sources[name] = Source(name, stored_version, "persist", [], dict(stored))
     return sources
 

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, NoReturn, Sequence
 
@@ -93,10 +91,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     if memory is not None:
         lines = ([] if info is None else header_lines(info)) + format_memory(memory)
-    elif args.units:
-        lines = format_units(info)
     else:
-        lines = format_summary(info)
+        assert info is not None     # without --memory, pick_manifest found one (it raises otherwise)
+        lines = format_units(info) if args.units else format_summary(info)
     print("\n".join(lines))
     if png is not None:
         print(f"heatmap  {args.png} ({png['width']} x {png['height']} px)")

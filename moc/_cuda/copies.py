@@ -35,7 +35,7 @@ import logging
 import threading
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Generic, Iterable, Iterator, Literal, TypeVar
 
 import torch
 
@@ -144,7 +144,7 @@ class HostCopier:
     ``device_async`` False: the engine makes these copies on its snapshot thread and the
     optimizer pre-hook waits for that thread."""
 
-    device_async = False
+    device_async: Literal[False] = False    # Literal: tells the two copiers apart for the type checker
     pins_buffers = False
 
     def copy(self, plan, start: int, end: int, out: torch.Tensor) -> None:
@@ -159,13 +159,14 @@ class CudaCopyBatch:
     ``optimizer.step()``. ``device`` is the device a thread waiting on the copies binds
     (the first one's; events of other devices are waited on from its context)."""
 
-    def __init__(self, streams: dict[torch.device, object]) -> None:
+    def __init__(self, streams: dict[torch.device, Any]) -> None:
+        # streams and events are the runtime's (torch.cuda's, or a test's stand-in): Any, as in moc._cuda.calls
         rt = runtime()
         self._streams = streams
         self.device = next(iter(streams))
-        self._started: dict[torch.device, object] = {}
-        self._done: dict[torch.device, object] = {}
-        self._stall: list[tuple[object, object]] = []
+        self._started: dict[torch.device, Any] = {}
+        self._done: dict[torch.device, Any] = {}
+        self._stall: list[tuple[Any, Any]] = []
         for dev, side in streams.items():
             ready = rt.new_event()
             ready.record(rt.current_stream(dev))   # after optimizer.step()'s kernels
@@ -247,7 +248,7 @@ class CudaCopyBatch:
 class CudaCopier:
     """Side streams (one per device, created once and reused) for CUDA snapshot copies."""
 
-    device_async = True
+    device_async: Literal[True] = True
     pins_buffers = True
 
     def __init__(self, devices: Iterable[torch.device]) -> None:

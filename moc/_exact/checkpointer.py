@@ -61,7 +61,7 @@ from .._run_state import RunState
 from .._snapshot import FREE, PERSIST, READY, BufferPool, SnapshotBuffer, read_headers
 from .._store import CheckpointStore, TensorMeta, TreePlan, UnitRecord, decode_tree, plan_tree
 from .._together import tick_seconds, wait_together
-from .._units import UnitLayout, UnitPlans, local_tensor
+from .._units import UnitLayout, UnitPlans
 from .._units.capture import _clone_all, apply_partial, apply_units, restore_rng
 from .elastic import ElasticExact
 from .schedule import ExactSchedule, plan_schedule
@@ -174,6 +174,11 @@ class ExactCheckpointer(ElasticExact):
     def _sizes(self) -> tuple[dict[str, TreePlan], dict[str, TreePlan]]:
         return self.plans.refresh(), self.wplans.refresh()
 
+    def _k_snapshot(self) -> int | None:
+        k = self.cfg.k_snapshot
+        assert not isinstance(k, str)       # never "auto" with exact=True (MoCConfig._check_exact)
+        return k
+
     def _candidate(self, reserved: SnapshotBuffer | None, due_new: bool) -> SnapshotBuffer | None:
         """The window this rank would persist now: the one just completed when it is due,
         else the newest counted due one still in memory and not in storage."""
@@ -194,7 +199,7 @@ class ExactCheckpointer(ElasticExact):
         when every rank has a buffer. Returns True when the ranks agreed to exit."""
         self._reap_persist()
         full, weights = self._sizes()
-        schedule = plan_schedule(self.layout, self.cfg.k_snapshot, {u: p.nbytes for u, p in full.items()},
+        schedule = plan_schedule(self.layout, self._k_snapshot(), {u: p.nbytes for u, p in full.items()},
                                  {u: p.nbytes for u, p in weights.items()})
         extra = plan_tree(self.extra_tree(t)).nbytes + 64
         need = sum(schedule.step_bytes({u: p.nbytes + 64 for u, p in full.items()},
@@ -402,9 +407,10 @@ class ExactCheckpointer(ElasticExact):
             if r.next == r.start + 1 and not r.checked:
                 r.checked = True
                 got = grad_digest(self.model) if r.grad is not None else None
-                mine = got is not None and got["xxh3"] != r.grad["xxh3"]
+                mine = got is not None and r.grad is not None and got["xxh3"] != r.grad["xxh3"]
                 anywhere = self.comm.any_true(mine)
                 if mine:
+                    assert got is not None and r.grad is not None     # both digests, or mine is False
                     raise CheckpointError(
                         f"rank {self.run.rank} step {r.next}: replay diverged: the gradients of replayed step "
                         f"{r.next} differ from those recorded when it was trained (xxh3 {r.grad['xxh3']}, global "
@@ -536,6 +542,7 @@ class ExactCheckpointer(ElasticExact):
             self.due = None
         self._start_persist(buf)
         fut, self.persist_in_flight = self.persist_in_flight, None
+        assert fut is not None      # _start_persist just set it
         try:
             fut.result(timeout)
         except Exception as exc:
@@ -636,8 +643,12 @@ class ExactCheckpointer(ElasticExact):
                                       f"window at step {manifest.step} (see its error)")
         if replay is None:
             return 0
-        self.run.run_id = (chosen["run"] if replay.source == "memory" else manifest.meta.get("run_id")) \
-            or self.run.run_id
+        if replay.source == "memory":
+            assert chosen is not None       # a replay from memory is the chosen window's
+            run_id = chosen["run"]
+        else:
+            run_id = manifest.meta.get("run_id")
+        self.run.run_id = run_id or self.run.run_id
         return self._start_replay(replay, {"source": replay.source})
 
     def _start_replay(self, replay: _Replay, info: dict[str, Any]) -> int:
@@ -762,7 +773,7 @@ class ExactCheckpointer(ElasticExact):
     def schedule(self) -> ExactSchedule:
         """The schedule a window opened now would use."""
         full, weights = self._sizes()
-        return plan_schedule(self.layout, self.cfg.k_snapshot, {u: p.nbytes for u, p in full.items()},
+        return plan_schedule(self.layout, self._k_snapshot(), {u: p.nbytes for u, p in full.items()},
                              {u: p.nbytes for u, p in weights.items()})
 
     def status(self) -> dict[str, Any]:

@@ -7,9 +7,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from .._config import MoCConfig
+from .._daemon import DaemonExecutor
+from .._dist import Comm
 from .._errors import CheckpointError
+from .._run_state import RunState
+from .._snapshot import BufferPool
+from .._store import CheckpointStore
+from .._units import UnitLayout
 from .._together import tick_seconds, wait_together
 from .reshard import read_resharded
 from .state import Replay as _Replay
@@ -21,6 +29,33 @@ log = logging.getLogger("moc")
 
 class ElasticExact:
     """Hand-over and resharded restore (the attributes are :class:`ExactCheckpointer`'s)."""
+
+    # What this mixin uses of ExactCheckpointer, declared for the type checker (set and
+    # defined there).
+    cfg: MoCConfig
+    layout: UnitLayout
+    pool: BufferPool
+    store: CheckpointStore
+    run: RunState
+    comm: Comm
+    replay: _Replay | None
+    last_persisted_step: int | None
+    windows_counted: int
+    windows_persisted: int
+    replays: int
+    replayed_steps: int
+    interrupted_replay: bool
+    _capture: ThreadPoolExecutor
+    _persist: DaemonExecutor
+    _io: DaemonExecutor
+
+    if TYPE_CHECKING:
+        def _settle(self) -> None: ...
+        def _abort_window(self, reason: str) -> None: ...
+        def _drop(self, r: _Replay) -> None: ...
+        def _window_steps(self, ex: Mapping[str, Any], slots: Mapping[str, int],
+                          trees: Mapping[tuple[str, int, str], Any]) -> dict[int, Any]: ...
+        def _start_replay(self, replay: _Replay, info: dict[str, Any]) -> int: ...
 
     # -- hand-over to the manager of a new process group (CheckpointManager.detach) --------
     def detach(self) -> dict[str, Any]:
@@ -48,7 +83,7 @@ class ElasticExact:
         deadline = time.monotonic() + timeout
         return all(ex.join(max(0.0, deadline - time.monotonic())) for ex in (self._persist, self._io))
 
-    def adopt(self, states: list[dict[str, Any] | None]) -> None:
+    def adopt(self, states: Sequence[Mapping[str, Any] | None]) -> None:
         """Continue the bookkeeping of the exact managers this one replaces (every rank's
         :meth:`detach` state, None where a rank had none): a replay interrupted on any rank
         leaves the model half replayed, so :attr:`interrupted_replay` asks for a new restore."""

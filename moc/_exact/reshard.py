@@ -124,6 +124,7 @@ def read_resharded(store: CheckpointStore, manifest: Manifest, *, rank: int, wor
     notes: list[str] = []
     buf = _memory_buffer(pool, manifest) if pool is not None else None
     if buf is not None:
+        assert pool is not None     # buf is one of its buffers
         with pool.lock:
             buf.users += 1
         try:
@@ -149,13 +150,13 @@ def read_resharded(store: CheckpointStore, manifest: Manifest, *, rank: int, wor
         want[extra_name(t, extra_rank)] = ("extra", t, extra_name(t))
     absent = [n for n in want if n not in manifest.units]
     if absent:
-        if lease is not None:
+        if lease is not None and pool is not None:     # a lease is one of pool's buffers
             pool.release(lease)
         raise CheckpointError(f"the exact window at step {manifest.step} has no {absent[:3]} (rank {rank})")
     try:
         loaded = store.load(manifest.step, names=list(want))
     except BaseException:
-        if lease is not None:
+        if lease is not None and pool is not None:     # a lease is one of pool's buffers
             pool.release(lease)
         raise
     trees.update({want[name]: tree for name, tree in loaded.units.items()})

@@ -77,6 +77,7 @@ def plan_schedule(layout: UnitLayout, k_snapshot: int | None, full: Mapping[str,
         num = layout.experts_per_layer.get(layer) or (max(ids) + 1 if ids else 0)
         per_slot = max(1, math.ceil(num / w))
         for spec in layout.experts(layer):
+            assert spec.expert is not None      # an expert unit's spec names its expert
             s = min(w - 1, int(spec.expert) // per_slot)
             slots[spec.name] = s
             per_step[s] += full[spec.name]

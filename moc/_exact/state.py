@@ -31,7 +31,8 @@ def grad_digest(model: torch.nn.Module) -> dict[str, Any]:
         g = g.contiguous()
         h.update(name.encode())
         if g.numel():
-            h.update(memoryview(g.reshape(-1).view(torch.uint8).numpy()))
+            # ignore: numpy's stubs give ndarray __buffer__ only on Python >= 3.12
+            h.update(memoryview(g.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type, unused-ignore]
             # not g.double().pow(2).sum(): that copies every gradient twice (~1.7 s per window
             # on benchmarks/exact's 1.3 GB model, all of it in the optimizer step's pre-hook)
             flat = g.reshape(-1)

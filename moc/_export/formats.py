@@ -109,6 +109,7 @@ def _st_header(entries: list[Entry], metadata: dict[str, str]) -> bytes:
     header: dict[str, Any] = {"__metadata__": metadata}
     pos = 0
     for e in entries:
+        assert e.dtype is not None      # tensor entries only
         header[e.key] = {"dtype": _ST_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [pos, pos + e.nbytes]}
         pos += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -339,7 +340,8 @@ class _ZipWriter:
             t = t.clone()
         ref = _StorageRef(str(self.count), t.dtype, t.nbytes)
         self.count += 1
-        self.zip.write_record(f"data/{ref.key}", t.untyped_storage(), t.nbytes)
+        # ignore: torch's stub for write_record omits the UntypedStorage overload it has
+        self.zip.write_record(f"data/{ref.key}", t.untyped_storage(), t.nbytes)  # type: ignore[arg-type]
         return _TensorRef(ref, tuple(t.shape))
 
 
@@ -362,7 +364,7 @@ def _pickle(obj: Any, zw: _ZipWriter) -> bytes:
                 o = zw.tensor(o)
             if isinstance(o, _TensorRef):
                 s = o.storage
-                args = (s, 0, o.shape, _contiguous_stride(o.shape), False, collections.OrderedDict())
+                args: tuple[Any, ...] = (s, 0, o.shape, _contiguous_stride(o.shape), False, collections.OrderedDict())
                 if s.dtype in new_dtypes or s.dtype not in storage_types:
                     return torch._utils._rebuild_tensor_v3, args + (s.dtype,)
                 return torch._utils._rebuild_tensor_v2, args
@@ -405,7 +407,8 @@ def export_torch(cs: CheckpointStore, out_file: str, *, step: int | None = None,
         # No ".format_version" record: it lets torch.load compute storage offsets assuming
         # the storages were written in the order the pickle meets them, which a stream
         # written group by group does not follow; without it every record is looked up.
-        zw.zip.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        # ignore: torch's stub for write_record omits the str overload it has
+        zw.zip.write_record("byteorder", sys.byteorder, len(sys.byteorder))  # type: ignore[arg-type]
         zw.zip.write_end_of_file()
         del zw
         _replace(tmp, out_file)

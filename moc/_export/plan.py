@@ -20,7 +20,7 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -288,7 +288,7 @@ class TensorStream:
         self.versions: dict[str, int] = {}
         self.fallbacks: list[tuple[str, int, int]] = []
 
-    def __iter__(self) -> Iterator[tuple[Entry, Any]]:
+    def __iter__(self) -> Generator[tuple[Entry, Any], None, None]:
         by_group: dict[int, list[Entry]] = defaultdict(list)
         for e in self.wanted:
             by_group[e.group].append(e)

@@ -72,8 +72,8 @@ def write_heatmap(m: Manifest, path: str, *, url: str = "") -> dict[str, int]:
 
     fig = plt.figure(figsize=(W / DPI, H / DPI), dpi=DPI)
 
-    def box(x: int, w: int) -> list[float]:  # pixel box -> figure fraction (same vertical span)
-        return [x / W, BOTTOM / H, w / W, geo["map_h"] / H]
+    def box(x: int, w: int) -> tuple[float, float, float, float]:  # pixel box -> figure fraction (same height)
+        return (x / W, BOTTOM / H, w / W, geo["map_h"] / H)
 
     ax = fig.add_axes(box(LEFT, geo["map_w"]))
     data = np.ma.masked_invalid(np.array(ages, dtype=float))

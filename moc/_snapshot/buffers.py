@@ -56,7 +56,7 @@ import os
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import torch
 import xxhash
@@ -285,12 +285,13 @@ class SnapshotBuffer:
             raise
 
     def view(self, offset: int, nbytes: int) -> memoryview:
-        return memoryview(self.data[offset: offset + nbytes].numpy()).cast("B")
+        # ignore: numpy's stubs give ndarray __buffer__ only on Python >= 3.12
+        return memoryview(self.data[offset: offset + nbytes].numpy()).cast("B")  # type: ignore[arg-type, unused-ignore]
 
 
 def read_headers(directory: str) -> list[dict[str, Any]]:
     """Published, intact snapshot headers found in ``directory`` (any process's)."""
-    out = []
+    out: list[dict[str, Any]] = []
     if not os.path.isdir(directory):
         return out
     for name in sorted(os.listdir(directory)):
@@ -319,7 +320,7 @@ class BufferPool:
 
     def newest_complete(self) -> SnapshotBuffer | None:
         done = [b for b in self.buffers if b.step is not None and b.state in (READY, PERSIST)]
-        return max(done, key=lambda b: b.step) if done else None
+        return max(done, key=lambda b: cast(int, b.step)) if done else None     # done: buffers with a step
 
     def victim(self, nbytes: int = 0, *, exclude: SnapshotBuffer | None = None) -> SnapshotBuffer | None:
         """The buffer the next snapshot (``nbytes`` long, if known) would fill: the reserved

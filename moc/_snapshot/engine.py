@@ -153,6 +153,7 @@ class SnapshotEngine:
         # Page-locking happens later, off this thread (see moc._snapshot.buffers): never here.
         buf, exc = self._take_buffer(nbytes)
         if buf is None:
+            assert exc is not None      # _take_buffer gives the reason when it gives no buffer
             return self._skip_here(plan, header, nbytes, exc)
         self._last_nbytes = nbytes
         offset = 0
@@ -168,7 +169,7 @@ class SnapshotEngine:
         batch = self.copier.begin() if self.copier.device_async else None
         issued = batch is not None and buf.pinned_for(nbytes)
         done = self._local_done = threading.Event()   # one per snapshot: set once nothing local writes
-        if issued:
+        if batch is not None and issued:
             # Issue every device-to-host copy now, asynchronously into the page-locked
             # buffer; state the next forward changes in place is fenced off at once.
             for first in (True, False):
@@ -315,6 +316,7 @@ class SnapshotEngine:
                   done: threading.Event | None) -> SnapshotBuffer:
         t0 = time.perf_counter()
         if issued:
+            assert batch is not None    # copies are issued only with a batch
             batch.synchronize()
             self.device_copy_seconds = batch.copy_seconds()
         units: dict[str, Any] = {}
@@ -371,8 +373,8 @@ class SnapshotEngine:
                 recv_splits[src] += end - start
         blobs = [json.dumps(d, separators=(",", ":")).encode() if d else b"" for d in to_describe]
         lengths = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
-        meta_lengths = self.comm.exchange(lengths.view(torch.uint8), [8] * world, [8] * world, snapshot=True)
-        meta_lengths = meta_lengths.view(torch.int64).tolist()
+        got = self.comm.exchange(lengths.view(torch.uint8), [8] * world, [8] * world, snapshot=True)
+        meta_lengths = got.view(torch.int64).tolist()
         for dst, b in enumerate(blobs):
             if b:
                 send_parts.append((dst, torch.frombuffer(bytearray(b), dtype=torch.uint8)))
@@ -512,6 +514,7 @@ class SnapshotEngine:
                 data = bytearray(buf.view(piece["offset"], piece["end"] - piece["start"]))
                 trees[piece["unit"]] = decode_tree(u["skeleton"], [TensorMeta.from_json(t) for t in u["tensors"]],
                                                    data)
+            assert buf.step is not None     # newest_complete picks only buffers holding a step
             return buf.step, trees
         finally:
             self.pool.release(buf)

@@ -244,13 +244,13 @@ def plan_snapshot(cfg: MoCConfig, inventory: Inventory, *, rank: int, world: int
         # (copied from their own replica, no network) fill up when there are not enough
         # other nodes.
         extra_copies = cfg.snapshot_copies - 1
-        others = copy_targets(unit_holders, sh.rank, world, extra_copies, inventory.nodes, copy_load)
-        for r in others:
+        targets = copy_targets(unit_holders, sh.rank, world, extra_copies, inventory.nodes, copy_load)
+        for r in targets:
             copy_load[r] += sh.end - sh.start
             remote.append((sh.unit, sh.start, sh.end, sh.rank, r))
         i = unit_holders.index(sh.rank)
         copies = {unit_holders[(i + j) % len(unit_holders)]
-                  for j in range(min(1 + extra_copies - len(others), len(unit_holders)))}
+                  for j in range(min(1 + extra_copies - len(targets), len(unit_holders)))}
         if rank not in copies:
             continue
         plan, spec = mine[sh.unit]

@@ -100,7 +100,7 @@ def _tensor_view(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
+    return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type, unused-ignore]  # numpy's stubs give ndarray __buffer__ only on Python >= 3.12
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -198,7 +198,7 @@ def plan_tree(tree: Any) -> TreePlan:
         )
 
     skeleton = walk(tree, "")
-    itemsize = max(sizes, key=sizes.get) if sizes else 1
+    itemsize = max(sizes, key=sizes.__getitem__) if sizes else 1
     return TreePlan(skeleton, tensors, sources, pos, itemsize)
 
 
@@ -223,7 +223,7 @@ _ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() 
 def unit_buffer(nbytes: int) -> tuple[torch.Tensor, memoryview]:
     """An uninitialised byte buffer for a unit (no zero-fill pass) and a writable view."""
     t = torch.empty(nbytes, dtype=torch.uint8)
-    return t, memoryview(t.numpy()) if nbytes else memoryview(bytearray())
+    return t, memoryview(t.numpy()) if nbytes else memoryview(bytearray())  # type: ignore[arg-type, unused-ignore]  # numpy's stubs give ndarray __buffer__ only on Python >= 3.12
 
 
 def decode_tree(skeleton: Any, tensors: list[TensorMeta], data: bytearray | bytes | torch.Tensor) -> Any:

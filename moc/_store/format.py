@@ -172,6 +172,7 @@ class Manifest:
         out: dict[str, dict[int, UnitRecord]] = {}
         for rec in self.units.values():
             if rec.kind == "expert":
+                assert rec.expert is not None       # expert records carry their expert index
                 out.setdefault(str(rec.layer), {})[int(rec.expert)] = rec
         return {k: dict(sorted(v.items())) for k, v in out.items()}
 

@@ -20,7 +20,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Generator, Iterable
 
 import xxhash
 
@@ -279,7 +279,8 @@ class CheckpointStore:
         except FileNotFoundError as exc:
             raise CorruptObjectError(where, "is missing", key=chunk.key, unit=unit) from exc
         if n != chunk.stored_nbytes:
-            raise CorruptObjectError(where, f"is truncated: {n} of {chunk.stored_nbytes} bytes", key=chunk.key, unit=unit)
+            raise CorruptObjectError(where, f"is truncated: {n} of {chunk.stored_nbytes} bytes",
+                                     key=chunk.key, unit=unit)
         got = checksum(out)
         if got != chunk.checksum:
             raise CorruptObjectError(where, f"failed its checksum (expected {chunk.checksum}, got {got})",
@@ -299,7 +300,8 @@ class CheckpointStore:
             return decode_tree(rec.skeleton, tensors, data)
         except (ValueError, KeyError, TypeError) as exc:
             key = rec.chunks[0].key if rec.chunks else "?"
-            raise CorruptObjectError(f"{self.store.url}/{key}", f"does not decode: {exc}", key=key, unit=rec.name) from exc
+            raise CorruptObjectError(f"{self.store.url}/{key}", f"does not decode: {exc}",
+                                     key=key, unit=rec.name) from exc
 
     def _older_versions(self, name: str, below: int, before_step: int) -> Iterable[UnitRecord]:
         """Older saved versions of unit ``name`` (version step < ``below``), newest first."""
@@ -340,7 +342,8 @@ class CheckpointStore:
         return result
 
     def iter_units(self, manifest: Manifest, names: Iterable[str], *, fallback: bool = True,
-                   window: int | None = None, max_ahead_bytes: int | None = None) -> Iterator[tuple[str, Any, int]]:
+                   window: int | None = None,
+                   max_ahead_bytes: int | None = None) -> Generator[tuple[str, Any, int], None, None]:
         """``(name, tree, version step)`` of each named unit of ``manifest``, in order.
 
         Reads run on ``read_concurrency`` threads with at most ``window`` units (default
@@ -418,8 +421,8 @@ class CheckpointStore:
             try:
                 blob = self.store.read(key)
             except FileNotFoundError:
-                units = tuple(sorted(set().union(*(u for _, u in entries))))
-                problems.append(VerifyProblem(key, units, "object is missing"))
+                missing = tuple(sorted(set[str]().union(*(u for _, u in entries))))
+                problems.append(VerifyProblem(key, missing, "object is missing"))
                 blob = None
             for c, units in entries:
                 if blob is not None:

@@ -4,9 +4,9 @@ per-unit serialisation plans reused between checkpoints (:mod:`.plans`), and the
 counts read from the model's own routers (:mod:`.routing`)."""
 
 from .capture import (apply_partial, apply_units, capture_rng, capture_unit, expert_unit_name, local_box,
-                      optimizer_groups, own_tree, parse_expert, restore_rng, unit_base)
+                      optimizer_groups, own_tree, restore_rng)
 from .layouts import (DEFAULT_EXPERT_PATTERN, LAYOUT_NAMES, ExpertLayout, UnitLayout, UnitSpec, discover_units,
-                      local_tensor)
+                      local_tensor, parse_expert, unit_base)
 from .plans import UnitPlans
 from .routing import RouterTaps, routing_reporters
 

@@ -22,15 +22,14 @@ from __future__ import annotations
 import logging
 import random
 from collections import defaultdict
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, cast
 
 import numpy as np
 import torch
 
 from .._cuda import copy_into, finish_copies, runtime
 from .layouts import (DEFAULT_EXPERT_PATTERN, ExpertLayout, TensorRef, UnitLayout, UnitSpec, discover_units,
-                      expert_unit_name, fused_row_map, is_dtensor, local_box, local_tensor, module_unit_name,
-                      parse_expert, unit_base)
+                      expert_unit_name, fused_row_map, is_dtensor, local_box, local_tensor, module_unit_name)
 
 log = logging.getLogger("moc")
 
@@ -70,7 +69,8 @@ def optimizer_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *
 def capture_rng() -> dict[str, Any]:
     """The RNG states to restore with a checkpoint: torch's (CPU), every CUDA device's
     (when CUDA is initialised in this process), Python's and NumPy's."""
-    np_state = np.random.get_state()
+    # legacy=True (the default) returns the tuple form
+    np_state = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
     out = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
@@ -114,8 +114,8 @@ def _owned(live: Any, value: Any) -> Any:
     same shape, dtype and device (its pages are already mapped, unlike a fresh clone's)."""
     if not isinstance(value, torch.Tensor):
         return value
-    if (isinstance(live, torch.Tensor) and not is_dtensor(live) and live.shape == value.shape and live.dtype == value.dtype
-            and live.device == value.device and live.data_ptr() != value.data_ptr()):
+    if (isinstance(live, torch.Tensor) and not is_dtensor(live) and live.shape == value.shape
+            and live.dtype == value.dtype and live.device == value.device and live.data_ptr() != value.data_ptr()):
         with torch.no_grad():
             live.copy_(value)
         return live
@@ -154,6 +154,7 @@ def _take(t: torch.Tensor, ref: TensorRef) -> torch.Tensor:
     if ref.span is not None:
         x = x.narrow(*ref.span)
     elif ref.expert_dim is not None:
+        assert ref.row is not None      # a fused tensor's reference names its row
         x = x.select(ref.expert_dim, ref.row)
     return x
 
@@ -194,7 +195,8 @@ def capture_unit(spec: UnitSpec, model: torch.nn.Module, optimizer: torch.optim.
 
 
 # -- restore: copy saved pieces into whatever piece the live model holds --------------------
-def _saved_box(value: torch.Tensor, place: Mapping[str, Any] | None) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+def _saved_box(value: torch.Tensor,
+              place: Mapping[str, Any] | None) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """(tensor, global offset, global shape) of a saved piece."""
     if place is None:
         return value, (0,) * value.dim(), tuple(value.shape)
@@ -267,8 +269,10 @@ def _scalar_like(v: torch.Tensor, p: torch.Tensor, group: Mapping[str, Any] | No
     return out.to(local_tensor(p).device) if on_device or v.dim() > 0 else out.cpu()
 
 
-def _assemble_state(key: str, p: torch.nn.Parameter, pieces: list[tuple[dict[str, Any], Any, tuple[int, ...] | None]],
-                    live: Mapping[str, Any], group: Mapping[str, Any] | None, rows: Rows | None = None) -> dict[str, Any]:
+def _assemble_state(key: str, p: torch.nn.Parameter,
+                    pieces: list[tuple[dict[str, Any], Any, tuple[int, ...] | None]],
+                    live: Mapping[str, Any], group: Mapping[str, Any] | None,
+                    rows: Rows | None = None) -> dict[str, Any]:
     """One parameter's optimizer state from saved pieces (rows of a fused tensor, shards).
 
     Tensors shaped like the saved piece of the parameter are placed like it, into the

@@ -50,9 +50,12 @@ import json
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, TypeGuard, Union
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "DEFAULT_EXPERT_PATTERN",
@@ -251,7 +254,7 @@ def _dtensor_cls() -> Any:
     return getattr(mod, "DTensor", None) if mod is not None else None
 
 
-def is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> TypeGuard[DTensor]:
     cls = _dtensor_cls()
     return cls is not None and isinstance(t, cls)
 
@@ -390,7 +393,7 @@ def _piece_suffix(refs: list[TensorRef], full: dict[str, bool]) -> str:
 def _expert_like_modules(model: torch.nn.Module) -> list[str]:
     """``name (Class)`` of the modules a reader would call experts (named ``*experts``,
     or with a ``num_experts`` attribute), outermost first: what a refusal names."""
-    out = []
+    out: list[str] = []
     for name, mod in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         if name and (leaf.endswith("experts") or isinstance(getattr(mod, "num_experts", None), int)):
@@ -441,8 +444,8 @@ def discover_units(model: torch.nn.Module, expert_pattern: str | None = None, *,
         for rule in rules:
             m = rule.regex.match(key)
             if m and (rule.expert_dim is None or value.dim() > rule.expert_dim):
-                if rule.declared and _declared_count(model, (key.rsplit(".", 1)[0], m.group("layer"))) \
-                        != gshape[rule.expert_dim]:
+                if rule.declared and rule.expert_dim is not None and \
+                        _declared_count(model, (key.rsplit(".", 1)[0], m.group("layer"))) != gshape[rule.expert_dim]:
                     continue     # a module that does not say it holds that many experts
                 matched = (rule, m)
                 break
@@ -490,8 +493,8 @@ def discover_units(model: torch.nn.Module, expert_pattern: str | None = None, *,
         elif rows is None and not is_dtensor(value):
             declared = _declared_count(model, (owner,))
             if declared is not None and declared < num:     # rows beyond E: no expert's (zero-compute)
-                extra_refs[key] = TensorRef(key, None, None, tuple(declared if i == d else 0 for i in range(len(gshape))),
-                                            gshape, (d, declared, num - declared))
+                start = tuple(declared if i == d else 0 for i in range(len(gshape)))
+                extra_refs[key] = TensorRef(key, None, None, start, gshape, (d, declared, num - declared))
                 module_keys.setdefault(owner, []).append(key)
                 routed[layer] = max(routed.get(layer, 0), num)
                 num = declared
@@ -503,7 +506,8 @@ def discover_units(model: torch.nn.Module, expert_pattern: str | None = None, *,
         if per:
             for e in range(num):
                 off = tuple(e * per if i == d else 0 for i in range(len(gshape)))
-                expert_refs.setdefault((layer, e), []).append(TensorRef(key, None, None, off, gshape, (d, e * per, per)))
+                ref = TensorRef(key, None, None, off, gshape, (d, e * per, per))
+                expert_refs.setdefault((layer, e), []).append(ref)
             continue
         for row in range(min(lshape[d], num) if rows is None and goff[d] == 0 else lshape[d]):
             e = goff[d] + row if rows is None else rows[0][row]

@@ -246,7 +246,7 @@ class RouterTaps:
             failure = self._failure(layer, source, r)
             if failure is not None:
                 kind, text = failure
-                if kind == "overflow" and int(r.overflow) > 0:
+                if kind == "overflow" and r.overflow is not None and int(r.overflow) > 0:
                     why.append(text)
                     continue
                 if kind == "dense" and int(r.counts.sum()) > r.rows * self.top_k:
@@ -271,7 +271,8 @@ class RouterTaps:
         tensor, False when no reading held up (``why`` then says why, checked once the flag
         reaches the host: :meth:`_settle_checks`)."""
         why: list[str] = []
-        chosen, held = None, None
+        chosen: torch.Tensor | None = None
+        held: torch.Tensor | None = None
         for source, r in self._readings(layer, why):
             counts = r.counts.to(device, non_blocking=True)
             ok = torch.ones((), dtype=torch.bool, device=device)
@@ -280,14 +281,16 @@ class RouterTaps:
                 kind, text = failure
                 why.append(text)
                 if kind == "overflow":
+                    assert r.overflow is not None       # said only of a reading with overflow ids
                     ok = r.overflow.to(device, non_blocking=True).reshape(()) == 0
                 else:
                     ok = counts.sum() <= r.rows * self.top_k
-            if chosen is None:
+            if chosen is None or held is None:     # set together: both None before the first reading
                 chosen, held = torch.where(ok, counts, torch.zeros_like(counts)), ok
             else:
                 use = ok & ~held
                 chosen, held = torch.where(use, counts, chosen), held | ok
+        assert chosen is not None and held is not None      # asked only of a layer with a pending reading
         return chosen, held, "; ".join(why)
 
     def _settle_checks(self, *, wait: bool) -> None:
