@@ -20,23 +20,38 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, Iterator, Mapping
+from typing import Any, Callable, Generator, Iterable, Iterator, Mapping, Protocol
 
 import numpy as np
 import torch
+
+from storage_backends import Store
 
 # the store's codec and manifest modules, not the room: the store exports through this module
 from .._store.codec import TensorMeta, meta_tree
 from .._store.format import Manifest
 from .._units.capture import _copy_box, _saved_box
 
-if TYPE_CHECKING:   # the store exports through this module (CheckpointStore.export): a type only here
-    from .._store.store import CheckpointStore
-
 __all__ = ["Entry", "Piece", "Group", "ExportPlan", "TensorStream", "plan_export", "read_extras",
            "merged_param_groups", "export_state", "pick_manifest", "natural_key"]
 
 Progress = Callable[[int, int], None]
+
+
+class CheckpointSource(Protocol):
+    """What an export reads from a checkpoint store. :class:`moc.CheckpointStore` is one;
+    it exports through this module (:meth:`~moc.CheckpointStore.export`), so this module
+    names the few methods it uses instead of importing the store's."""
+
+    store: Store
+
+    def latest_manifest(self) -> Manifest | None: ...
+
+    def read_manifest(self, step: int) -> Manifest: ...
+
+    def iter_units(self, manifest: Manifest, names: Iterable[str], *, fallback: bool = True,
+                   window: int | None = None,
+                   max_ahead_bytes: int | None = None) -> Generator[tuple[str, Any, int], None, None]: ...
 READ_AHEAD_BYTES = 64 << 20   # units read ahead of the one being assembled (at least one)
 
 
@@ -108,7 +123,7 @@ class ExportPlan:
                 if (optimizer or e.section == "model") and (e.is_tensor or not tensors_only)]
 
 
-def pick_manifest(cs: CheckpointStore, step: int | None) -> Manifest:
+def pick_manifest(cs: CheckpointSource, step: int | None) -> Manifest:
     """The manifest of ``step``, or the newest committed one when ``step`` is None (``moc
     export`` and ``moc inspect`` alike); FileNotFoundError when the store has none."""
     if step is not None:
@@ -274,7 +289,7 @@ class TensorStream:
     previous version, as restore does).
     """
 
-    def __init__(self, cs: CheckpointStore, plan: ExportPlan, wanted: Iterable[Entry], *,
+    def __init__(self, cs: CheckpointSource, plan: ExportPlan, wanted: Iterable[Entry], *,
                  progress: Progress | None = None, read_ahead: int | None = None) -> None:
         self.cs = cs
         self.read_ahead = READ_AHEAD_BYTES if read_ahead is None else read_ahead
@@ -345,7 +360,7 @@ class TensorStream:
 
 
 # -- the rest of the state -----------------------------------------------------------------
-def read_extras(cs: CheckpointStore, plan: ExportPlan) -> dict[str, Any]:
+def read_extras(cs: CheckpointSource, plan: ExportPlan) -> dict[str, Any]:
     """``{extra unit name: its tree}`` (small: step, RNG, optimizer groups, user state)."""
     return {name: tree for name, tree, _ in cs.iter_units(plan.manifest, plan.extras)}
 
@@ -377,7 +392,7 @@ def extra_state(extras: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def export_state(cs: CheckpointStore, step: int | None = None, *, progress: Progress | None = None) -> dict[str, Any]:
+def export_state(cs: CheckpointSource, step: int | None = None, *, progress: Progress | None = None) -> dict[str, Any]:
     """The whole checkpoint as one in-memory state dict (what ``--format torch`` writes):
     ``{"model": {key: full tensor}, "optimizer": {"state": {name: {...}}, "param_groups": [...]},
     "extra": {"rank0": {...}}, "moc": {"step", "versions"}}``."""
