@@ -122,5 +122,5 @@ check-install:
 	bash .ci/check_install.sh $(INSTALL_PYTHONS)
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) runs build *.egg-info .mypy_cache .ruff_cache
 	find . -name __pycache__ -prune -exec rm -rf {} +
