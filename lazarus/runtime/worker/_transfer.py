@@ -205,7 +205,8 @@ def exchange_units(moves: Sequence[Move], trees: Mapping[str, Any], comm: Comm |
         n = int(meta["nbytes"])
         if device.type == "cpu":
             data, view = unit_buffer(n)
-            view[:] = memoryview(received[starts[m.src]: starts[m.src] + n].numpy())  # type: ignore[arg-type]
+            # ignore: numpy's stubs give ndarray __buffer__ only on Python >= 3.12
+            view[:] = memoryview(received[starts[m.src]: starts[m.src] + n].numpy())  # type: ignore[arg-type, unused-ignore]
         else:   # stays on the device; its own storage, 16-byte aligned like the stream
             data = received[starts[m.src]: starts[m.src] + n].clone()
         starts[m.src] += n
