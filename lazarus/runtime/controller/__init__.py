@@ -8,6 +8,8 @@ or a training worker:
   ``Port`` (send to a node, record an event, save, timers) to act through;
 * ``_membership`` — ``Membership``: the view of the cluster and when to plan (joins,
   failures, rebalances), without sockets (testable alone with a fake ``Port``);
+* ``_port`` — the ``Port`` the membership acts through, its per-node record (``Node``)
+  and the check of a message's fields;
 * ``_resume`` — ``StateSaver`` (the state saved to the state directory) and ``Resume``
   (a restarted controller waiting for its members to come back);
 * ``_state`` — that state's file (atomic JSON);

@@ -21,7 +21,7 @@ The controller is made of parts: it keeps the sockets (``node id -> connection``
 the loop, and owns a :class:`~._membership.Membership` (the view of the cluster, the plan
 logic and the timers, without sockets), a :class:`~._resume.Resume` (a restarted
 controller waiting for its members) and a :class:`~._resume.StateSaver`. Those talk to
-the outside through one :class:`~._membership.Port` the controller gives them.
+the outside through one :class:`~._port.Port` the controller gives them.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from typing import Any
 
 from .._config import ControllerConfig
 from .._wire import ConnectionClosed, MalformedMessageError, ProtocolError, encode_frame, read_frame
-from ._membership import Membership, Port, msg_field
+from ._membership import Membership
+from ._port import Port, msg_field
 from ._resume import Resume, ResumeRecord, StateSaver
 
 __all__ = ["Controller"]

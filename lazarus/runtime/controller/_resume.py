@@ -35,7 +35,8 @@ from typing import Any
 
 from .._config import ControllerConfig
 from .._wire import MalformedMessageError, store_address
-from ._membership import Membership, Node, Port, Scheduler, Timer, msg_field
+from ._membership import Membership
+from ._port import Node, Port, Scheduler, Timer, msg_field
 from ._state import write_state
 
 __all__ = ["Resume", "ResumeRecord", "StateSaver"]

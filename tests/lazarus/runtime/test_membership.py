@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from lazarus.runtime import ControllerConfig
-from lazarus.runtime.controller._membership import Membership, Port
+from lazarus.runtime.controller._membership import Membership
+from lazarus.runtime.controller._port import Port
 from lazarus.runtime.controller._resume import Resume
 
 pytestmark = pytest.mark.timeout(10)
