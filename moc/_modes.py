@@ -21,7 +21,7 @@ from ._dist import Comm
 from ._errors import CheckpointError
 from ._exact import ExactCheckpointer
 from ._persister import Persister
-from ._policy import CheckpointPolicy
+from ._policy import CheckpointPolicy, Opening, SnapshotDecision
 from ._recovery import Recovery
 from ._run_state import RunState
 from ._snapshot import Inventory, SnapshotEngine, plan_snapshot
@@ -119,25 +119,27 @@ class PlainMode:
         self.engine.before_optimizer_step(optimizer, args, kwargs)
 
     def step(self, step: int) -> bool:
-        self.policy.observe_step()
-        due = self.policy.due(step)
-        if not (due or self.policy.decision_point(step)):
+        opening = self.policy.open(step, self._drain)
+        if opening is None:
             return False
         # Checkpoints and decision points are the same steps on every rank, so the rounds
         # (one collective each in steady state) line up.
+        due = opening.due
         t0 = time.perf_counter()
         has_buffer = True
         if due:
             self.engine.wait()
             has_buffer = self.engine.reserve()   # the buffer to fill, kept from everyone else
         plans, extra, error = self._plan_units(step) if due else (None, None, None)
-        agreed = self._agree(step, due, plans, extra, error, no_buffer=not has_buffer)
+        agreed = self._agree(opening, plans, extra, error, no_buffer=not has_buffer)
         if due and (agreed.sigterm or agreed.broken or agreed.failed or agreed.no_buffer):
             self.engine.unreserve()
         if agreed.sigterm:
             return True
         self.persister.settle(agreed.finished_seq)
-        self.policy.adopt(agreed.k_snapshot, agreed.interval)
+        taken = due and not (agreed.no_buffer or agreed.broken or agreed.failed)
+        decision = self.policy.decide(k_snapshot=agreed.k_snapshot, interval=agreed.interval,
+                                      routing=agreed.routing if taken else None, first=not self.run.has_base)
         if not due or agreed.no_buffer:
             if due:   # every rank skips it: no buffer on some rank (logged with its reason there)
                 why = (self.engine.reserve_error if not has_buffer
@@ -154,11 +156,12 @@ class PlainMode:
             raise CheckpointError(f"{self.run.where()}: another rank could not plan its units (see its log)")
         if agreed.failed:
             raise self.engine.failure_error(self.persister.last_persisted_step)
-        self._checkpoint(step, agreed, plans, extra)
+        assert decision is not None   # a due checkpoint's round carries the routing counts
+        self._checkpoint(step, agreed, decision, plans, extra)
         self.step_call_last = time.perf_counter() - t0
         self.step_call_total += self.step_call_last
-        self.policy.save_overhead = self.step_call_last + self.engine.stall_last
-        self.policy.tune(self.engine.seconds)
+        self.policy.checkpointed(blocking_seconds=self.step_call_last + self.engine.stall_last,
+                                 copy_seconds=self.engine.seconds)
         return False
 
     def _plan_units(self, step: int) -> tuple[Any, Any, BaseException | None]:
@@ -173,44 +176,36 @@ class PlainMode:
             return None, None, exc
         return plans, extra, None
 
-    def _agree(self, step: int, due: bool, plans: Any, extra: Any, error: BaseException | None, *,
+    def _agree(self, opening: Opening, plans: Any, extra: Any, error: BaseException | None, *,
                no_buffer: bool = False) -> Agreement:
         """This step's round: what every rank must decide alike (see :mod:`moc._coordination`)."""
-        proposal = self.policy.take_proposal()
+        due = opening.due
         ballot = Ballot(sigterm=self.run.sigterm, persist_busy=self.persister.busy, no_buffer=no_buffer,
                         retry_step=self.persister.retry_candidate(before_snapshot=due),
                         finished_seq=self.persister.finished_seq,
-                        k_snapshot=proposal.get("k_snapshot"), interval=proposal.get("interval"))
+                        k_snapshot=opening.k_snapshot, interval=opening.interval)
         if due:
             ballot.failed = self.engine.failing()
             ballot.broken = error is not None
-            ballot.routing = self.policy.take_routing(self._drain)
+            ballot.routing = opening.routing
             if error is None:
                 ballot.sizes = self.coordinator.changed_sizes({**plans, f"extra/rank{self.rank}": extra})
         return self.coordinator.agree(ballot)
 
-    def _checkpoint(self, step: int, agreed: Agreement, plans: Any, extra: Any) -> None:
-        assert agreed.routing is not None   # a due checkpoint's round carries the routing counts
-        self.policy.fold_routing(agreed.routing)
-        # Until one checkpoint holding every unit is committed, save (and persist) every
-        # expert; afterwards every persist_every-th snapshot also goes to storage.
-        designated = self.policy.designated()
-        selection = self.policy.select(not self.run.has_base, designated)
+    def _checkpoint(self, step: int, agreed: Agreement, decision: SnapshotDecision, plans: Any,
+                    extra: Any) -> None:
+        selection, designated = decision.selection, decision.designated
         plan = plan_snapshot(self.cfg, self.inventory, rank=self.rank, world=self.world, step=step,
                              selection=selection, plans=plans, extra=extra, sizes=self.coordinator.sizes)
-        meta = self.meta()
-        plt_state = self.policy.mark_snapshot(selection, designated)
+        meta = {"run_id": self.run.run_id, "layout": self.inventory.info, **decision.meta, "world": self.world}
         header = {"run": self.run.run_id, "rank": self.rank, "world": self.world, "step": step,
-                  "plt": plt_state, "meta": meta, "persist_due": designated,
+                  "plt": decision.plt, "meta": meta, "persist_due": designated,
                   "selection": {l: list(v[1]) for l, v in selection.items()}}
         persist = agreed.persist_step(designated, step)
         snapshot = self.engine.start(plan, header)
         self.run.first_done = True
         if persist is not None:
             self.persister.start(persist, snapshot if designated else None)
-
-    def meta(self) -> dict[str, Any]:
-        return {"run_id": self.run.run_id, "layout": self.inventory.info, **self.policy.meta(), "world": self.world}
 
     def restore(self, *, reshard: bool) -> int:
         if reshard:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
@@ -23,12 +24,49 @@ from ._run_state import RunState
 from ._selection import load_aware_selection
 from ._units import parse_expert
 
-__all__ = ["CheckpointPolicy", "Selection"]
+__all__ = ["CheckpointPolicy", "Opening", "Selection", "SnapshotDecision"]
 
 log = logging.getLogger("moc")
 
 # layer -> (experts to snapshot, experts to persist if this snapshot is persisted)
 Selection = dict[str, tuple[list[int], list[int]]]
+
+
+@dataclass(frozen=True)
+class Opening:
+    """What the policy brings to a step's round (:meth:`CheckpointPolicy.open`).
+
+    Attributes:
+        step: the step.
+        due: a checkpoint is due at this step (else it is only a decision point).
+        k_snapshot: this rank's proposal for K (``k_snapshot="auto"``); rank 0's is adopted.
+        interval: this rank's proposal for the interval (``interval="auto"``).
+        routing: this rank's routing counts since the last round, flat in layer order
+            (:attr:`CheckpointPolicy.routing_len`), when ``due``; summed over ranks by the round.
+    """
+
+    step: int
+    due: bool
+    k_snapshot: int | None = None
+    interval: int | None = None
+    routing: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class SnapshotDecision:
+    """What a due checkpoint saves, decided from the round (:meth:`CheckpointPolicy.decide`).
+
+    Attributes:
+        selection: per layer, the experts to snapshot and those to persist.
+        designated: this snapshot also goes to storage.
+        meta: what its header and manifest record of the policy (counts after it).
+        plt: the PLT counters it is taken at.
+    """
+
+    selection: Selection
+    designated: bool
+    meta: dict[str, Any]
+    plt: dict[str, Any]
 
 
 def _initial_k(field: str, value: Any, e_min: int) -> int:
@@ -188,22 +226,61 @@ class CheckpointPolicy:
         self.comm.sum_int64(flat)
         self.fold_routing(flat)
 
+    # -- a step, as the manager's mode sees it ---------------------------------------------
+    def open(self, step: int, drain: Callable[[Callable[..., None]], None] | None = None) -> Opening | None:
+        """Called at every ``step()``: None when this step has no round; else what the policy
+        brings to it (whether a checkpoint is due, its proposals, the routing counts).
+
+        The same steps open a round on every rank, so the rounds line up."""
+        self._observe_step()
+        due = self._due(step)
+        if not (due or self._decision_point(step)):
+            return None
+        proposal, self._proposal = self._proposal, {}
+        return Opening(step=step, due=due, k_snapshot=proposal.get("k_snapshot"),
+                       interval=proposal.get("interval"),
+                       routing=self.take_routing(drain) if due else None)
+
+    def decide(self, *, k_snapshot: int | None, interval: int | None, routing: torch.Tensor | None,
+               first: bool) -> SnapshotDecision | None:
+        """After the round: adopt rank 0's proposals (``k_snapshot``, ``interval``); with the
+        job's summed ``routing`` (a due checkpoint) book it into PLT and decide what this
+        checkpoint saves (``first``: no checkpoint holding every unit is committed yet),
+        booking the snapshot. None when no checkpoint is taken."""
+        self._adopt(k_snapshot, interval)
+        if routing is None:
+            return None
+        self.fold_routing(routing)
+        # Until one checkpoint holding every unit is committed, save (and persist) every
+        # expert; afterwards every persist_every-th snapshot also goes to storage.
+        designated = self._designated()
+        selection = self.select(first, designated)
+        meta = self.meta()
+        plt = self._mark_snapshot(selection, designated)
+        return SnapshotDecision(selection=selection, designated=designated, meta=meta, plt=plt)
+
+    def checkpointed(self, *, blocking_seconds: float, copy_seconds: float | None) -> None:
+        """A checkpoint was taken: its blocking part (``step()`` plus the stall it caused)
+        and its copy time feed ``interval="auto"`` / ``k_snapshot="auto"``."""
+        self.save_overhead = blocking_seconds
+        self.tune(copy_seconds)
+
     # -- when ------------------------------------------------------------------------------
-    def observe_step(self) -> None:
+    def _observe_step(self) -> None:
         """Called at every ``step()``: the step time feeds ``interval="auto"`` / ``k="auto"``."""
         now = time.perf_counter()
         if self._last_step_wall is not None:
             self._step_times = (self._step_times + [now - self._last_step_wall])[-50:]
         self._last_step_wall = now
 
-    def due(self, step: int) -> bool:
+    def _due(self, step: int) -> bool:
         return not self.run.first_done or step % self.interval == 0
 
-    def decision_point(self, step: int) -> bool:
+    def _decision_point(self, step: int) -> bool:
         """Steps (the same on every rank) where ranks agree on SIGTERM and retry persists."""
         return step % max(1, self.interval // 4) == 0
 
-    def designated(self) -> bool:
+    def _designated(self) -> bool:
         """Does the next snapshot go to storage too?"""
         return not self.run.has_base or self.checkpoints % self.cfg.persist_every == 0
 
@@ -237,7 +314,7 @@ class CheckpointPolicy:
             out[layer] = (snap, sorted(order[:kp]) if designated else snap)
         return out
 
-    def mark_snapshot(self, selection: Selection, designated: bool) -> dict[str, Any]:
+    def _mark_snapshot(self, selection: Selection, designated: bool) -> dict[str, Any]:
         """Book a snapshot of ``selection``; returns the PLT state it is taken at."""
         with self.run.lock:
             plt_state = self.tracker.state()
@@ -257,7 +334,7 @@ class CheckpointPolicy:
     def tune(self, snapshot_seconds: float | None) -> None:
         """``k_snapshot="auto"`` and ``interval="auto"``: this rank's proposals, from its
         step times and copy time; rank 0's are adopted by every rank at the next round
-        (:meth:`take_proposal`, :meth:`adopt`), so there is no collective here."""
+        (:meth:`open`, :meth:`decide`), so there is no collective here."""
         step_time = sorted(self._step_times)[len(self._step_times) // 2] if self._step_times else None
         if self.cfg.k_snapshot == "auto" and step_time and snapshot_seconds:
             # Largest K whose copy fits in one forward+backward (copy time ~ linear in K).
@@ -268,12 +345,7 @@ class CheckpointPolicy:
         if self.cfg.interval == "auto" and step_time and self.save_overhead is not None:
             self._proposal["interval"] = self.young_daly_interval(step_time)
 
-    def take_proposal(self) -> dict[str, int]:
-        """The proposals of the newest :meth:`tune` (each is sent once)."""
-        out, self._proposal = self._proposal, {}
-        return out
-
-    def adopt(self, k_snapshot: int | None, interval: int | None) -> None:
+    def _adopt(self, k_snapshot: int | None, interval: int | None) -> None:
         """Rank 0's proposals, agreed in a round."""
         if k_snapshot is not None:
             self.k_snapshot = max(int(k_snapshot), 1)
