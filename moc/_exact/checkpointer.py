@@ -38,8 +38,9 @@ code) on replay is stopped there with :class:`moc.CheckpointError`, before its u
 every rank (the ranks OR their verdicts in one all-reduce, so none is left waiting).
 
 ``restore(reshard=True)`` (a window restored by unit name onto other ranks or another
-placement) and the hand-over between the managers of an elastic job are
-:mod:`moc._exact.elastic`'s.
+placement) and the hand-over between the managers of an elastic job: :meth:`restore`,
+:meth:`detach` and :meth:`adopt` here, over :mod:`moc._exact.elastic`'s typed handover
+and resharded read.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import logging
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import xxhash
@@ -63,9 +64,9 @@ from .._store import CheckpointStore, TensorMeta, TreePlan, UnitRecord, decode_t
 from .._together import tick_seconds, wait_together
 from .._units import UnitLayout, UnitPlans
 from .._units.capture import _clone_all, apply_partial, apply_units, restore_rng
-from .elastic import ElasticExact
+from .elastic import ExactHandover, read_window_resharded
 from .schedule import ExactSchedule, plan_schedule
-from .state import Replay as _Replay, Round as _Round, Window as _Window, grad_digest
+from .state import Replay as _Replay, Round as _Round, Window as _Window, grad_digest, window_steps
 from .store import extra_name, rank_meta, read_part, weights_name, window_meta, write_part
 
 __all__ = ["ExactCheckpointer", "grad_digest", "weights_name", "extra_name"]
@@ -79,7 +80,7 @@ _NO_BUFFER, _PREV_FAILED, _SIGTERM, _BUSY, _FATAL = range(5)
 _FIXED = 5
 
 
-class ExactCheckpointer(ElasticExact):
+class ExactCheckpointer:
     """The exact-mode protocol of one :class:`moc.CheckpointManager` (one rank of it).
 
     Args:
@@ -609,7 +610,7 @@ class ExactCheckpointer(ElasticExact):
         elif manifest is None or manifest.step != step:
             manifest = self.store.read_manifest(step)
         if reshard:
-            return self._restore_resharded(manifest)
+            return 0 if manifest is None else self._restore_resharded(manifest)
         memory = self._memory_candidates()
         if manifest is not None:
             memory = [h for h in memory if h.get("run") == manifest.meta.get("run_id")]
@@ -651,6 +652,57 @@ class ExactCheckpointer(ElasticExact):
         self.run.run_id = run_id or self.run.run_id
         return self._start_replay(replay, {"source": replay.source})
 
+    def _restore_resharded(self, manifest) -> int:
+        """``restore(reshard=True)`` once every rank has ``manifest``."""
+        got = read_window_resharded(manifest, cfg=self.cfg, store=self.store, comm=self.comm, run=self.run,
+                                    units=self.layout.units, pool=self.pool, io=self._io)
+        r, ex = got.read, got.exact
+        replay = _Replay(start=int(ex["start"]), end=manifest.step,
+                         steps=window_steps(ex, r.slots, r.trees), grad=r.grad if got.checked else None,
+                         source="memory" if r.from_storage == 0 else "storage", lease=r.lease)
+        self.run.run_id = manifest.meta.get("run_id") or self.run.run_id
+        return self._start_replay(replay, {"source": replay.source, "resharded": True, "checked": got.checked,
+                                           "units": {"memory": r.from_memory, "storage": r.from_storage},
+                                           "world": int(ex.get("world", 1))})
+
+    # -- hand-over to the manager of a new process group (CheckpointManager.detach) --------
+    def detach(self) -> dict[str, Any]:
+        """Retire for a manager on another process group: the capture in flight (a local
+        copy) is finished, so a window it completes stays usable; the window still being
+        captured is dropped; a replay under way is ended (the successor must roll back
+        again: ``replaying``); the persist in flight is abandoned. Returns the bookkeeping
+        the successor adopts (:meth:`adopt`; an :class:`ExactHandover` on the wire)."""
+        self._settle()
+        self._abort_window("the process group changed")
+        state = ExactHandover(last_persisted_step=self.last_persisted_step, windows_counted=self.windows_counted,
+                              windows_persisted=self.windows_persisted, replays=self.replays,
+                              replayed_steps=self.replayed_steps, replaying=self.replay is not None)
+        self._capture.shutdown(wait=True)
+        self._persist.shutdown(wait=False)
+        self._io.shutdown(wait=False)
+        r, self.replay = self.replay, None
+        if r is not None:
+            self._drop(r)
+        return state.to_wire()
+
+    def join(self, timeout: float) -> bool:
+        """After :meth:`detach`: wait up to ``timeout`` seconds (in all) for the persist
+        threads to end; True once they have."""
+        deadline = time.monotonic() + timeout
+        return all(ex.join(max(0.0, deadline - time.monotonic())) for ex in (self._persist, self._io))
+
+    def adopt(self, states: Sequence[Mapping[str, Any] | None]) -> None:
+        """Continue the bookkeeping of the exact managers this one replaces (every rank's
+        :meth:`detach` state, None where a rank had none): a replay interrupted on any rank
+        leaves the model half replayed, so :attr:`interrupted_replay` asks for a new restore."""
+        h = ExactHandover.merge(states)
+        if h is None:
+            return
+        self.last_persisted_step = h.last_persisted_step
+        self.windows_counted, self.windows_persisted = h.windows_counted, h.windows_persisted
+        self.replays, self.replayed_steps = h.replays, h.replayed_steps
+        self.interrupted_replay = h.replaying
+
     def _start_replay(self, replay: _Replay, info: dict[str, Any]) -> int:
         self._apply_start(replay)
         self.replays += 1
@@ -672,17 +724,6 @@ class ExactCheckpointer(ElasticExact):
         if r.lease is not None:
             self.pool.release(r.lease)
 
-    def _window_steps(self, ex: Mapping[str, Any], slots: Mapping[str, int],
-                      trees: Mapping[tuple[str, int, str], Any]) -> dict[int, Any]:
-        start, w = int(ex["start"]), int(ex["window"])
-        steps: dict[int, dict[str, Any]] = {}
-        for i in range(w):
-            t = start + i
-            full = [trees[("full", t, u)] for u, s in sorted(slots.items()) if s == i]
-            weights = [trees[("weights", t, u)] for u, s in sorted(slots.items()) if s > i]
-            steps[t] = {"full": full, "weights": weights, "extra": trees[("extra", t, extra_name(t))]}
-        return steps
-
     def _from_memory(self, header: dict[str, Any]) -> _Replay:
         buf = self.pool.buffers[int(header["buffer"])]
         size = os.path.getsize(buf.path)
@@ -701,7 +742,7 @@ class ExactCheckpointer(ElasticExact):
                 trees[(p["what"], int(p["step"]), p["unit"])] = decode_tree(
                     p["skeleton"], [TensorMeta.from_json(m) for m in p["tensors"]], data)
             ex = header["exact"]
-            steps = self._window_steps(ex, ex["slots"], trees)
+            steps = window_steps(ex, ex["slots"], trees)
         except BaseException:
             self.pool.release(buf)
             raise
@@ -714,7 +755,7 @@ class ExactCheckpointer(ElasticExact):
         mine, trees = read_part(self.store, manifest, self.run.rank, self.comm.world, self.layout.units, self.shared)
         ex = manifest.meta["exact"]
         slots = {u: int(s) for u, s in mine["slots"].items() if u in self.layout.units}
-        return _Replay(start=int(ex["start"]), end=manifest.step, steps=self._window_steps(ex, slots, trees),
+        return _Replay(start=int(ex["start"]), end=manifest.step, steps=window_steps(ex, slots, trees),
                        grad=mine.get("grad"), source="storage")
 
     def _restore_extra(self, tree: Mapping[str, Any], *, user: bool) -> None:

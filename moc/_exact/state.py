@@ -4,7 +4,7 @@ of a window round, and the gradient digest that catches a replay that diverged."
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import xxhash
@@ -12,8 +12,9 @@ import xxhash
 from .._snapshot import SnapshotBuffer
 from .._units import local_tensor
 from .schedule import ExactSchedule
+from .store import extra_name
 
-__all__ = ["Window", "Replay", "Round", "grad_digest"]
+__all__ = ["Window", "Replay", "Round", "grad_digest", "window_steps"]
 
 
 def grad_digest(model: torch.nn.Module) -> dict[str, Any]:
@@ -78,3 +79,17 @@ class Round:
     sigterm: bool
     fatal: bool
     persist: int | None                          # the window (its last step) to persist now
+
+
+def window_steps(ex: Mapping[str, Any], slots: Mapping[str, int],
+                 trees: Mapping[tuple[str, int, str], Any]) -> dict[int, Any]:
+    """A window's trees by replayed step: per step, the full states promoted then (units
+    of that slot), the compute weights of the units promoted later, and the extra state."""
+    start, w = int(ex["start"]), int(ex["window"])
+    steps: dict[int, dict[str, Any]] = {}
+    for i in range(w):
+        t = start + i
+        full = [trees[("full", t, u)] for u, s in sorted(slots.items()) if s == i]
+        weights = [trees[("weights", t, u)] for u, s in sorted(slots.items()) if s > i]
+        steps[t] = {"full": full, "weights": weights, "extra": trees[("extra", t, extra_name(t))]}
+    return steps
