@@ -2,7 +2,9 @@
 the next forward/backward runs.
 
 CPU tensors are copied by a background thread; the optimizer's step pre-hook waits for
-it (the only stall), so no snapshot ever sees the next update. CUDA tensors are copied on
+those copies (the only stall), so no snapshot ever sees the next update, and for nothing
+else: checksums (xxh3, over several pieces at once on a small thread pool: the hash releases
+the GIL), the remote-copy exchange and the publish run after, while training goes on. CUDA tensors are copied on
 a side stream into page-locked buffers (:mod:`moc._cuda.copies`): the copies are issued in
 ``step()`` after an event recorded behind ``optimizer.step()``, the pre-hook orders the
 next update after their completion event on the device, and the background thread only
@@ -53,7 +55,16 @@ from .plan import SnapshotPlan, unit_meta
 
 __all__ = ["SnapshotEngine"]
 
+
+def _set(*events: threading.Event) -> None:
+    for e in events:
+        e.set()
+
 log = logging.getLogger("moc")
+
+# Checksums of a snapshot smaller than this are computed on the snapshot thread alone.
+_PARALLEL_HASH_BYTES = 8 << 20
+_HASH_THREADS = 4
 
 # Errors that mean "out of room", not "broken": the snapshot is skipped and counted.
 _EXHAUSTED = frozenset({errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EFBIG})
@@ -102,6 +113,10 @@ class SnapshotEngine:
         self._last_batch: CudaCopyBatch | None = None    # the newest issued copies (quiesce waits for them)
         self._local_done = threading.Event()              # the newest snapshot's local copies are done
         self._local_done.set()
+        # the newest snapshot's copies from the model are done (what the next update waits for)
+        self._copied = threading.Event()
+        self._copied.set()
+        self._hashers = ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix=f"moc-xxh3-r{run.rank}")
 
     # -- taking a snapshot -----------------------------------------------------------------
     def reserve(self) -> bool:
@@ -169,6 +184,7 @@ class SnapshotEngine:
         batch = self.copier.begin() if self.copier.device_async else None
         issued = batch is not None and buf.pinned_for(nbytes)
         done = self._local_done = threading.Event()   # one per snapshot: set once nothing local writes
+        copied = self._copied = threading.Event()     # ... and once the model's tensors are read
         if batch is not None and issued:
             # Issue every device-to-host copy now, asynchronously into the page-locked
             # buffer; state the next forward changes in place is fenced off at once.
@@ -181,6 +197,7 @@ class SnapshotEngine:
             batch.finish()
             self._batch = self._last_batch = batch
             self.device_snapshots_async += 1
+            copied.set()    # the pre-hook orders the update after the copies on the device
         else:
             if batch is not None:
                 self.device_snapshots_fallback += 1
@@ -196,13 +213,15 @@ class SnapshotEngine:
                         self._copy_now(batch, tplan, start, end, buf.data[off: off + end - start])
             except BaseException:
                 done.set()
+                copied.set()
                 with self.run.lock:
                     buf.invalidate()
                     buf.state = FREE
                 self.pool.release(buf)
                 raise
-        self.in_flight = self._exec.submit(self._fill_job, buf, placed, plan, header, landing, batch, issued, done)
-        self.in_flight.add_done_callback(lambda _: done.set())
+        self.in_flight = self._exec.submit(self._fill_job, buf, placed, plan, header, landing, batch, issued, done,
+                                           copied)
+        self.in_flight.add_done_callback(lambda _: _set(copied, done))
         return self.in_flight
 
     def _pin_device(self) -> torch.device | None:
@@ -260,7 +279,7 @@ class SnapshotEngine:
 
     def _fill(self, buf: SnapshotBuffer, placed, plan: SnapshotPlan, header: dict[str, Any],
               landing, batch: CudaCopyBatch | None = None, issued: bool = False,
-              done: threading.Event | None = None) -> SnapshotBuffer:
+              done: threading.Event | None = None, copied: threading.Event | None = None) -> SnapshotBuffer:
         """Background: copy this rank's share into the buffer (or wait for the device to
         have copied it), send/receive the remote copies, checksum everything, publish;
         then start the buffer's upkeep (a shrink's truncate, page-locking a created or
@@ -269,8 +288,10 @@ class SnapshotEngine:
         if batch is not None:
             runtime().set_device(batch.device)    # before any CUDA call of this thread
         try:
-            return self._fill_now(buf, placed, plan, header, landing, batch, issued, done)
+            return self._fill_now(buf, placed, plan, header, landing, batch, issued, done, copied)
         finally:
+            if copied is not None:
+                copied.set()
             if done is not None:
                 done.set()
             with self.run.lock:
@@ -313,23 +334,26 @@ class SnapshotEngine:
 
     def _fill_now(self, buf: SnapshotBuffer, placed, plan: SnapshotPlan, header: dict[str, Any],
                   landing, batch: CudaCopyBatch | None, issued: bool,
-                  done: threading.Event | None) -> SnapshotBuffer:
+                  done: threading.Event | None, copied: threading.Event | None = None) -> SnapshotBuffer:
         t0 = time.perf_counter()
         if issued:
             assert batch is not None    # copies are issued only with a batch
             batch.synchronize()
             self.device_copy_seconds = batch.copy_seconds()
+        else:
+            for (name, tplan, start, end, _, _), off in placed:
+                if name not in plan.sync_entries:
+                    self._copy_now(batch, tplan, start, end, buf.data[off: off + end - start])
+        if copied is not None:
+            copied.set()    # the next update may run: the rest reads the buffer, not the model
         units: dict[str, Any] = {}
         pieces = []
         where: dict[tuple[str, int], int] = {}
-        for (name, tplan, start, end, spec, owner), off in placed:
-            n = end - start
-            if not issued and name not in plan.sync_entries:
-                self._copy_now(batch, tplan, start, end, buf.data[off: off + n])
+        sums = self._checksums([(off, end - start) for (_, _, start, end, _, _), off in placed], buf)
+        for ((name, tplan, start, end, spec, owner), off), checksum in zip(placed, sums):
             units[name] = unit_meta(tplan, spec)
             where[(name, start)] = off
-            pieces.append({"unit": name, "start": start, "end": end, "offset": off,
-                           "checksum": "xxh3:" + xxhash.xxh3_64_hexdigest(buf.view(off, n)),
+            pieces.append({"unit": name, "start": start, "end": end, "offset": off, "checksum": checksum,
                            "persist": owner and (name in plan.persist_units or units[name]["kind"] == "extra")})
         if done is not None:
             done.set()   # nothing but remote copies (checked against a detach) writes from here on
@@ -352,6 +376,14 @@ class SnapshotEngine:
             self.last_snapshot_step = header["step"]
         self.seconds = time.perf_counter() - t0
         return buf
+
+    def _checksums(self, spans: list[tuple[int, int]], buf: SnapshotBuffer) -> list[str]:
+        """``xxh3:<hex>`` of each ``(offset, nbytes)`` span of ``buf``, several at once when
+        there is enough to hash (xxh3 releases the GIL; one core hashes ~10 GB/s at best,
+        a K=all snapshot of a large model is several GB)."""
+        if sum(n for _, n in spans) < _PARALLEL_HASH_BYTES or len(spans) < 2:
+            return ["xxh3:" + xxhash.xxh3_64_hexdigest(buf.view(off, n)) for off, n in spans]
+        return list(self._hashers.map(lambda s: "xxh3:" + xxhash.xxh3_64_hexdigest(buf.view(*s)), spans))
 
     def _exchange_copies(self, buf: SnapshotBuffer, remote, landing, where,
                          described: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -443,7 +475,9 @@ class SnapshotEngine:
         log.error("%s: snapshot failed (%d in a row): %s", self.run.where(), self.consecutive_failures, exc)
 
     def before_optimizer_step(self, optimizer, args, kwargs) -> None:
-        """The optimizer step pre-hook: the one place training waits for a snapshot.
+        """The optimizer step pre-hook: the one place training waits for a snapshot, and
+        only for its copies from the model (checksums, remote copies and the publish go on
+        in the background; a failure there is counted by :meth:`wait`).
 
         CUDA snapshots: the update is ordered after the copies on the device, the host
         does not block; the device-side wait is measured by timing events and booked by
@@ -459,8 +493,17 @@ class SnapshotEngine:
                 self.stall_last = 0.0
             return
         t0 = time.perf_counter()
-        if self.wait():
+        if self.wait_copies():
             self._book_stall(time.perf_counter() - t0)
+
+    def wait_copies(self) -> bool:
+        """Wait until the newest snapshot's copies from the model are done (not its
+        checksums, remote copies or publish); True if they were still running."""
+        copied = self._copied
+        if copied.is_set():
+            return False
+        copied.wait()
+        return True
 
     def _book_stall(self, seconds: float) -> None:
         self.stall_last = seconds
@@ -575,3 +618,4 @@ class SnapshotEngine:
 
     def shutdown(self, *, wait: bool = True) -> None:
         self._exec.shutdown(wait=wait)
+        self._hashers.shutdown(wait=wait)

@@ -3,7 +3,8 @@ background snapshots), driven through a single-process ``CheckpointManager`` on 
 model with a local store.
 
 What is pinned here: the optimizer pre-hook waits for the copy of step t before the
-update of step t+1 (and the snapshot holds step t's values); the buffers cycle
+update of step t+1 (and the snapshot holds step t's values), and for nothing else (not the
+checksums, not the publish); the buffers cycle
 SNAPSHOT -> READY -> PERSIST -> READY and are refilled, never while they are the newest
 complete copy; the shared memory is mapped once; a due snapshot with no free buffer is
 skipped and counted; failed copies are counted and end training after
@@ -39,7 +40,8 @@ def _on_snapshot_thread() -> bool:
 def test_pre_hook_blocks_the_update_until_the_copy_of_step_t_is_done(tmp_path):
     """The background copy of step t is held at a gate; the next optimizer step must
     find it still running, wait for it (a counted stall), and only then update. The
-    snapshot then holds step t's values, not t+1's."""
+    snapshot then holds step t's values, not t+1's. The update waits for the copies
+    only: checksums and the publish may still be running."""
     model, opt, task = make(0)
     cfg = cfg_for(tmp_path, k_snapshot=None, persist_every=1000)   # memory only after the first
     with CheckpointManager(cfg, model=model, optimizer=opt) as ckpt:
@@ -58,11 +60,10 @@ def test_pre_hook_blocks_the_update_until_the_copy_of_step_t_is_done(tmp_path):
             real_copy(plan, start, end, out)
 
         seen = []
-        real_wait = engine.wait
+        real_wait = engine.wait_copies
 
         def observed_wait():
-            fut = engine.in_flight
-            pending = fut is not None and not fut.done()
+            pending = not engine._copied.is_set()
             seen.append(("wait", pending))
             if pending:
                 gate.set()               # release the copy only once something waits for it
@@ -70,11 +71,10 @@ def test_pre_hook_blocks_the_update_until_the_copy_of_step_t_is_done(tmp_path):
 
         def after_engine_hook(optimizer, args, kwargs):
             # registered after the manager's hook, so this runs once that hook returned
-            buf = engine.pool.newest_complete()
-            seen.append(("update", engine.in_flight is None, buf.step if buf is not None else None))
+            seen.append(("update", engine._copied.is_set()))
 
         engine._host.copy = gated_copy
-        engine.wait = observed_wait
+        engine.wait_copies = observed_wait
         handle = opt.register_step_pre_hook(after_engine_hook)
         try:
             stalls = engine.stalls
@@ -87,12 +87,12 @@ def test_pre_hook_blocks_the_update_until_the_copy_of_step_t_is_done(tmp_path):
         finally:
             gate.set()
             handle.remove()
-            engine.wait = real_wait
+            engine.wait_copies = real_wait
             engine._host.copy = real_copy
 
-        # the hook found the copy running, and the update ran after it had published step 1
+        # the hook found the copy running, and the update ran after step 1's copies were done
         assert seen[0] == ("wait", True), seen
-        assert seen[1] == ("update", True, 1), seen
+        assert seen[1] == ("update", True), seen
         assert engine.stalls == stalls + 1 and engine.stall_last > 0
 
         ckpt.wait(flush=False)
@@ -106,6 +106,60 @@ def test_pre_hook_blocks_the_update_until_the_copy_of_step_t_is_done(tmp_path):
                 assert torch.equal(value, expected["model"][key]), key
                 checked += 1
         assert checked == len(expected["model"])
+
+
+def test_the_update_waits_for_the_copies_only_not_for_checksums_or_the_publish(tmp_path, monkeypatch):
+    """Step t's checksums are held at a gate (the copies are done): the next optimizer
+    step must run at once, with no stall booked, while the snapshot of step t is still
+    unpublished; once released, the snapshot publishes step t's values."""
+    import xxhash
+
+    import moc._snapshot.engine as engine_mod
+
+    model, opt, task = make(0)
+    cfg = cfg_for(tmp_path, k_snapshot=None, persist_every=1000)   # memory only after the first
+    with CheckpointManager(cfg, model=model, optimizer=opt) as ckpt:
+        engine = ckpt.engine
+        train_step(model, opt, task, 0, ckpt)
+        ckpt.wait()
+        gate, held = threading.Event(), threading.Event()
+
+        class _GatedHash:
+            def __getattr__(self, name):
+                return getattr(xxhash, name)
+
+            @staticmethod
+            def xxh3_64_hexdigest(data):
+                if threading.current_thread() is not threading.main_thread():
+                    held.set()
+                    assert gate.wait(GATE_TIMEOUT), "the checksum was never released"
+                return xxhash.xxh3_64_hexdigest(data)
+
+        monkeypatch.setattr(engine_mod, "xxhash", _GatedHash())
+        updates: list[bool] = []
+        handle = None
+        try:
+            train_step(model, opt, task, 1, ckpt)        # snapshot of step 1 starts; its checksums held
+            assert held.wait(GATE_TIMEOUT)
+            stalls = engine.stalls
+            handle = opt.register_step_pre_hook(
+                lambda *a: updates.append(engine.in_flight is not None and not engine.in_flight.done()))
+            expected = clone_state(model, opt)
+            train_step(model, opt, task, 2, None, batch=8)   # its update must not block
+            assert updates == [True]                     # the update ran while the snapshot was unpublished
+            assert engine.stalls == stalls
+        finally:
+            gate.set()
+            if handle is not None:
+                handle.remove()
+        monkeypatch.undo()
+        ckpt.wait(flush=False)
+        step1 = next(b for b in ckpt.pool.buffers if b.step == 1)
+        _, trees = _decode(ckpt, step1)
+        values = {k: v for t in trees.values() for k, v in t.get("model", {}).items()}
+        assert values.keys() == expected["model"].keys()
+        for key, value in values.items():
+            assert torch.equal(value, expected["model"][key]), key
 
 
 def _decode(ckpt, buf: SnapshotBuffer):
