@@ -22,7 +22,8 @@ It keeps CUDA's rules instead of waving calls through:
   before it on its stream has; ``wait_event`` orders a stream after an event;
   ``synchronize`` sleeps until completion; ``elapsed_time`` is the device time between two
   events. So an event of copies still "in flight" really is incomplete
-  (:meth:`FakeCuda.incomplete_events`).
+  (:meth:`FakeCuda.incomplete_events`). Every host wait on the device (an event's or a
+  stream's ``synchronize``) is kept in :attr:`FakeCuda.host_syncs` with its thread.
 
 Which tensors are "on a device" is set with :meth:`FakeCuda.place` (their storage); the
 copies themselves are ordinary host copies.
@@ -101,6 +102,7 @@ class FakeStream:
         self.tail = max(self.tail, event.at)
 
     def synchronize(self) -> None:
+        self.cuda._host_sync("stream.synchronize")
         delay = self.tail - time.monotonic()
         if delay > 0:
             time.sleep(delay)
@@ -126,6 +128,7 @@ class FakeEvent:
 
     def synchronize(self) -> None:
         self.cuda._context(None)
+        self.cuda._host_sync("event.synchronize")
         if self.at is not None:
             delay = self.at - time.monotonic()
             if delay > 0:
@@ -153,6 +156,7 @@ class FakeCuda:
     violations: list[str] = field(default_factory=list)
     contexts: dict[int, set[str]] = field(default_factory=dict)     # device -> threads that used it
     events: list[FakeEvent] = field(default_factory=list)
+    host_syncs: list[tuple[str, str]] = field(default_factory=list)   # (thread, call) of every host wait
 
     def __post_init__(self) -> None:
         self._lock = threading.RLock()
@@ -326,6 +330,10 @@ class FakeCuda:
     def synchronize_stream(self, device: torch.device) -> None:
         self._context(device.index)
         self._default[device.index].synchronize()
+
+    def _host_sync(self, call: str) -> None:
+        with self._lock:
+            self.host_syncs.append((threading.current_thread().name, call))
 
     def rng_states(self) -> list[torch.Tensor]:
         return [s.clone() for s in self._rng]

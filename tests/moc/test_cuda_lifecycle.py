@@ -211,6 +211,45 @@ def test_k1_run_with_resizes_stays_pinned_and_never_registers_in_step(tmp_path, 
 
 
 @pytest.mark.timeout(120)
+def test_steady_state_training_thread_never_waits_on_the_device(tmp_path, monkeypatch) -> None:
+    """K=1 snapshots on (fake) cuda:1 whose copies take device time: in steady state the
+    training thread makes no host wait on the device (no event or stream ``synchronize``)
+    in ``step()`` or in the optimizer's pre-hook, and the pre-hook books no host stall:
+    the update is ordered after the copies on the device; the snapshot thread waits."""
+    fake = FakeCuda(device_count=2, copy_seconds=0.02)
+    with fake.installed():
+        model, opt, task = make(0, dim=64, hidden=256)
+        train_step(model, opt, task, 0)
+        on_device(fake, model, opt)
+        # interval 2: every other update follows a snapshot whose copies it was already
+        # ordered after (the pre-hook of the update right after the snapshot did that)
+        with CheckpointManager(cfg(tmp_path, k_snapshot=1, k_persist=1, persist_every=4, dynamic_k=False,
+                                   interval=2), model=model, optimizer=opt) as ckpt:
+            for s in range(1, 12):                      # warm-up: buffers created and page-locked
+                train_step(model, opt, task, s, ckpt)
+                settle(ckpt)
+            assert ckpt.status()["buffers_page_locked"] == 3
+            main = threading.current_thread().name
+            before = len(fake.host_syncs)
+            st0 = ckpt.status()
+            engine = ckpt.engine
+            real_wait_copies = engine.wait_copies
+            blocked: list[bool] = []
+            monkeypatch.setattr(engine, "wait_copies", lambda: blocked.append(real_wait_copies()) or blocked[-1])
+            for s in range(12, 28):
+                train_step(model, opt, task, s, ckpt)
+            on_main = [c for t, c in fake.host_syncs[before:] if t == main]
+            assert on_main == [], on_main
+            assert any(t.startswith("moc-snapshot") for t, _ in fake.host_syncs[before:])
+            st = ckpt.status()
+            assert st["device_snapshots_async"] - st0["device_snapshots_async"] == 8
+            assert len(blocked) == 8 and not any(blocked), blocked   # the pre-hook never waited on the host
+            monkeypatch.undo()
+        for reg in live_registrations():
+            reg.release()
+
+
+@pytest.mark.timeout(120)
 def test_detach_waits_for_copies_in_flight_and_a_handover_repins(tmp_path, fake) -> None:
     """Copies still running on the device at detach (snapshot thread past its grace):
     detach returns only once their completion events have fired, with every registration
