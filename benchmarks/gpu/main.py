@@ -308,18 +308,22 @@ class MoC(Method):
         for b in self.ckpt.pool.buffers:   # page-locking of a created/grown buffer: outside the windows too
             b.settle()
         st = self.ckpt.status()
-        self.calls.append((st["step_call_seconds_last"], st["stall_seconds_last"],
-                           st["device_snapshots_async"], st["device_snapshots_fallback"]))
+        self.calls.append((st["step_call_seconds_last"], st["host_stall_seconds_last"],
+                           st["device_snapshots_async"], st["device_snapshots_fallback"],
+                           st["device_stall_seconds_last"]))
 
     def notes(self) -> str:
         calls = self.calls[3:] or self.calls          # after the warm-up
         call = statistics.median(c[0] for c in calls)
-        wait = statistics.median(c[1] for c in calls)
-        base = self.calls[2] if len(self.calls) > 3 else (0.0, 0.0, 0, 0)
+        host_wait = statistics.median(c[1] for c in calls)
+        device_wait = statistics.median(c[4] for c in calls)
+        base = self.calls[2] if len(self.calls) > 3 else (0.0, 0.0, 0, 0, 0.0)
         fast = self.calls[-1][2] - base[2]
         st = self.ckpt.status()
-        return (f"{self.name}: host time in step() {call * 1e3:.2f} ms, wait of the next update "
-                f"(on the device with CUDA, CUDA events) {wait * 1e3:.3f} ms (medians); snapshots after the "
+        return (f"{self.name}: host time in step() {call * 1e3:.2f} ms; host wait in the next update's "
+                f"pre-hook (training thread blocked) {host_wait * 1e3:.3f} ms; device wait of the next update "
+                f"(its stream ordered after the copies, CUDA events; the host did not wait) "
+                f"{device_wait * 1e3:.3f} ms (medians); snapshots after the "
                 "warm-up copied asynchronously into "
                 f"page-locked buffers: {fast} of {len(calls)} (buffers page-locked: "
                 f"{st['buffers_page_locked']}, error: {st['page_lock_error']})")

@@ -95,6 +95,13 @@ class SnapshotEngine:
         self.stall_last = 0.0
         self.stall_total = 0.0
         self.stalls = 0
+        # the same stalls split by where training waited: the host thread blocked in the
+        # pre-hook (CPU tensors, an unpinned buffer), or the device stream ordered after
+        # the copies (CUDA, measured by events; the host did not wait)
+        self.host_stall_last = 0.0
+        self.host_stall_total = 0.0
+        self.device_stall_last = 0.0
+        self.device_stall_total = 0.0
         self._host = HostCopier()        # copies that complete in the call (CPU, or unpinned)
         self.copier: HostCopier | CudaCopier = self._host
         self.device_copy_seconds: float | None = None  # device time of the newest CUDA snapshot's copies
@@ -494,7 +501,7 @@ class SnapshotEngine:
             return
         t0 = time.perf_counter()
         if self.wait_copies():
-            self._book_stall(time.perf_counter() - t0)
+            self._book_stall(time.perf_counter() - t0, device=False)
 
     def wait_copies(self) -> bool:
         """Wait until the newest snapshot's copies from the model are done (not its
@@ -505,10 +512,16 @@ class SnapshotEngine:
         copied.wait()
         return True
 
-    def _book_stall(self, seconds: float) -> None:
+    def _book_stall(self, seconds: float, *, device: bool) -> None:
         self.stall_last = seconds
         self.stall_total += seconds
         self.stalls += 1
+        if device:
+            self.device_stall_last = seconds
+            self.device_stall_total += seconds
+        else:
+            self.host_stall_last = seconds
+            self.host_stall_total += seconds
 
     def collect_device_stall(self) -> None:
         """Book how long the training stream waited for the last CUDA snapshot's copies,
@@ -520,7 +533,7 @@ class SnapshotEngine:
         if seconds is None:
             return
         self._stall_batch = None
-        self._book_stall(seconds)
+        self._book_stall(seconds, device=True)
 
     def failing(self) -> bool:
         """``max_consecutive_failures`` snapshots in a row failed on this rank."""

@@ -94,6 +94,9 @@ def test_pre_hook_blocks_the_update_until_the_copy_of_step_t_is_done(tmp_path):
         assert seen[0] == ("wait", True), seen
         assert seen[1] == ("update", True), seen
         assert engine.stalls == stalls + 1 and engine.stall_last > 0
+        # a CPU snapshot: the training thread itself waited (booked as a host stall)
+        assert engine.host_stall_last == engine.stall_last and engine.device_stall_total == 0
+        assert ckpt.status()["host_stall_seconds_last"] == engine.stall_last
 
         ckpt.wait(flush=False)
         # the newest complete snapshot is step 2 now; the buffer of step 1 must hold step 1
