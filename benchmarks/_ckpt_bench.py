@@ -226,6 +226,15 @@ class TorchSave(Method):
         pass  # the last file is kept for the torch.load restore reference
 
 
+def _dcp_process_checkpointer() -> Any:
+    """``AsyncCheckpointerType.PROCESS`` where this torch has it, else None."""
+    try:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    except ImportError:
+        return None
+    return getattr(AsyncCheckpointerType, "PROCESS", None)
+
+
 class DCPAsync(Method):
     """``torch.distributed.checkpoint.async_save`` of ``get_state_dict(model, optimizer)``:
     on an FSDP2 model that is its native, sharded path (each rank writes its shards).
@@ -235,14 +244,22 @@ class DCPAsync(Method):
     as torchtitan does): the save's collectives run in a background thread and must not
     interleave with training's collectives on the default group."""
 
-    def __init__(self, tr: Trainer, root: Path, cached: bool, process_group: Any = None) -> None:
+    def __init__(self, tr: Trainer, root: Path, cached: bool, process_group: Any = None, best: bool = False) -> None:
         super().__init__(tr, root)
-        self.cached = cached
+        self.cached = cached or best
+        self.best = best and _dcp_process_checkpointer() is not None
         self.process_group = process_group
-        self.name = "DCP async_save" + (" (DefaultStager)" if cached else "")
-        self.note = ("DefaultStager: cached staging buffers, staging in a background thread, optimizer pre-hook "
-                     "waits for it (pinned/shared memory and non-blocking copy off: CPU only)" if cached
-                     else "FileSystemWriter defaults: stages into new CPU memory in the call")
+        if self.best:
+            self.name = "DCP async_save (DefaultStager, every StagingOptions on, process)"
+            self.note = ("DCP at its best: DefaultStager(StagingOptions(pinned, shared memory, async staging, "
+                         "non-blocking copy)) (pinned memory and the non-blocking copy need an accelerator: off on "
+                         "CPU), AsyncCheckpointerType.PROCESS (the save runs in a checkpoint process of its own); "
+                         "optimizer pre-hook waits for the staging")
+        else:
+            self.name = "DCP async_save" + (" (DefaultStager)" if cached else "")
+            self.note = ("DefaultStager: cached staging buffers, staging in a background thread, optimizer pre-hook "
+                         "waits for it (pinned/shared memory and non-blocking copy off: CPU only)" if cached
+                         else "FileSystemWriter defaults: stages into new CPU memory in the call")
 
     def setup(self) -> None:
         from torch.distributed.checkpoint import FileSystemWriter  # noqa: F401
@@ -256,8 +273,10 @@ class DCPAsync(Method):
         self.waited = 0.0
         if self.cached:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                       use_async_staging=True, use_non_blocking_copy=False))
+            accel = torch.cuda.is_available()
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=self.best and accel,
+                                                       use_shared_memory=self.best, use_async_staging=True,
+                                                       use_non_blocking_copy=self.best and accel))
 
             def pre_hook(*_: Any) -> None:  # the next optimizer step must not race the staging copy
                 if self.staging is not None:
@@ -271,14 +290,15 @@ class DCPAsync(Method):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemWriter
         from torch.distributed.checkpoint.state_dict import get_state_dict
-        self.cur = self.root / f"dcp{int(self.cached)}-{step}"
+        self.cur = self.root / f"dcp{int(self.cached)}{int(self.best)}-{step}"
         self.waited = 0.0
         msd, osd = get_state_dict(self.tr.model, self.tr.opt)
         if self.writer is None:
             self.writer = FileSystemWriter(str(self.cur))
+        kind = {"async_checkpointer_type": _dcp_process_checkpointer()} if self.best else {}
         res = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(self.cur), storage_writer=self.writer,
                              process_group=dist.group.WORLD if self.process_group is None else self.process_group,
-                             async_stager=self.stager)
+                             async_stager=self.stager, **kind)
         self.staging = getattr(res, "staging_completion", None)
         self.fut = getattr(res, "upload_completion", res)
 

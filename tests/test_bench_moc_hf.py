@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SINGLE_ROWS = ("torch.save (blocking)", "DCP async_save", "DCP async_save (DefaultStager)",
+DCP_BEST = "DCP async_save (DefaultStager, every StagingOptions on, process)"
+SINGLE_ROWS = ("torch.save (blocking)", "DCP async_save", "DCP async_save (DefaultStager)", DCP_BEST,
                "MoC all experts, 1 level", "MoC K=1, 1 level", "MoC K=1, 2 levels")
-FSDP_ROWS = ("DCP async_save", "DCP async_save (DefaultStager)", "MoC K=1, 1 level")
+FSDP_ROWS = ("DCP async_save", "DCP async_save (DefaultStager)", DCP_BEST, "MoC K=1, 1 level")
 
 
 @pytest.mark.timeout(300)

@@ -246,6 +246,7 @@ def run_single(p: dict[str, Any], root: Path, shm: Path, log, errors: list[str],
     moc_kw = dict(top_k=p["top_k"])
     methods: list[Method] = [
         TorchSave(tr, root), DCPAsync(tr, root, cached=False), DCPAsync(tr, root, cached=True),
+        DCPAsync(tr, root, cached=True, best=True),
         MoC(tr, root, shm, "all experts, 1 level", None, None, 1, **moc_kw),
         MoC(tr, root, shm, "K=1, 1 level", 1, 1, 1, **moc_kw),
         MoC(tr, root, shm, "K=1, 2 levels", 1, 1, 4, **moc_kw),
@@ -306,6 +307,7 @@ def fsdp_worker(rank: int, workdir: Path, shm: Path) -> int:
         methods: list[Method] = [
             DCPAsync(tr, root, cached=False, process_group=dcp_group),
             DCPAsync(tr, root, cached=True, process_group=dcp_group),
+            DCPAsync(tr, root, cached=True, process_group=dcp_group, best=True),
             moc,
         ]
         if p.get("moc_only"):

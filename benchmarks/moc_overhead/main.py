@@ -103,18 +103,31 @@ class Trainer:
         return pall - pe, pe
 
 
+def record_routing_into(tr: Trainer, mgr: CheckpointManager) -> None:
+    """The model's routing counts go to ``mgr`` after every training step (this model's
+    router returns logits, which moc cannot read by itself: it asks for them)."""
+    counts = tr.model.routing_counts
+
+    def record(step: int) -> None:
+        for layer, c in counts().items():
+            mgr.record_routing(layer, c)
+    tr.on_step = record
+
+
 def measure_restore(tr: Trainer, root: Path, shm: Path, log) -> dict[str, Any]:
     """Memory vs storage restore of the full state through fresh managers."""
     storage, snapdir = root / "moc-restore", shm / "restore"
     cfg = MoCConfig(storage=str(storage), interval=1, k_snapshot=None, persist_every=2, snapshot_dir=str(snapdir),
                     keep_last=3, dynamic_k=False)
     mgr = CheckpointManager(cfg, model=tr.model, optimizer=tr.opt)
+    record_routing_into(tr, mgr)
     s1 = tr.step()
     mgr.step(s1)                       # first checkpoint: persisted
     # Until a checkpoint holding every unit is committed, every snapshot is due for
     # storage: let the first one commit, or s2 would be persisted too when it comes first.
     mgr.wait(flush=False)
     s2 = tr.step()
+    tr.on_step = None
     mgr.step(s2)                       # second: memory only (persist_every=2)
     mgr.close(keep_snapshots=True, flush=False)
     probe_name = "layers.0.moe.experts.1.w1.weight"
@@ -194,7 +207,9 @@ def measure_restore_s3(tr: Trainer, shm: Path, log) -> dict[str, Any] | None:
         cfg = MoCConfig(storage="s3://restore/run", storage_options=opts, interval=1, k_snapshot=None,
                         snapshot_dir=str(shm / "restore-s3"), keep_last=1, dynamic_k=False)
         mgr = CheckpointManager(cfg, model=tr.model, optimizer=tr.opt)
+        record_routing_into(tr, mgr)
         step = tr.step()
+        tr.on_step = None
         mgr.step(step)
         t0 = time.perf_counter()
         mgr.close()                    # persists to S3, removes the shared-memory snapshot
@@ -465,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"model: {P_e/1e6:.1f} M expert + {P_ne/1e6:.2f} M other params, state {state_bytes/GB:.2f} GB, "
             f"step {step:.2f} s; load {load_before}; temp {root}, {shm}")
 
-        methods: list[Method] = [TorchSave(tr, root), DCPAsync(tr, root, cached=False), DCPAsync(tr, root, cached=True)]
+        methods: list[Method] = [TorchSave(tr, root), DCPAsync(tr, root, cached=False), DCPAsync(tr, root, cached=True),
+                                 DCPAsync(tr, root, cached=True, best=True)]
         try:
             import torchsnapshot  # noqa: F401
             methods.append(TorchSnapshot(tr, root))
