@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 # `titan` extra brings what its modules do import (einops, tyro, torchdata, spmd_types, triton...).
 TORCHTITAN_PIN ?= torchtitan==0.3.0
 
-.PHONY: test lint test-gpu demo demo-moc docs-heatmap bench bench-store bench-placement bench-node-gpus bench-dispatch bench-hf bench-moc bench-simulate bench-runtime bench-peers bench-exact bench-gpu soak soak-matrix install bytecode check-install clean
+.PHONY: test lint test-gpu demo demo-moc docs-heatmap bench bench-store bench-placement bench-node-gpus bench-dispatch bench-hf bench-moc bench-simulate bench-runtime bench-peers bench-exact bench-gpu gpu-check gpu-wheels soak soak-matrix install bytecode check-install clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -115,6 +115,19 @@ soak-matrix: $(STAMP) bytecode
 # MoE layer with the CUDA dispatch kernel).
 bench-gpu: $(GPU_DEPS)
 	$(GPU_PY) benchmarks/gpu/main.py
+
+# Every GPU check in one command on a bare GPU machine (its python3 has a CUDA torch): missing
+# packages from the wheels in .whl/, tests/gpu, a reduced bench-gpu; one summary, gpu-check.md
+# (benchmarks/gpu/check.py). `make gpu-wheels` fetches the wheels first where pip reaches PyPI.
+GPU_CHECK_PY ?= python3
+gpu-check:
+	$(GPU_CHECK_PY) benchmarks/gpu/check.py $(GPU_CHECK_ARGS)
+
+GPU_WHEEL_PY ?= 3.12
+gpu-wheels:
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_WHEEL_PY) --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .whl "zstandard>=0.21"
 
 # The README's install lines in a fresh venv with the stock pip of each Python given (not in `make test`).
 INSTALL_PYTHONS ?= $(PY)

@@ -1,0 +1,73 @@
+"""``benchmarks/gpu/check.py`` (``make gpu-check``) on this CPU-only machine: it refuses to
+pretend without a GPU, installs missing packages from carried wheels into a private site
+directory (a real wheel, a real pip), and names the fix when no wheel is there."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+import check  # noqa: E402
+
+
+def _wheel(dirpath: Path, name: str) -> Path:
+    """A minimal pure-Python wheel of a module ``name`` (what pip installs from .whl/)."""
+    dist = f"{name}-1.0.dist-info"
+    path = dirpath / f"{name}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}/__init__.py", "VALUE = 42\n")
+        z.writestr(f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        z.writestr(f"{dist}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{dist}/RECORD", "")
+    return path
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_without_a_gpu_it_says_so_and_exits_2(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "check.py"), "--out",
+                           str(tmp_path / "s.md")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "needs a CUDA GPU" in proc.stderr
+    assert not (tmp_path / "s.md").exists()
+
+
+def test_a_missing_package_is_installed_from_the_carried_wheels(tmp_path: Path, monkeypatch) -> None:
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    _wheel(wheels, "moc_gpu_check_probe")
+    monkeypatch.setattr(check, "NEEDED", {"moc_gpu_check_probe": "moc-gpu-check-probe", "torch": "torch"})
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    site = tmp_path / "site"
+    got = check.install_missing(wheels, site)
+    assert got.ok, got.detail
+    assert "moc-gpu-check-probe" in got.detail
+    assert (site / "moc_gpu_check_probe" / "__init__.py").exists()
+    env = check.child_env(site)
+    out = subprocess.run([sys.executable, "-c", "import moc_gpu_check_probe as m; print(m.VALUE)"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "42", out.stderr
+
+
+def test_no_wheel_for_a_missing_package_names_the_fix(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(check, "NEEDED", {"moc_gpu_check_absent": "moc-gpu-check-absent"})
+    got = check.install_missing(tmp_path / "nowhere", tmp_path / "site")
+    assert not got.ok
+    assert "moc-gpu-check-absent" in got.detail and "make gpu-wheels" in got.detail
+
+
+def test_the_summary_fails_when_any_check_fails(tmp_path: Path) -> None:
+    s = check.Summary(machine={"date": "d", "torch": "t"})
+    s.checks = [check.Check("dependencies", True, 1.0, "all present"), check.Check("tests/gpu", False, 9.0, "1 failed")]
+    s.tests = [{"test": "a::b", "outcome": "failed", "seconds": "1", "why": "boom"}]
+    out = tmp_path / "g.md"
+    check.write(s, out)
+    text = out.read_text()
+    assert text.startswith("# make gpu-check: FAIL") and "| tests/gpu | **FAIL** |" in text and "failed: boom" in text
+    assert '"ok": false' in out.with_suffix(".json").read_text()
