@@ -415,11 +415,16 @@ class Agent:
                     return got
             if self._exiting:
                 return None
+            if self._last_failure.startswith("the controller closed the connection"):
+                hint = ("Does it have this agent's secret (--secret-file PATH or LAZARUS_SECRET on both "
+                        "sides)?")
+            else:
+                hint = ("Is the controller running, listening on that address (its --host and --port), and "
+                        "reachable from this host?")
             log.error("agent %s: gave up reaching the controller at %s after %.0f s (--connect-timeout) and %d "
-                      "attempt%s; last error: %s. Is the controller running, listening on that address (its "
-                      "--host and --port), and reachable from this host? No worker was started; exiting %d.",
+                      "attempt%s; last error: %s. %s No worker was started; exiting %d.",
                       self.node_id, self._address, timeout, self._attempts, "" if self._attempts == 1 else "s",
-                      self._last_failure or "none", EXIT_FAILED)
+                      self._last_failure or "none", hint, EXIT_FAILED)
             self._finish(EXIT_FAILED)
             return None
         finally:

@@ -374,3 +374,48 @@ def test_reconnects_back_off_against_a_controller_that_refuses_the_secret(job: J
     wait_for(lambda: [e for e in job.events("first") if e["event"] == "node_resumed" and e["node"] == "a"], 20,
              "the agent back with its running worker")
     assert agent.poll() is None and len(job.worker_starts("a")) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_closes_every_registration_is_not_hammered(job: Job) -> None:
+    """What a controller older than the agent does on a wrong secret (and what anything
+    else on that port may do): accept, read the registration, close. Each such connection
+    counts as a failed attempt, so the pauses grow; the agent exits 1 after
+    --connect-timeout hinting at the secret, and never starts its worker."""
+    import threading
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(0.2)
+    seen: list[float] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            with conn:
+                seen.append(time.monotonic())
+                conn.settimeout(2)
+                try:
+                    conn.recv(65536)
+                except OSError:
+                    pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        agent = job.agent("a", "--connect-timeout", "5s", port=int(srv.getsockname()[1]))
+        assert agent.wait(timeout=30) == 1
+    finally:
+        stop.set()
+        t.join(timeout=5)
+        srv.close()
+    text = job.log("agent-a.log")
+    assert job.worker_starts("a") == [] and "worker incarnation" not in text
+    assert 3 <= len(seen) <= 15, f"{len(seen)} connections in 5 s"
+    gave_up = [ln for ln in text.splitlines() if "gave up reaching the controller" in ln]
+    assert len(gave_up) == 1, text
+    assert "closed the connection without answering the registration" in gave_up[0]
+    assert "Does it have this agent's secret (--secret-file PATH or LAZARUS_SECRET" in gave_up[0]
