@@ -42,8 +42,9 @@ def _positive_int(name: str):
     return parse
 
 
-def _read_secret(path: str | None, option: str = "--secret-file") -> bytes:
-    """The secret from ``path`` (surrounding whitespace stripped) or env LAZARUS_SECRET."""
+def _read_secret(path: str | None, option: str = "--secret-file") -> tuple[bytes, str]:
+    """The secret from ``path`` (surrounding whitespace stripped) or env LAZARUS_SECRET,
+    and where it came from (for the message when a peer's secret does not match)."""
     if path:
         try:
             data = Path(path).read_bytes().strip()
@@ -58,7 +59,7 @@ def _read_secret(path: str | None, option: str = "--secret-file") -> bytes:
         where = "LAZARUS_SECRET"
     if len(data) < 16:
         raise ValueError(f"{where}: the secret must be at least 16 bytes, got {len(data)}")
-    return data
+    return data, where
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -128,6 +129,9 @@ def register_controller(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-running", action="store_true", help="do not exit when the job is done")
     p.add_argument("--exit-grace", type=_duration("--exit-grace"), default="5m",
                    help="once the job is done, wait this long for the agents to leave (default 5m)")
+    p.add_argument("--protocol-error-interval", type=_duration("--protocol-error-interval"), default="10s",
+                   help="repeated protocol errors from one address (a wrong secret, garbage) are logged once per "
+                        "this interval, then as one line with a count (default 10s; 0 = every one)")
     p.add_argument("-v", "--verbose", action="store_true", help="log every event to stderr")
     p.set_defaults(handler=_run_controller)
 
@@ -141,16 +145,18 @@ _CONTROLLER_OPTIONS = {
     "rebalance_every": "--rebalance-every", "rebalance_min_gain": "--rebalance-min-gain",
     "secret": "--secret-file", "exit_grace": "--exit-grace", "state_dir": "--state-dir",
     "resume_grace": "--resume-grace", "resume_broken_grace": "--resume-broken-grace",
+    "protocol_error_interval": "--protocol-error-interval",
 }
 
 
 def _run_controller(args: argparse.Namespace) -> int:
     from .controller._controller import Controller
 
-    secret = _read_secret(args.secret_file)
+    secret, source = _read_secret(args.secret_file)
     try:
         cfg = ControllerConfig(
-            secret=secret, host=args.host, port=args.port, store_port=args.store_port,
+            secret=secret, secret_source=source, protocol_error_interval=args.protocol_error_interval,
+            host=args.host, port=args.port, store_port=args.store_port,
             slots_per_node=args.slots, min_replicas=args.min_replicas,
             heartbeat_timeout=args.heartbeat_timeout, failure_grace=args.failure_grace,
             join_window=args.join_window, handshake_timeout=args.handshake_timeout,
@@ -225,7 +231,9 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
                    help="the sliding window --max-restarts counts in (default 10m); the pause before a "
                         "restart doubles from --respawn-delay with every restart in it (at most 60s)")
     p.add_argument("--connect-timeout", type=_duration("--connect-timeout"), default="30s",
-                   help="give up reaching the controller after this (default 30s)")
+                   help="give up reaching the controller after this and exit 1 (default 30s); the worker starts "
+                        "only once the controller accepted the node, and the agent says every 5s that it is "
+                        "still trying")
     p.add_argument("--reconnect-timeout", type=_duration("--reconnect-timeout"), default="5m",
                    help="when the controller goes away, the worker keeps training while the agent "
                         "reconnects for this long; then it stops the worker and exits 4 (default 5m)")
@@ -278,13 +286,13 @@ def _run_agent(args: argparse.Namespace) -> int:
         if not sep or not key:
             raise ValueError(f"--env must be KEY=VALUE, got {item!r}")
         env[key] = value
-    secret = _read_secret(args.secret_file)
+    secret, source = _read_secret(args.secret_file)
     kwargs = {}
     if args.node_id is not None:
         kwargs["node_id"] = args.node_id
     try:
         cfg = AgentConfig(
-            secret=secret, worker_command=cmd, controller_host=host, controller_port=port,
+            secret=secret, secret_source=source, worker_command=cmd, controller_host=host, controller_port=port,
             slots=args.slots, nproc_per_node=args.nproc_per_node, heartbeat_interval=args.heartbeat_interval,
             snapshot_dir=args.snapshot_dir, job=args.job, respawn=not args.no_respawn,
             respawn_delay=args.respawn_delay, connect_timeout=args.connect_timeout,

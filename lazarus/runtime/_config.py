@@ -107,6 +107,12 @@ class ControllerConfig:
             the controller was away), the members still missing have this long from the
             moment the controller serves again (an agent alive reconnects within about 1 s,
             its backoff's cap), not the whole ``resume_grace``. At most ``resume_grace``.
+        protocol_error_interval: repeated protocol errors (a wrong secret, garbage, a
+            silent connection) of connections that have not registered are logged once per
+            peer address per interval: the first in full, then one line with the count of
+            the others (0: every one in full).
+        secret_source: where the secret came from (``--secret-file PATH`` or
+            ``LAZARUS_SECRET``), named when a peer's secret does not match.
     """
 
     secret: bytes
@@ -133,9 +139,12 @@ class ControllerConfig:
     state_dir: str | os.PathLike[str] | None = None
     resume_grace: timedelta = timedelta(seconds=10)
     resume_broken_grace: timedelta = timedelta(seconds=3)
+    protocol_error_interval: timedelta = timedelta(seconds=10)
+    secret_source: str | None = None
 
     def __post_init__(self) -> None:
         self.secret = _check_secret(self.secret)
+        _check_td("protocol_error_interval", self.protocol_error_interval, positive=False)
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"host must be a non-empty address string, got {self.host!r}")
         _check_int("port", self.port, 0, 65535)
@@ -226,6 +235,8 @@ class AgentConfig:
             the rendezvous store of every generation in which the node is the first member
             (so a group forms without the controller). Default: this machine's address on
             the route to the controller (``127.0.0.1`` for a controller on loopback).
+        secret_source: where the secret came from (``--secret-file PATH`` or
+            ``LAZARUS_SECRET``), named when the controller refuses it.
     """
 
     secret: bytes
@@ -251,6 +262,7 @@ class AgentConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     standby: bool = False
     advertise_host: str | None = None
+    secret_source: str | None = None
 
     def __post_init__(self) -> None:
         self.secret = _check_secret(self.secret)

@@ -12,6 +12,20 @@ receiver's limit *before* the body is read, so a peer cannot make us buffer more
 ``max_bytes``. The MAC is checked (constant time) before the JSON is parsed. Nothing is
 ever unpickled.
 
+One frame is the exception: the controller's answer to a first frame whose MAC does not
+match (:data:`AUTH_FAILED_FRAME`), which cannot be authenticated since the two sides do
+not share a secret. It is one fixed byte string (an all-zero MAC, body
+``{"type":"auth_failed"}``): the agent recognises it by comparing the whole frame, so
+that it can say "the secret does not match" instead of "connection closed". What a peer
+without the secret learns from it is what a closed connection tells it already (its MAC
+was wrong, this is a Lazarus controller): the bytes are the same whatever the secret and
+whatever was sent, so they carry nothing about the secret (the MAC comparison before it
+is constant-time); they are 58 bytes, on TCP, whose handshake rules out answering a
+forged source address (nothing to amplify). A forged one can only make an
+agent that is registering give up, which whoever can answer in the controller's place
+can do anyway by refusing the connection; an agent already registered once does not give
+up on it (it keeps reconnecting, see the agent).
+
 Both asyncio helpers (controller, agent) and blocking-socket helpers (the worker-side
 channel, which lives in a training process that has no event loop) are provided.
 """
@@ -27,9 +41,11 @@ import struct
 from typing import Any
 
 __all__ = [
+    "AUTH_FAILED_FRAME",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "MAC_BYTES",
     "PLAN_MAX_MESSAGE_BYTES",
+    "AuthRefusedError",
     "BadMacError",
     "ConnectionClosed",
     "FrameTooLargeError",
@@ -61,6 +77,10 @@ class BadMacError(ProtocolError):
     """The frame's HMAC does not match its body (wrong secret or tampering)."""
 
 
+class AuthRefusedError(ProtocolError):
+    """The peer answered with :data:`AUTH_FAILED_FRAME`: our MAC did not match its secret."""
+
+
 class FrameTooLargeError(ProtocolError):
     """The announced frame length exceeds the receiver's ``max_message_bytes``."""
 
@@ -79,6 +99,13 @@ class ConnectionClosed(ConnectionError):
 
 def _mac(secret: bytes, body: bytes) -> bytes:
     return hmac.new(secret, body, hashlib.sha256).digest()
+
+
+_AUTH_FAILED_BODY = b'{"type":"auth_failed"}'
+#: The controller's refusal of a first frame with a wrong MAC (see the module docstring):
+#: fixed bytes, not authenticated (an all-zero MAC), the same for every peer and secret.
+AUTH_FAILED_FRAME = _HEADER.pack(MAC_BYTES + len(_AUTH_FAILED_BODY)) + bytes(MAC_BYTES) + _AUTH_FAILED_BODY
+_AUTH_FAILED_PAYLOAD = AUTH_FAILED_FRAME[_HEADER.size:]
 
 
 def encode_frame(secret: bytes, msg: dict[str, Any]) -> bytes:
@@ -102,6 +129,8 @@ def decode_payload(secret: bytes, payload: bytes) -> dict[str, Any]:
     """Check the MAC of ``payload`` (MAC + body) and parse the body into a message."""
     mac, body = payload[:MAC_BYTES], payload[MAC_BYTES:]
     if not hmac.compare_digest(mac, _mac(secret, body)):
+        if payload == _AUTH_FAILED_PAYLOAD:
+            raise AuthRefusedError("the peer refused our HMAC: its shared secret is not ours")
         raise BadMacError("HMAC mismatch (wrong secret?)")
     try:
         msg = json.loads(body.decode("utf-8"))

@@ -9,9 +9,12 @@ restarted as one new incarnation, as torchrun restarts a node's workers; the cra
 cap counts group restarts. The agent
 
 
-* starts its workers first (their imports, seconds, overlap what follows), then connects to
-  the controller (retrying with backoff up to ``connect_timeout``), registers, and sends a
-  heartbeat every ``heartbeat_interval``;
+* connects to the controller and registers (retrying with exponential backoff and jitter
+  for up to ``connect_timeout``, saying every few seconds that it is still trying), then
+  starts its workers and sends a heartbeat every ``heartbeat_interval``. No worker starts
+  before the controller accepted the node: an agent that cannot reach it, or that the
+  controller refuses (a wrong secret: the controller answers ``auth_failed``), exits 1
+  without having run anything;
 * starts the worker command G times, each with one end of a socketpair (``LAZARUS_AGENT_FD``)
   and relays in both directions: once every worker said ``hello`` the node is
   ``worker_ready``; the workers' other messages go up wrapped as ``{"type": "worker", ...}``
@@ -26,8 +29,12 @@ cap counts group restarts. The agent
   when it exits normally.
 
 Controller loss: the worker keeps training (its process group does not need the
-controller between reconfigurations) while the agent reconnects with backoff for up to
-``reconnect_timeout``. Worker reports meanwhile are queued (the newest ``progress`` and
+controller between reconfigurations) while the agent reconnects for up to
+``reconnect_timeout``, with exponential backoff and jitter (:class:`~.._backoff.Backoff`,
+pauses of at most 1 s) that is reset only once the controller accepted the node again, so
+a controller that keeps closing or refusing the connection is not hammered. A refused
+secret is logged as such; the agent keeps trying (the controller may be restarted with
+the right one). Worker reports meanwhile are queued (the newest ``progress`` and
 ``routing``, every other message) and sent after the agent registered again with a
 ``resume`` record (worker incarnation, whether it is alive and ready, the newest plan it
 was given, whether it is done), from which a restarted controller rebuilds its view.
@@ -49,8 +56,9 @@ longer than ``leave_timeout``). A worker that reported it ``left`` (hand-over do
 still running ``stop_timeout`` later (held up at exit by stuck background work, such as a
 checkpoint write to hung storage) is stopped, and the agent exits 0. SIGINT -> stop the worker and exit 130.
 
-Exit codes: 0 normal (shutdown, leave, worker finished), 1 cannot connect / registration
-refused / worker failed without respawn, 3 leave timed out, 4 controller unreachable for
+Exit codes: 0 normal (shutdown, leave, worker finished), 1 controller not reached within
+``connect_timeout`` / registration refused (a wrong secret included) / worker failed without
+respawn, 3 leave timed out, 4 controller unreachable for
 ``reconnect_timeout``, 5 crash loop (``max_restarts`` reached), 6 a finished worker still
 running after ``exit_grace``, 130 SIGINT; after a finished worker exits: its status.
 """
@@ -65,12 +73,14 @@ import shutil
 import signal
 import time
 from collections import OrderedDict
+from datetime import timedelta
 from typing import Any
 
+from .._backoff import Backoff
 from .._config import AgentConfig
 from .._plan import Plan
-from .._wire import (PLAN_MAX_MESSAGE_BYTES, ConnectionClosed, MalformedMessageError, ProtocolError, encode_frame,
-                     read_frame, store_address)
+from .._wire import (PLAN_MAX_MESSAGE_BYTES, AuthRefusedError, ConnectionClosed, MalformedMessageError, ProtocolError,
+                     encode_frame, read_frame, store_address)
 from ._agent_worker import (RestartPolicy, WorkerGroup, WorkerProcess, describe_exit, exit_status, spawn_worker,
                             worker_env)
 
@@ -90,7 +100,31 @@ EXIT_INTERRUPTED = 130
 _LATEST_ONLY = ("progress", "routing")
 #: Most messages queued while the controller is away (the oldest are dropped beyond).
 _MAX_QUEUED = 4096
-_RECONNECT_MAX_DELAY = 1.0
+#: Pauses between connection attempts: before the first registration, and after a loss
+#: (at most a second: a restarted controller gets its members back within about one).
+_CONNECT_BACKOFF = (timedelta(milliseconds=100), timedelta(seconds=2))
+_RECONNECT_BACKOFF = (timedelta(milliseconds=100), timedelta(seconds=1))
+#: Longest wait for a TCP connection, and for the controller's answer to a registration.
+_ATTEMPT_TIMEOUT = timedelta(seconds=10)
+#: How often an agent that cannot reach the controller says it is still trying.
+_CONNECT_PROGRESS_EVERY = timedelta(seconds=5)
+_RECONNECT_PROGRESS_EVERY = timedelta(seconds=30)
+
+
+class _Unreachable(Exception):
+    """One attempt to reach the controller failed (the reason is the message)."""
+
+
+def _describe(exc: BaseException) -> str:
+    """An attempt's failure in words."""
+    if isinstance(exc, asyncio.TimeoutError):
+        return "no answer within the attempt's timeout"
+    if isinstance(exc, ConnectionClosed):
+        return ("the controller closed the connection without answering the registration (a controller older "
+                "than this agent does so on a wrong secret)")
+    if isinstance(exc, ProtocolError):
+        return f"the peer does not speak the Lazarus protocol with our secret ({exc})"
+    return str(exc) or type(exc).__name__
 
 
 class Agent:
@@ -117,6 +151,10 @@ class Agent:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._activated: asyncio.Event | None = None   # standby: set by activate()
         self._store_host = config.store_host   # where the worker's rendezvous store is reached
+        # reconnection pacing; reset each time the controller accepts the node
+        self._backoff = Backoff(*_RECONNECT_BACKOFF)
+        self._attempts = 0                     # connection attempts since the node was last accepted
+        self._last_failure = ""                # why the latest of them failed
 
     # ------------------------------------------------------------------ public
     def run(self) -> int:
@@ -184,29 +222,26 @@ class Agent:
                 return self._exit.result()
             self._queued.clear()            # worker exits while on standby are no one's business
             self._queued_latest.clear()
-        else:
-            # The worker's imports (seconds) overlap the connection and registration: it is
-            # started first and reported ready whenever it says hello.
-            os.makedirs(snapshot_dir, exist_ok=True)
-            await self._start_worker()
-            if self._exiting:   # the worker command cannot be started
-                return self._exit.result()
-        try:
-            reader, self._cw = await self._connect(cfg.connect_timeout.total_seconds())
-        except OSError as exc:
-            log.error("agent %s: cannot reach the controller at %s:%s: %s", self.node_id,
-                      cfg.controller_host, cfg.controller_port, exc)
-            await self._stop_worker(kill=True)
-            return EXIT_FAILED
+        # No worker before the controller accepted the node: one that cannot be reached, or
+        # that refuses us, must not leave a worker training on its own.
+        reached = await self._reach_controller()
+        if reached is None:   # gave up, refused, or interrupted meanwhile
+            for t in list(self._tasks):
+                t.cancel()
+            await self._stop_worker(kill=False)   # a standby node's
+            return self._exit.result()
+        reader, writer, first = reached
+        self._cw = writer
         os.makedirs(snapshot_dir, exist_ok=True)
         rc = EXIT_FAILED
         try:
-            self._register()
-            self._spawn_task(self._read_controller(reader, self._cw))
+            self._spawn_task(self._read_controller(reader, writer))
+            await self._on_controller(first)   # "registered" (or "error": refused)
             self._spawn_task(self._heartbeats())
             grp = self._worker
             if grp is None:
-                await self._start_worker()
+                if not self._exiting:
+                    await self._start_worker()
             elif grp.healthy and grp.ready:   # said hello before the registration (or warmed up on standby)
                 grp.ready_sent = True
                 self._to_controller({"type": "worker_ready", "node": self.node_id, "incarnation": grp.incarnation,
@@ -274,22 +309,131 @@ class Agent:
             if wk.alive and not wk.writer.transport.is_closing():
                 wk.writer.write(frame)
 
-    async def _connect(self, timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    # ------------------------------------------------------------------ reaching the controller
+    @property
+    def _address(self) -> str:
+        return f"{self.config.controller_host}:{self.config.controller_port}"
+
+    def _secret_refused(self) -> str:
+        """What to do about a secret the controller refused."""
+        src = self.config.secret_source
+        return (f"the controller at {self._address} refused this agent's secret (HMAC mismatch): it is not the "
+                f"controller's. Give the controller and every agent the same secret (at least 16 bytes, "
+                f"surrounding whitespace ignored): --secret-file PATH, or the environment variable LAZARUS_SECRET "
+                f"when --secret-file is not given" + (f"; this agent's came from {src}" if src else ""))
+
+    async def _unless_exiting(self, coro: Any) -> Any:
+        """Await ``coro``, or cancel it when the agent is told to exit meanwhile (then None)."""
+        task = asyncio.ensure_future(coro)
+        assert self._exit is not None
+        await asyncio.wait([task, self._exit], return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            return None
+        return task.result()
+
+    async def _handshake(self, resume: bool, deadline: float
+                         ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, dict[str, Any]]:
+        """One attempt: connect, register, read the controller's answer ("registered" or
+        "error"). Raises what went wrong (:class:`AuthRefusedError`: a wrong secret)."""
         cfg = self.config
-        deadline = time.monotonic() + timeout
-        delay = 0.05
+        limit = _ATTEMPT_TIMEOUT.total_seconds()
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(cfg.controller_host, cfg.controller_port),
+            min(limit, max(0.1, deadline - time.monotonic())))
+        try:
+            writer.write(encode_frame(cfg.secret, self._register_msg(resume)))
+            first = await asyncio.wait_for(
+                read_frame(reader, cfg.secret, max(cfg.max_message_bytes, PLAN_MAX_MESSAGE_BYTES)),
+                min(limit, max(0.5, deadline - time.monotonic())))
+            if first["type"] not in ("registered", "error"):
+                raise MalformedMessageError(f"the controller answered the registration with {first['type']!r}")
+        except BaseException:
+            writer.close()
+            raise
+        return reader, writer, first
+
+    async def _attempt(self, resume: bool, deadline: float
+                       ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, dict[str, Any]]:
+        """:meth:`_handshake`, counted; a failure other than a refused secret is raised as
+        :class:`_Unreachable` and kept for the progress lines."""
+        self._attempts += 1
+        try:
+            return await self._handshake(resume, deadline)
+        except AuthRefusedError:
+            self._last_failure = "the controller refused our secret (HMAC mismatch)"
+            raise
+        except (OSError, asyncio.TimeoutError, ProtocolError) as exc:
+            self._last_failure = _describe(exc)
+            raise _Unreachable(self._last_failure) from None
+
+    async def _say_still_trying(self, deadline: float, what: str, option: str, every: timedelta) -> None:
+        """Every ``every``, while reaching the controller: where, how often, for how long."""
         while True:
-            try:
-                return await asyncio.open_connection(cfg.controller_host, cfg.controller_port)
-            except OSError as exc:
-                if time.monotonic() + delay > deadline:
-                    raise
-                log.info("agent %s: controller not reachable yet (%s); retrying in %.2fs",
-                         self.node_id, exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+            await asyncio.sleep(every.total_seconds())
+            left = max(0.0, deadline - time.monotonic())
+            log.warning("agent %s: %s the controller at %s: %d attempt%s so far, last error: %s; %.0f s left of "
+                        "%s", self.node_id, what, self._address, self._attempts, "" if self._attempts == 1 else "s",
+                        self._last_failure or "none yet", left, option)
+
+    async def _reach_controller(
+            self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, dict[str, Any]] | None:
+        """Connect and register, retrying with backoff for up to ``connect_timeout``.
+        None when the agent exits instead (gave up, the secret refused, a signal): its exit
+        code is set."""
+        cfg = self.config
+        timeout = cfg.connect_timeout.total_seconds()
+        deadline = time.monotonic() + timeout
+        backoff = Backoff(*_CONNECT_BACKOFF)
+        self._attempts, self._last_failure = 0, ""
+        ticker = self._spawn_task(self._say_still_trying(deadline, "still trying to reach", "--connect-timeout",
+                                                         _CONNECT_PROGRESS_EVERY))
+        try:
+            while not self._exiting:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                await self._unless_exiting(asyncio.sleep(min(backoff.next_delay().total_seconds(), left)))
+                if self._exiting:
+                    return None
+                try:
+                    got = await self._unless_exiting(self._attempt(False, deadline))
+                except AuthRefusedError:
+                    log.error("agent %s: %s. No worker was started; exiting %d.", self.node_id,
+                              self._secret_refused(), EXIT_FAILED)
+                    self._finish(EXIT_FAILED)
+                    return None
+                except _Unreachable as exc:
+                    if self._attempts == 1:
+                        log.warning("agent %s: cannot reach the controller at %s yet (%s); retrying for up to %.0f s "
+                                    "(--connect-timeout); the worker starts once the controller accepts this node",
+                                    self.node_id, self._address, exc, timeout)
+                    continue
+                if got is not None:
+                    return got
+            if self._exiting:
+                return None
+            if self._last_failure.startswith("the controller closed the connection"):
+                hint = ("Does it have this agent's secret (--secret-file PATH or LAZARUS_SECRET on both "
+                        "sides)?")
+            else:
+                hint = ("Is the controller running, listening on that address (its --host and --port), and "
+                        "reachable from this host?")
+            log.error("agent %s: gave up reaching the controller at %s after %.0f s (--connect-timeout) and %d "
+                      "attempt%s; last error: %s. %s No worker was started; exiting %d.",
+                      self.node_id, self._address, timeout, self._attempts, "" if self._attempts == 1 else "s",
+                      self._last_failure or "none", hint, EXIT_FAILED)
+            self._finish(EXIT_FAILED)
+            return None
+        finally:
+            ticker.cancel()
 
     def _register(self, resume: bool = False) -> None:
+        self._to_controller(self._register_msg(resume))
+
+    def _register_msg(self, resume: bool = False) -> dict[str, Any]:
         wk = self._worker
         msg: dict[str, Any] = {"type": "register", "node": self.node_id, "slots": self.config.slots,
                                # a worker already running (started before the registration) is
@@ -312,7 +456,7 @@ class Agent:
                 "leaving": self._leaving,
                 **(wk.store_field() if wk is not None else {}),
             }
-        self._to_controller(msg)
+        return msg
 
     async def _heartbeats(self) -> None:
         period = self.config.heartbeat_interval.total_seconds()
@@ -366,47 +510,63 @@ class Agent:
             self._spawn_task(self._reconnect())
 
     async def _reconnect(self) -> None:
+        """Register again (with the worker's state) until ``reconnect_timeout`` has passed
+        since the loss. The pauses back off from attempt to attempt, across connections
+        that open but are refused or closed, until the controller accepts the node."""
+        assert self._lost_since is not None
+        deadline = self._lost_since + self.config.reconnect_timeout.total_seconds()
+        ticker = self._spawn_task(self._say_still_trying(
+            deadline, "the worker keeps running; still reconnecting to", "--reconnect-timeout",
+            _RECONNECT_PROGRESS_EVERY))
+        refused = False
         try:
-            assert self._lost_since is not None
-            deadline = self._lost_since + self.config.reconnect_timeout.total_seconds()
-            delay = 0.1
-            while not self._exiting:
+            while True:
+                if self._exiting:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._controller_gone(self._last_failure or "no attempt answered")
+                    return
+                await asyncio.sleep(min(self._backoff.next_delay().total_seconds(), left))
+                if self._exiting:
+                    return
                 try:
-                    reader, writer = await asyncio.open_connection(self.config.controller_host,
-                                                                   self.config.controller_port)
+                    reader, writer, first = await self._attempt(True, deadline)
                     break
-                except OSError as exc:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        self._controller_gone(exc)
-                        return
-                    await asyncio.sleep(min(delay, left))
-                    delay = min(delay * 2, _RECONNECT_MAX_DELAY)
-            else:
-                return
+                except AuthRefusedError:
+                    # A controller restarted with another secret: say so once; keep trying in
+                    # case it is restarted again with the right one (the worker keeps training).
+                    if not refused:
+                        refused = True
+                        log.error("agent %s: %s. The worker keeps running; still reconnecting until "
+                                  "--reconnect-timeout.", self.node_id, self._secret_refused())
+                except _Unreachable:
+                    pass
         finally:
+            ticker.cancel()
             self._reconnecting = False
         self._cw = writer
-        self._register(resume=True)
         self._spawn_task(self._read_controller(reader, writer))
-        log.info("agent %s: reconnected to the controller; registered again with the worker's state",
-                 self.node_id)
-        # A controller that refuses us (or dies again) breaks this connection: the reader
-        # then calls _on_controller_lost, which reconnects within the same deadline.
+        await self._on_controller(first)   # "registered": the queued reports follow
+        if not self._exiting:
+            log.info("agent %s: reconnected to the controller; registered again with the worker's state",
+                     self.node_id)
+        # A controller that dies again breaks this connection: the reader then calls
+        # _on_controller_lost, which reconnects within a new deadline.
 
-    def _controller_gone(self, exc: BaseException) -> None:
+    def _controller_gone(self, reason: str) -> None:
         secs = self.config.reconnect_timeout.total_seconds()
         wk = self._worker
         if wk is not None and wk.done:
             log.error("agent %s: controller unreachable for %.0f s (%s); the worker finished", self.node_id,
-                      secs, exc)
+                      secs, reason)
             if wk.alive:
                 self._await_finished_worker(wk)
             else:
                 self._finish(exit_status(wk.returncode or 0))
             return
-        log.error("agent %s: controller unreachable for %.0f s (--reconnect-timeout; %s); stopping the worker",
-                  self.node_id, secs, exc)
+        log.error("agent %s: controller unreachable for %.0f s (--reconnect-timeout; last error: %s); stopping the "
+                  "worker", self.node_id, secs, reason)
         self._finish(EXIT_CONTROLLER_LOST)
 
     def _flush_queued(self) -> None:
@@ -422,6 +582,8 @@ class Agent:
         if kind == "plan":
             self._on_plan(msg)
         elif kind == "registered":
+            self._backoff.reset()
+            self._attempts, self._last_failure = 0, ""
             if self._lost_since is not None:
                 log.info("agent %s: controller back after %.1f s", self.node_id,
                          time.monotonic() - self._lost_since)

@@ -11,7 +11,13 @@ for them); joins, graceful leaves and rebalances are applied between steps. At m
 between-steps plan is in flight; the next kind waits until it was applied (a
 ``reconfigured`` report for its generation) or superseded by a failure plan.
 
-Every decision is written to the events file (JSON lines) and logged. The state that
+Every decision is written to the events file (JSON lines) and logged. Errors of
+connections that have not registered (anyone who reaches the port can open one) are
+rate-limited per peer address (``protocol_error_interval``): the first in full, then one
+``protocol_errors_repeated`` line per interval with a count. A first frame whose MAC does
+not match is answered with the fixed, unauthenticated ``auth_failed`` frame
+(:data:`~.._wire.AUTH_FAILED_FRAME`) before the connection is closed, so that the agent
+can say its secret is wrong. The state that
 plans depend on is kept in ``state_dir`` (atomically replaced); a controller started
 again with the same settings resumes the job (:mod:`._resume`). When every member's
 worker reported done, the agents are told and the controller waits (``exit_grace``)
@@ -27,17 +33,21 @@ the outside through one :class:`~._port.Port` the controller gives them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from .._backoff import RepeatLimiter
 from .._config import ControllerConfig
-from .._wire import ConnectionClosed, MalformedMessageError, ProtocolError, encode_frame, read_frame
+from .._wire import (AUTH_FAILED_FRAME, BadMacError, ConnectionClosed, MalformedMessageError,
+                     ProtocolError, encode_frame, read_frame)
 from ._membership import Membership
 from ._port import Port, msg_field
 from ._resume import Resume, ResumeRecord, StateSaver
@@ -47,21 +57,28 @@ __all__ = ["Controller"]
 log = logging.getLogger("lazarus.controller")
 
 _WRITE_BUFFER_LIMIT = 16 << 20
+#: After the auth_failed refusal: how long to wait for the peer to read it and close, and
+#: how much of what it still sends to read meanwhile (closing a socket with unread data
+#: resets the connection, which can destroy the refusal before the peer read it).
+_REFUSAL_LINGER_S = 1.0
+_REFUSAL_DISCARD_BYTES = 1 << 16
 
 
 @dataclass(eq=False)
 class _Conn:
     writer: asyncio.StreamWriter
     peer: str
+    host: str                   # the peer's address without the port (what errors are counted by)
     node_id: str | None = None
     closed: bool = False
 
 
-def _peer(writer: asyncio.StreamWriter) -> str:
+def _peer(writer: asyncio.StreamWriter) -> tuple[str, str]:
+    """``("host:port", "host")`` of the connection's peer."""
     p = writer.get_extra_info("peername")
     if isinstance(p, tuple) and len(p) >= 2:
-        return f"{p[0]}:{p[1]}"
-    return str(p)
+        return f"{p[0]}:{p[1]}", str(p[0])
+    return str(p), str(p)
 
 
 class Controller:
@@ -92,6 +109,10 @@ class Controller:
         self._stopping = False
         self._end_task: asyncio.Task[None] | None = None
         self.epoch = 1
+        # errors of unregistered connections, per peer address (see the module docstring)
+        self._repeats = RepeatLimiter(config.protocol_error_interval)
+        self._repeat_kinds: dict[str, Counter[str]] = {}
+        self._repeat_timer: asyncio.TimerHandle | None = None
         port = Port(send=self._send, event=self._event, save_state=self._save_state, call_later=self._call_later,
                     call_soon=self._call_soon, time=self._time, connected=self._connected,
                     own_store=self._own_store, end_job=self._end_job,
@@ -173,6 +194,9 @@ class Controller:
                 pass
             self._membership.cancel_timers()
             self._resume.cancel()
+            if self._repeat_timer is not None:
+                self._repeat_timer.cancel()
+            self._flush_repeats(everything=True)
             if self._saver.pending:
                 self._save_state(now=True)
             self._event("controller_stopped", generation=self.generation)
@@ -318,10 +342,15 @@ class Controller:
         self._stop.set()
 
     # ------------------------------------------------------------------ events
-    def _event(self, name: str, level: int = logging.INFO, **fields: Any) -> None:
+    def _event(self, name: str, level: int = logging.INFO, message: str | None = None, **fields: Any) -> None:
+        """Record an event: a JSON line in the events file, and a log line (``message``
+        when given, else the name and the fields)."""
         rec = {"t": time.time(), "event": name, **fields}
         line = json.dumps(rec, separators=(",", ":"), default=str)
-        log.log(level, "%s %s", name, json.dumps(fields, default=str))
+        if message is None:
+            log.log(level, "%s %s", name, json.dumps(fields, default=str))
+        else:
+            log.log(level, "%s: %s", name, message)
         path = self.config.events_path
         if path is not None:
             with self._events_lock, open(path, "a", encoding="utf-8") as fh:
@@ -360,9 +389,62 @@ class Controller:
                 pass
         self._conns.discard(conn)
 
+    # ------------------------------------------------------------------ errors of peers
+    def _peer_error(self, conn: _Conn, name: str, message: str | None = None, **fields: Any) -> None:
+        """A connection's error. Those of connections that have not registered are
+        counted per peer address: one in full per ``protocol_error_interval``, then a
+        count (:meth:`_flush_repeats`); a registered node's are always recorded."""
+        if conn.node_id is None and not self._repeats.hit(conn.host):
+            self._repeat_kinds.setdefault(conn.host, Counter())[str(fields.get("error") or name)] += 1
+            return
+        self._event(name, level=logging.WARNING, message=message, peer=conn.peer, node=conn.node_id, **fields)
+        if conn.node_id is None and self._repeat_timer is None and self._repeats.interval > 0 \
+                and self._loop is not None:
+            self._repeat_timer = self._loop.call_later(self._repeats.interval, self._flush_repeats)
+
+    def _flush_repeats(self, everything: bool = False) -> None:
+        """One line per peer address whose interval ended, with the count of the errors
+        not logged; again every interval while some address is being counted."""
+        self._repeat_timer = None
+        for host, (count, secs) in self._repeats.flush(everything).items():
+            kinds = dict(self._repeat_kinds.pop(host, Counter()).most_common())
+            what = ", ".join(f"{k} x{n}" for k, n in kinds.items())
+            self._event("protocol_errors_repeated", level=logging.WARNING, host=host, count=count,
+                        seconds=round(secs, 1), kinds=kinds,
+                        message=f"... {count} more from {host} in the last {secs:.0f} s ({what}); one line per "
+                                f"address every {self._repeats.interval:g} s (--protocol-error-interval)")
+        if len(self._repeats) and not everything and self._loop is not None and not self._loop.is_closed():
+            self._repeat_timer = self._loop.call_later(self._repeats.interval, self._flush_repeats)
+
+    def _wrong_secret(self, conn: _Conn, exc: BadMacError) -> None:
+        src = self.config.secret_source
+        self._peer_error(
+            conn, "protocol_error", error=type(exc).__name__, reason=str(exc), refused="auth_failed",
+            message=f"the first frame from {conn.peer} has a wrong HMAC: the peer's shared secret is not this "
+                    f"controller's{f' (from {src})' if src else ''}. Answered auth_failed and closed; an agent "
+                    f"exits saying so. Give the controller and every agent the same secret: --secret-file PATH "
+                    f"or the environment variable LAZARUS_SECRET")
+
+    async def _refuse(self, conn: _Conn, reader: asyncio.StreamReader) -> None:
+        """Send the fixed auth_failed frame, end our side, and give the peer a moment to
+        read it and close (what it still sends is read and dropped, within bounds)."""
+        with contextlib.suppress(Exception):
+            conn.writer.write(AUTH_FAILED_FRAME)
+            conn.writer.write_eof()
+
+            async def drain_peer() -> None:
+                left = _REFUSAL_DISCARD_BYTES
+                while left > 0:
+                    chunk = await reader.read(min(left, 4096))
+                    if not chunk:
+                        return
+                    left -= len(chunk)
+
+            await asyncio.wait_for(asyncio.gather(conn.writer.drain(), drain_peer()), _REFUSAL_LINGER_S)
+
     async def _handle_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         cfg = self.config
-        conn = _Conn(writer, _peer(writer))
+        conn = _Conn(writer, *_peer(writer))
         self._conns.add(conn)
         secret, limit = cfg.secret, cfg.max_message_bytes
         try:
@@ -370,8 +452,11 @@ class Controller:
                 msg = await asyncio.wait_for(read_frame(reader, secret, limit),
                                              cfg.handshake_timeout.total_seconds())
             except asyncio.TimeoutError:
-                self._event("handshake_timeout", level=logging.WARNING, peer=conn.peer,
-                            timeout_s=cfg.handshake_timeout.total_seconds())
+                self._peer_error(conn, "handshake_timeout", timeout_s=cfg.handshake_timeout.total_seconds())
+                return
+            except BadMacError as exc:
+                self._wrong_secret(conn, exc)
+                await self._refuse(conn, reader)
                 return
             if msg["type"] != "register":
                 raise MalformedMessageError(f"first message must be 'register', got {msg['type']!r}")
@@ -381,15 +466,12 @@ class Controller:
                 msg = await read_frame(reader, secret, limit)
                 self._dispatch(conn, msg)
         except ProtocolError as exc:
-            self._event("protocol_error", level=logging.WARNING, peer=conn.peer, node=conn.node_id,
-                        error=type(exc).__name__, reason=str(exc))
+            self._peer_error(conn, "protocol_error", error=type(exc).__name__, reason=str(exc))
         except ConnectionClosed as exc:
             if exc.mid_frame:
-                self._event("disconnect_mid_frame", level=logging.WARNING, peer=conn.peer,
-                            node=conn.node_id, reason=str(exc))
+                self._peer_error(conn, "disconnect_mid_frame", reason=str(exc))
         except (ConnectionError, OSError) as exc:
-            self._event("connection_error", level=logging.WARNING, peer=conn.peer, node=conn.node_id,
-                        reason=str(exc))
+            self._peer_error(conn, "connection_error", reason=str(exc))
         except Exception as exc:  # noqa: BLE001 - a bug must not take the controller down
             log.exception("internal error while serving %s", conn.peer)
             self._event("internal_error", level=logging.ERROR, peer=conn.peer, node=conn.node_id,

@@ -14,7 +14,8 @@ as well, only the worker of that ``LOCAL_RANK`` does (one rank of a node with
 ``$FAKE_CONTROL_DIR/<node>`` makes it report a collective error once. After ``stop`` it
 lingers ``FAKE_LINGER_S`` seconds (user code after ``trainer.run()``: an export, an
 evaluation), writes ``$FAKE_CONTROL_DIR/<node>.finished`` and exits ``FAKE_EXIT_CODE``
-(default 0).
+(default 0). With ``FAKE_STARTED_FILE`` set it first appends its start time (``time.time()``)
+to that file, one line per start (when the agent started it).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ from lazarus.runtime import AgentChannel  # noqa: E402
 
 
 def main() -> int:
+    started = os.environ.get("FAKE_STARTED_FILE")
+    if started:
+        with open(started, "a", encoding="utf-8") as fh:
+            fh.write(f"{time.time()}\n")
     ch = AgentChannel.from_env()
     if ch is None:
         print("runtime_fake_worker: LAZARUS_AGENT_FD is not set", file=sys.stderr)

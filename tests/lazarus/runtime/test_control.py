@@ -61,7 +61,9 @@ def controller(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Contr
     events = tmp_path_factory.mktemp("ctl") / "events.jsonl"
     cfg = ControllerConfig(secret=SECRET, port=0, store_port=0, heartbeat_timeout=timedelta(seconds=30),
                            handshake_timeout=timedelta(milliseconds=500), max_message_bytes=MAX_BYTES,
-                           events_path=events)
+                           # every bad client below comes from 127.0.0.1 and must be recorded in full
+                           # (the per-address rate limit is test_bad_peer's)
+                           events_path=events, protocol_error_interval=timedelta(0))
     ctl = Controller(cfg)
     ctl.start_in_thread()
     yield ctl, events
