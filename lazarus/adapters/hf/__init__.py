@@ -33,11 +33,13 @@ from torch import nn
 from lazarus.moe import layer_placements
 from lazarus.planning import Placement
 
-from ._block import ElasticHFBlock, is_hf_moe_block, num_experts_of, router_of, top_k_of
+from ._block import ElasticHFBlock, block_top_k, is_hf_moe_block, num_experts_of
 from ._diagnose import why_not_elastic
 from ._experts import HFExperts
+from ._modules import ModuleExperts
 
-__all__ = ["ElasticHFBlock", "HFExperts", "elastic_layout", "make_elastic", "moe_blocks"]
+__all__ = ["ElasticHFBlock", "HFExperts", "ModuleExperts", "elastic_layout", "make_elastic", "moe_blocks",
+           "original_state_dict"]
 
 
 def moe_blocks(model: nn.Module) -> dict[str, nn.Module]:
@@ -59,10 +61,29 @@ def elastic_layout(model: nn.Module) -> dict[str, Any]:
             layers[name], top_k = m.num_experts, m.top_k
         elif is_hf_moe_block(m):
             layers[name] = num_experts_of(m)
-            top_k = top_k_of(router_of(m)[1])  # type: ignore[index]
+            top_k = block_top_k(m)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no transformers MoE block")
     return {"layers": layers, "top_k": top_k}
+
+
+def original_state_dict(model: nn.Module, state: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``model.state_dict()`` in the names and shapes of the original transformers class.
+
+    Blocks whose experts Lazarus holds in another layout (DBRX's flattened ``experts.mlp.w1
+    / v1 / w2``, JetMoE's ``input_linear / output_linear``: held as fused
+    ``experts.gate_up_proj / down_proj``) are converted back; every other entry is the
+    model's own. Needs every expert of those blocks on this rank (one process, or a
+    checkpoint exported by moc, whose ``[E, ...]`` tensors are whole). ``state``: entries
+    in the model's names to convert instead (its gradients, say), default its state dict."""
+    sd = dict(model.state_dict() if state is None else state)
+    for name, m in model.named_modules():
+        if isinstance(m, ElasticHFBlock) and m.layout is not None and m.layout.to_original is not None:
+            if len(m.local_experts) != m.num_experts:
+                raise ValueError(f"{name} holds experts {m.local_experts} of {m.num_experts}: the original layout "
+                                 "needs all of them (convert a moc export instead)")
+            sd = m.layout.to_original(name + "." if name else "", sd)
+    return sd
 
 
 def make_elastic(model: nn.Module, placements: Mapping[str, Placement] | Placement | None = None,
