@@ -79,8 +79,8 @@ def original_state_dict(model: nn.Module, state: Mapping[str, Any] | None = None
     sd = dict(model.state_dict() if state is None else state)
     for name, m in model.named_modules():
         if isinstance(m, ElasticHFBlock) and m.layout is not None and m.layout.to_original is not None:
-            if len(m.local_experts) != m.num_experts:
-                raise ValueError(f"{name} holds experts {m.local_experts} of {m.num_experts}: the original layout "
+            if len(m.experts.expert_ids) != m.num_experts:
+                raise ValueError(f"{name} holds experts {m.experts.expert_ids} of {m.num_experts}: the original layout "
                                  "needs all of them (convert a moc export instead)")
             sd = m.layout.to_original(name + "." if name else "", sd)
     return sd

@@ -208,6 +208,8 @@ class ElasticHFBlock(ElasticMoE):
         w = w.reshape(h.shape[0], -1)
         t, j, e = ((onehot != 0) & (w != 0)[..., None]).nonzero(as_tuple=True)
         y = self.dispatch(h[t], e[:, None], w[t, j][:, None])
+        if self.training and isinstance(self.experts, ModuleExperts):
+            self.experts.count_routed(self.routing_counts)
         if self.layout.post_slot is not None:
             y = self.layout.post_slot(self.experts, y)
         return torch.zeros_like(h).index_add(0, t, y.to(h.dtype))

@@ -53,6 +53,11 @@ class ModuleExperts(LocalExperts):
             if not key.startswith("_") and key not in ("training", "num_experts") and key not in self.__dict__:
                 self.__dict__[key] = value
         self._owner: Callable[[], Any] = _unbound
+        # Tokens each expert was routed (all ranks) since the last gradient sync: an expert
+        # none were routed to keeps no gradient (None, not zeros), as in the original, whose
+        # unused expert modules an optimizer with momentum then leaves alone.
+        self._routed: torch.Tensor | None = None
+        self._synced = False
         self.train(original.training)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -68,6 +73,14 @@ class ModuleExperts(LocalExperts):
         if owner is None:
             raise RuntimeError("ModuleExperts is not bound to a Lazarus layer (use lazarus.adapters.hf.make_elastic)")
         return owner.dispatch_mask(hidden_states, mask, weights)
+
+    def count_routed(self, counts: torch.Tensor | None) -> None:
+        """Add one training forward's global routing counts (the owner calls it)."""
+        if counts is None:
+            return
+        if self._routed is None or self._synced:
+            self._routed, self._synced = torch.zeros_like(counts), False
+        self._routed = self._routed + counts
 
     def expert(self, e: int) -> nn.Module:
         return self.get_submodule(f"expert_{e}")
@@ -94,8 +107,10 @@ class ModuleExperts(LocalExperts):
         return [p.grad for p in self.expert(e).parameters()]
 
     def set_expert_grads(self, e: int, grads: Sequence[torch.Tensor]) -> None:
+        self._synced = True
+        unused = self._routed is not None and int(self._routed[e]) == 0
         for p, g in zip(self.expert(e).parameters(), grads):
-            p.grad = g.clone()
+            p.grad = None if unused else g.clone()
 
     def _shapes_without_experts(self) -> list[torch.Size]:
         return [shape for _, shape in self._layout]
