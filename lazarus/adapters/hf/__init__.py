@@ -1,8 +1,9 @@
 """Hugging Face transformers 5.x MoE models under Lazarus.
 
 :func:`make_elastic` swaps every sparse-MoE block of a transformers model (Mixtral,
-Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, and other blocks built the same way) for an
-:class:`ElasticHFBlock`: the model's router, shared experts and expert math stay the
+Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, and other blocks built the same way; Llama 4,
+DBRX, JetMoE, Switch Transformers and NLLB-MoE through per-architecture entries in
+``_layouts.LAYOUTS``) for an :class:`ElasticHFBlock`: the model's router, shared experts and expert math stay the
 model's own code; Lazarus places the experts (replicas), dispatches tokens with
 Algorithm 1 over an uneven all-to-all and synchronises replica gradients::
 
@@ -14,7 +15,8 @@ Algorithm 1 over an uneven all-to-all and synchronises replica gradients::
 
 With ``placements=None`` (one process) every expert lives on the single rank: the
 adapted model computes what the original computes and its ``state_dict()`` is the
-original's (same names, ``[E, ...]`` shapes), so it loads into the original class. Under
+original's (same names, ``[E, ...]`` shapes), so it loads into the original class (DBRX and
+JetMoE hold their experts fused: :func:`original_state_dict` gives the original's). Under
 expert parallelism each rank's ``experts.gate_up_proj`` holds its experts' rows and
 declares their global ids (``local_expert_indices``), which moc checkpoints as rows of the
 ``[E, ...]`` tensors: ``moc export --format safetensors`` of such a job gives weights
