@@ -40,11 +40,10 @@ NOT_BUILT = {
     "mimo_v2_flash": r"must match the size",
 }
 # make_elastic refusals: (what the ValueError says, the reason in docs/layouts.md's table).
-# DBRX, JetMoE, Llama 4, Switch Transformers and NLLB-MoE have layouts of their own
+# DBRX, JetMoE, Llama 4, LongCat-Flash, Switch Transformers and NLLB-MoE have layouts of their own
 # (lazarus/adapters/hf/_layouts.py): make_elastic refused them before.
 ELASTIC_REFUSED = {
     "doge": (r"product-key retrieval experts", "product-key experts computed inline: no experts module to dispatch to"),
-    "longcat_flash": (r"zero-compute experts", "zero-compute identity experts (router ids >= E)"),
     "muse_spark_text": (r"post-expert norm", "a post-expert norm inside the experts"),
     "openai_privacy_filter": (r"OpenAIPrivacyFilter", "the block's `num_experts` is not its experts' count"),
 }
@@ -209,8 +208,9 @@ def test_make_elastic_equals_the_original(arch):
     l_ad.backward()
     sync_moe_gradients(ad)
     # gradients in the original's names (DBRX and JetMoE hold their experts fused)
-    g_ad = original_state_dict(ad, {n: p.grad if p.grad is not None else torch.zeros_like(p)
-                                    for n, p in ad.named_parameters()})
+    grads = {n: torch.zeros_like(b) for n, b in ad.named_buffers()}   # LongCat's identity rows: no gradient
+    grads.update({n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in ad.named_parameters()})
+    g_ad = original_state_dict(ad, grads)
     for n, p in ref.named_parameters():
         if p.grad is None:
             assert g_ad.get(n) is None or not g_ad[n].any(), n

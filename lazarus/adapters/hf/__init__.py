@@ -2,7 +2,7 @@
 
 :func:`make_elastic` swaps every sparse-MoE block of a transformers model (Mixtral,
 Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, and other blocks built the same way; Llama 4,
-DBRX, JetMoE, Switch Transformers and NLLB-MoE through per-architecture entries in
+DBRX, JetMoE, LongCat-Flash, Switch Transformers and NLLB-MoE through per-architecture entries in
 ``_layouts.LAYOUTS``) for an :class:`ElasticHFBlock`: the model's router, shared experts and expert math stay the
 model's own code; Lazarus places the experts (replicas), dispatches tokens with
 Algorithm 1 over an uneven all-to-all and synchronises replica gradients::
@@ -15,8 +15,9 @@ Algorithm 1 over an uneven all-to-all and synchronises replica gradients::
 
 With ``placements=None`` (one process) every expert lives on the single rank: the
 adapted model computes what the original computes and its ``state_dict()`` is the
-original's (same names, ``[E, ...]`` shapes), so it loads into the original class (DBRX and
-JetMoE hold their experts fused: :func:`original_state_dict` gives the original's). Under
+original's (same names, ``[E, ...]`` shapes), so it loads into the original class (DBRX,
+JetMoE and LongCat-Flash hold their experts otherwise: :func:`original_state_dict` gives
+the original's). Under
 expert parallelism each rank's ``experts.gate_up_proj`` holds its experts' rows and
 declares their global ids (``local_expert_indices``), which moc checkpoints as rows of the
 ``[E, ...]`` tensors: ``moc export --format safetensors`` of such a job gives weights

@@ -197,6 +197,16 @@ class ElasticHFBlock(ElasticMoE):
         y = self.dispatch(routed_in[rows], ids.reshape(-1, 1), torch.ones_like(rows, dtype=routed_in.dtype)[:, None])
         return routed_in.new_zeros((num * n_tok, d)).index_copy(0, rows, y)
 
+    def dispatch_identity(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """LongCat-Flash's experts: slots with ids ``>= E`` are zero-compute identity experts
+        (``h * weight``, added here); the others are dispatched to the E real experts."""
+        real = ids < self.num_experts
+        t, j = real.nonzero(as_tuple=True)
+        y = self.dispatch(h[t], ids[t, j][:, None], weights[t, j][:, None])
+        out = torch.zeros_like(h).index_add(0, t, y.to(h.dtype))
+        ti, ji = (~real).nonzero(as_tuple=True)
+        return out.index_add(0, ti, (h[ti] * weights[ti, ji][:, None]).to(h.dtype))
+
     def dispatch_mask(self, h: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Per-expert modules called with a routing mask (Switch Transformers, NLLB-MoE):
         every slot ``(t, j)`` the mask sends to expert ``e`` with a non-zero weight is one

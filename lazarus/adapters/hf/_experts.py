@@ -73,8 +73,8 @@ class HFExperts(GroupedExperts):
                              "(num_experts, gate_up_proj or up_proj, down_proj with num_experts rows)")
         if getattr(original, "has_post_expert_norm", False):
             raise ValueError(f"{type(original).__name__}: experts with a post-expert norm are not supported")
-        if call not in ("ids", "dense"):
-            raise ValueError(f"call must be 'ids' or 'dense', got {call!r}")
+        if call not in ("ids", "ids_identity", "dense"):
+            raise ValueError(f"call must be 'ids', 'ids_identity' or 'dense', got {call!r}")
         ids = sorted(set(int(e) for e in ids))
         index = torch.tensor(ids, dtype=torch.long)
         fields: Any = original   # the model's own module: transformers declares no attribute types
@@ -84,6 +84,8 @@ class HFExperts(GroupedExperts):
         super().__init__(int(fields.num_experts) if spec is None else spec.num_experts, ids, tensors)
         self.original_class = type(original)
         self.call = call
+        for name, b in (spec.buffers if spec is not None else {}).items():
+            self.register_buffer(name, b.detach().clone())
         for key, value in (vars(source) if source is not None else {}).items():
             if key.startswith("_") or key in ("training", "num_experts") or key in self.__dict__:
                 continue
@@ -127,7 +129,9 @@ class HFExperts(GroupedExperts):
         if top_k_index is None or top_k_weights is None:
             raise TypeError("HFExperts(hidden_states, top_k_index, top_k_weights): the ids and weights are missing")
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])   # DBRX passes [batch, seq, d]
-        out = owner.dispatch(flat, top_k_index.reshape(flat.shape[0], -1), top_k_weights.reshape(flat.shape[0], -1))
+        ids, weights = top_k_index.reshape(flat.shape[0], -1), top_k_weights.reshape(flat.shape[0], -1)
+        out = owner.dispatch_identity(flat, ids, weights) if self.call == "ids_identity" else \
+            owner.dispatch(flat, ids, weights)
         return out.view(hidden_states.shape)
 
     # -- the expert math, over this rank's rows -------------------------------------------------

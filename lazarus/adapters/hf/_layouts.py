@@ -15,11 +15,13 @@ differ in where the expert weights live or how the block calls its experts; each
 * ``JetMoeMoE`` (JetMoE's MLP): parallel experts ``input_linear / output_linear [E, ...]``
   called with tokens sorted by expert; held fused, routed with the model's own router
   (its sorted output turned back into per-token ids and gates);
+* ``LongcatFlashMoE`` (LongCat-Flash): router ids ``>= E`` select zero-compute identity
+  experts (``h * weight``, computed where the token is); the others are dispatched;
 * ``SwitchTransformersSparseMLP``, ``NllbMoeSparseMLP``: one module per expert
   (``experts.expert_<e>``) called with a routing mask; the modules are kept as they are
   (:class:`~lazarus.adapters.hf._modules.ModuleExperts`), the mask's token slots dispatched.
 
-A layout whose weights move (DBRX, JetMoE) gives ``to_original``: the elastic block's state
+A layout whose weights move (DBRX, JetMoE, LongCat-Flash) gives ``to_original``: the elastic block's state
 dict entries back in the original's names and shapes (:func:`original_state_dict`).
 """
 
@@ -44,6 +46,7 @@ class ExpertsSpec:
     act_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
     is_transposed: bool = False
     source: nn.Module | None = None      # plain attributes / parameter-free children carried over
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)   # kept whole on every rank, no gradient
 
 
 @dataclass(frozen=True)
@@ -57,8 +60,9 @@ class BlockLayout:
         top_k: block -> k (slots per token).
         experts: block -> :class:`ExpertsSpec` (fused experts); None: per-expert modules kept.
         replaced: children of the block whose weights ``experts`` takes over.
-        call: ``"ids"`` (``experts(h, ids, weights)``), ``"dense"`` (``experts(routed_in)``),
-            ``"mask"`` (``experts(h, mask, weights)``, per-expert modules).
+        call: ``"ids"`` (``experts(h, ids, weights)``), ``"ids_identity"`` (the same, ids
+            ``>= E`` selecting zero-compute identity experts), ``"dense"``
+            (``experts(routed_in)``), ``"mask"`` (``experts(h, mask, weights)``, per-expert modules).
         mask: for ``"mask"``: ``(experts, mask, weights) -> ([T, J, E] 0/1, [T, J] weights)``.
         forward: replaces the block class's forward (the block's experts are not one call).
         to_original: ``(prefix, elastic entries) -> original entries`` of one block.
@@ -145,6 +149,20 @@ def _jetmoe_forward(self: Any, layer_input: torch.Tensor) -> torch.Tensor:
     return out.view(bsz, length, emb) + self.bias
 
 
+# -- LongCat-Flash: Z zero-compute (identity) experts after the E real ones ----------------------
+def _longcat_experts(block: Any) -> ExpertsSpec:
+    ex, num = block.experts, int(block.experts.num_routed_experts)
+    # gate_up_proj has E + Z rows; rows E.. belong to the identity experts, which never read
+    # them: kept as a buffer (whole on every rank, no gradient, as unused there)
+    return ExpertsSpec(num, {"gate_up_proj": ex.gate_up_proj[:num], "down_proj": ex.down_proj}, act_fn=ex.act_fn,
+                       buffers={"gate_up_proj_zero": ex.gate_up_proj.detach()[num:]})
+
+
+def _longcat_original(prefix: str, sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    gu, zero = prefix + "experts.gate_up_proj", prefix + "experts.gate_up_proj_zero"
+    return _swap(sd, (gu, zero), {gu: torch.cat([sd[gu], sd[zero].to(sd[gu])])})
+
+
 # -- Switch Transformers, NLLB-MoE: one module per expert, a mask ------------------------------
 def _switch_mask(experts: Any, selected: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return selected, weights          # [T, 1, E] one-hot (zero beyond capacity), [T, 1]
@@ -177,6 +195,11 @@ LAYOUTS: dict[str, BlockLayout] = {
         "its attention experts stay dense, replicated",
         lambda b: int(b.input_linear.num_experts), lambda b: int(b.router.top_k), experts=_jetmoe_experts,
         replaced=("input_linear", "output_linear"), forward=_jetmoe_forward, to_original=_jetmoe_original),
+    "LongcatFlashMoE": BlockLayout(
+        "longcat_flash", "zero-compute identity experts (router ids >= E) computed in place, the E real ones "
+        "dispatched; the identity rows of `gate_up_proj` kept whole (`original_state_dict` puts them back)",
+        lambda b: int(b.experts.num_routed_experts), lambda b: int(b.router.top_k), experts=_longcat_experts,
+        call="ids_identity", to_original=_longcat_original),
     "SwitchTransformersSparseMLP": BlockLayout(
         "switch_transformers", "one module per expert, called with a mask: the mask's slots dispatched",
         lambda b: int(b.experts.num_experts), lambda b: 1, call="mask", mask=_switch_mask),

@@ -1,8 +1,8 @@
 """``make_elastic`` on the transformers MoE blocks with layouts of their own
 (``lazarus/adapters/hf/_layouts.py``): Llama 4 (experts called with one dense, pre-scaled
-input), DBRX (flattened experts), JetMoE (parallel experts), Switch Transformers and
-NLLB-MoE (one module per expert, called with a mask; seq2seq). All five were refused
-before these layouts.
+input), DBRX (flattened experts), JetMoE (parallel experts), LongCat-Flash (zero-compute
+identity experts), Switch Transformers and NLLB-MoE (one module per expert, called with a
+mask; seq2seq). All six were refused before these layouts.
 
 Tiny random models from the zoo's configs (``tests/helpers/hf_zoo.py``, nothing
 downloaded), dropout, layer drop and router jitter off (random draws differ between
@@ -36,7 +36,7 @@ from tests.helpers.rank_harness import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
-ARCHS = ("llama4_text", "dbrx", "jetmoe", "switch_transformers", "nllb-moe")
+ARCHS = ("llama4_text", "dbrx", "jetmoe", "longcat_flash", "switch_transformers", "nllb-moe")
 STEPS, PER_RANK = 3, 2
 
 
@@ -91,8 +91,9 @@ def _expected(ref: torch.nn.Module, model: torch.nn.Module, key: str, ref_state:
     ids = model.get_submodule(layer).experts.local_expert_indices
     if key in ref_state:                                    # fused rows in the original's names (Llama 4)
         return ref_state[key][ids]
-    block = ref.get_submodule(layer)                        # held in another layout (DBRX, JetMoE)
-    return layout_of(block).experts(block).tensors[name][ids]
+    block = ref.get_submodule(layer)                        # held in another layout (DBRX, JetMoE, LongCat)
+    spec = layout_of(block).experts(block)
+    return spec.tensors[name][ids] if name in spec.tensors else spec.buffers[name]
 
 
 def _train(rank: int, world: int, arch: str, slots: list[list[int]], tmp: Path) -> None:
