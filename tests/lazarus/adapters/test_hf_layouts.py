@@ -13,7 +13,9 @@ processes):
   rows a forward of their own, as data parallelism runs them: NLLB-MoE's expert capacity is
   per forward), and after three SGD-with-momentum steps every weight equals the
   single-process model's (experts by row, in the elastic layout);
-* moc checkpoints the elastic models: its units are exactly the experts each rank holds.
+* moc checkpoints the elastic models: its units are exactly the experts each rank holds;
+* ``set_placement`` moves experts between ranks mid-training (fused rows and per-expert
+  modules alike) and the job still equals the single-process model.
 
 The single-process comparison of every architecture (loss, every gradient, the state dict
 loading into the original class) is ``tests/moc/test_hf_zoo.py::test_make_elastic_equals_the_original``.
@@ -96,7 +98,11 @@ def _expected(ref: torch.nn.Module, model: torch.nn.Module, key: str, ref_state:
     return spec.tensors[name][ids] if name in spec.tensors else spec.buffers[name]
 
 
-def _train(rank: int, world: int, arch: str, slots: list[list[int]], tmp: Path) -> None:
+def _train(rank: int, world: int, arch: str, slots: list[list[int]], tmp: Path,
+           move_to: list[list[int]] | None = None) -> None:
+    """Train ``ref`` in one process and the elastic model on ``world`` ranks side by side;
+    ``move_to``: after the first step every layer moves to that placement (experts copied
+    between ranks by ``set_placement``; plain SGD, as the moved tensors are new)."""
     from moc import CheckpointManager, MoCConfig, discover_units
 
     ref = build(arch, 5)
@@ -106,11 +112,20 @@ def _train(rank: int, world: int, arch: str, slots: list[list[int]], tmp: Path) 
     units = discover_units(model).layers
     for name, layer in layers.items():                      # moc sees exactly this rank's experts
         assert sorted(units[name]) == layer.local_experts, (arch, name, units.get(name))
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
-    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    ckpt = CheckpointManager(MoCConfig(storage=str(tmp / f"ckpt-{arch}"), interval=1, top_k=1,
-                                       snapshot_dir=str(tmp / f"shm-{arch}-{rank}")), model=model, optimizer=opt)
+    momentum = 0.9 if move_to is None else 0.0
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=momentum)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=momentum)
+    ckpt = None
+    if move_to is None:
+        ckpt = CheckpointManager(MoCConfig(storage=str(tmp / f"ckpt-{arch}"), interval=1, top_k=1,
+                                           snapshot_dir=str(tmp / f"shm-{arch}-{rank}")), model=model, optimizer=opt)
     for step in range(STEPS):
+        if move_to is not None and step == 1:
+            for layer in layers.values():
+                layer.set_placement(Placement(move_to, num_experts=zoo.EXPERTS))
+                assert layer.local_experts == sorted(set(move_to[rank]))
+                assert layer.experts.expert_ids == layer.local_experts
+            opt = torch.optim.SGD(model.parameters(), lr=0.2)
         inputs = zoo.batch(arch, step, rows=world * PER_RANK)
         parts = [{k: v[r * PER_RANK:(r + 1) * PER_RANK] for k, v in inputs.items()} for r in range(world)]
         opt_ref.zero_grad()
@@ -123,25 +138,28 @@ def _train(rank: int, world: int, arch: str, slots: list[list[int]], tmp: Path) 
         sync_moe_gradients(model)                           # experts over replicas, routers averaged
         _sync_dense(model, world)
         opt.step()
-        ckpt.step(step)
+        if ckpt is not None:
+            ckpt.step(step)
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         torch.testing.assert_close(mean / world, loss_ref.detach(), rtol=1e-5, atol=1e-5,
                                    msg=lambda m, s=step: f"{arch} step {s}: {m}")
         routed = [layer.routing_counts for layer in layers.values()]
         assert all(c is not None and int(c.sum()) > 0 for c in routed), (arch, step)
-    ckpt.close()
+    if ckpt is not None:
+        ckpt.close()
     ref_state = ref.state_dict()
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, _expected(ref, model, key, ref_state), rtol=1e-4, atol=1e-5,
                                    msg=lambda m, k=key: f"{arch} {k}: {m}")
 
 
-def prog_train(rank: int, world: int, slots: list[list[int]], tmp: str) -> None:
+def prog_train(rank: int, world: int, slots: list[list[int]], tmp: str,
+               move_to: list[list[int]] | None = None) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     for arch in ARCHS:
-        _train(rank, world, arch, slots, Path(tmp))
+        _train(rank, world, arch, slots, Path(tmp), move_to)
 
 
 # 2 ranks: expert 0 on both; rank 0 has two slots of expert 1; 3 only on rank 1.
@@ -154,3 +172,10 @@ SLOTS_4 = [[0, 1], [2, 3], [0, 2], [1, 3]]
 @pytest.mark.parametrize("world,slots", [(2, SLOTS_2), (4, SLOTS_4)])
 def test_ranks_equal_one_process(tmp_path: Path, world: int, slots: list[list[int]]) -> None:
     run_ranks(prog_train, world, tmp_path, slots, str(tmp_path), join_s=450)
+
+
+@pytest.mark.timeout(500)
+def test_experts_move_between_ranks(tmp_path: Path) -> None:
+    """set_placement moves the experts of every layout (fused rows, per-expert modules)
+    between ranks mid-training; the job still equals the single-process model."""
+    run_ranks(prog_train, 2, tmp_path, SLOTS_2, str(tmp_path), [[1, 2, 3], [0, 3, 0]], join_s=450)
