@@ -10,6 +10,11 @@ with :class:`~lazarus.adapters.hf._experts.HFExperts` (this rank's rows), and ru
 block class's own ``forward`` on itself. Only the ``experts(...)`` call changes: it goes
 through :meth:`lazarus.moe.ElasticMoE.dispatch`. Router math, gate normalisation, scaling
 factors, shared experts and outputs are the model's code, not a copy of it.
+
+Blocks built otherwise (Llama 4's dense pre-scaled input, DBRX's flattened and JetMoE's
+parallel experts, LongCat-Flash's zero-compute experts, Switch Transformers' and
+NLLB-MoE's per-expert modules called with a mask) have an entry in
+:data:`~lazarus.adapters.hf._layouts.LAYOUTS` saying how their experts are held and called.
 """
 
 from __future__ import annotations
@@ -231,7 +236,7 @@ class ElasticHFBlock(ElasticMoE):
             return super().__getattr__(name)
         except AttributeError:
             klass = self.__dict__.get("block_class")
-            fn = getattr(klass, name, None) if klass is not None and not name.startswith("__") else None
+            fn = getattr(klass, name, None) if klass is not None and not name.startswith("_") else None
             if callable(fn) and not isinstance(fn, type):
                 return fn.__get__(self, type(self))
             raise
