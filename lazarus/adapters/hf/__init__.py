@@ -1,8 +1,9 @@
 """Hugging Face transformers 5.x MoE models under Lazarus.
 
 :func:`make_elastic` swaps every sparse-MoE block of a transformers model (Mixtral,
-Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, and other blocks built the same way) for an
-:class:`ElasticHFBlock`: the model's router, shared experts and expert math stay the
+Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, and other blocks built the same way; Llama 4,
+DBRX, JetMoE, LongCat-Flash, Switch Transformers and NLLB-MoE through per-architecture entries in
+``_layouts.LAYOUTS``) for an :class:`ElasticHFBlock`: the model's router, shared experts and expert math stay the
 model's own code; Lazarus places the experts (replicas), dispatches tokens with
 Algorithm 1 over an uneven all-to-all and synchronises replica gradients::
 
@@ -14,7 +15,9 @@ Algorithm 1 over an uneven all-to-all and synchronises replica gradients::
 
 With ``placements=None`` (one process) every expert lives on the single rank: the
 adapted model computes what the original computes and its ``state_dict()`` is the
-original's (same names, ``[E, ...]`` shapes), so it loads into the original class. Under
+original's (same names, ``[E, ...]`` shapes), so it loads into the original class (DBRX,
+JetMoE and LongCat-Flash hold their experts otherwise: :func:`original_state_dict` gives
+the original's). Under
 expert parallelism each rank's ``experts.gate_up_proj`` holds its experts' rows and
 declares their global ids (``local_expert_indices``), which moc checkpoints as rows of the
 ``[E, ...]`` tensors: ``moc export --format safetensors`` of such a job gives weights
@@ -33,11 +36,13 @@ from torch import nn
 from lazarus.moe import layer_placements
 from lazarus.planning import Placement
 
-from ._block import ElasticHFBlock, is_hf_moe_block, num_experts_of, router_of, top_k_of
+from ._block import ElasticHFBlock, block_top_k, is_hf_moe_block, num_experts_of
 from ._diagnose import why_not_elastic
 from ._experts import HFExperts
+from ._modules import ModuleExperts
 
-__all__ = ["ElasticHFBlock", "HFExperts", "elastic_layout", "make_elastic", "moe_blocks"]
+__all__ = ["ElasticHFBlock", "HFExperts", "ModuleExperts", "elastic_layout", "make_elastic", "moe_blocks",
+           "original_state_dict"]
 
 
 def moe_blocks(model: nn.Module) -> dict[str, nn.Module]:
@@ -59,10 +64,29 @@ def elastic_layout(model: nn.Module) -> dict[str, Any]:
             layers[name], top_k = m.num_experts, m.top_k
         elif is_hf_moe_block(m):
             layers[name] = num_experts_of(m)
-            top_k = top_k_of(router_of(m)[1])  # type: ignore[index]
+            top_k = block_top_k(m)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no transformers MoE block")
     return {"layers": layers, "top_k": top_k}
+
+
+def original_state_dict(model: nn.Module, state: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``model.state_dict()`` in the names and shapes of the original transformers class.
+
+    Blocks whose experts Lazarus holds in another layout (DBRX's flattened ``experts.mlp.w1
+    / v1 / w2``, JetMoE's ``input_linear / output_linear``: held as fused
+    ``experts.gate_up_proj / down_proj``) are converted back; every other entry is the
+    model's own. Needs every expert of those blocks on this rank (one process, or a
+    checkpoint exported by moc, whose ``[E, ...]`` tensors are whole). ``state``: entries
+    in the model's names to convert instead (its gradients, say), default its state dict."""
+    sd = dict(model.state_dict() if state is None else state)
+    for name, m in model.named_modules():
+        if isinstance(m, ElasticHFBlock) and m.layout is not None and m.layout.to_original is not None:
+            if len(m.experts.expert_ids) != m.num_experts:
+                raise ValueError(f"{name} holds experts {m.experts.expert_ids} of {m.num_experts}: the original layout "
+                                 "needs all of them (convert a moc export instead)")
+            sd = m.layout.to_original(name + "." if name else "", sd)
+    return sd
 
 
 def make_elastic(model: nn.Module, placements: Mapping[str, Placement] | Placement | None = None,

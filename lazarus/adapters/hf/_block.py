@@ -10,6 +10,11 @@ with :class:`~lazarus.adapters.hf._experts.HFExperts` (this rank's rows), and ru
 block class's own ``forward`` on itself. Only the ``experts(...)`` call changes: it goes
 through :meth:`lazarus.moe.ElasticMoE.dispatch`. Router math, gate normalisation, scaling
 factors, shared experts and outputs are the model's code, not a copy of it.
+
+Blocks built otherwise (Llama 4's dense pre-scaled input, DBRX's flattened and JetMoE's
+parallel experts, LongCat-Flash's zero-compute experts, Switch Transformers' and
+NLLB-MoE's per-expert modules called with a mask) have an entry in
+:data:`~lazarus.adapters.hf._layouts.LAYOUTS` saying how their experts are held and called.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from lazarus.moe import ElasticMoE
 from lazarus.planning import Placement
 
 from ._experts import HFExperts, is_hf_experts
+from ._layouts import LAYOUTS, BlockLayout, layout_of
+from ._modules import ModuleExperts
 
 __all__ = ["ElasticHFBlock", "ROUTER_NAMES", "is_hf_moe_block", "router_of", "top_k_of"]
 
@@ -57,19 +64,36 @@ def router_of(block: nn.Module) -> tuple[str, nn.Module] | None:
 
 def num_experts_of(block: nn.Module) -> int:
     """The expert count of a transformers MoE block (:func:`is_hf_moe_block`)."""
+    layout = layout_of(block)
+    if layout is not None:
+        return layout.num_experts(block)
     experts: Any = block.experts   # the model's own module: transformers declares no attribute types
     return int(experts.num_experts)
 
 
+def block_top_k(block: nn.Module) -> int | None:
+    """Slots per token of a transformers MoE block (its layout's, else its router's)."""
+    layout = layout_of(block)
+    if layout is not None:
+        return layout.top_k(block)
+    found = router_of(block)
+    return top_k_of(found[1]) if found is not None else None
+
+
 def is_hf_moe_block(module: nn.Module) -> bool:
+    if isinstance(module, ElasticMoE):
+        return False
+    if layout_of(module) is not None:
+        return True
     experts = getattr(module, "experts", None)
-    return (not isinstance(module, ElasticMoE) and isinstance(experts, nn.Module) and is_hf_experts(experts)
-            and router_of(module) is not None)
+    return isinstance(experts, nn.Module) and is_hf_experts(experts) and router_of(module) is not None
 
 
 def _check_supported(block: nn.Module) -> None:
     """Refuse, naming what differs, a block whose own forward would compute something else
     once made elastic."""
+    if layout_of(block) is not None:
+        return
     cls = type(block).__name__
     experts: Any = block.experts   # the model's own module: transformers declares no attribute types
     params = [p for p in inspect.signature(type(experts).forward).parameters.values()
@@ -100,7 +124,7 @@ class ElasticHFBlock(ElasticMoE):
         grad_reduction: ``"mean"`` or ``"sum"``, see :class:`lazarus.moe.ElasticMoE`.
     """
 
-    experts: HFExperts
+    experts: HFExperts | ModuleExperts
 
     def __init__(self, block: nn.Module, placement: Placement, *, group: Any = None,
                  grad_reduction: str = "mean") -> None:
@@ -110,14 +134,18 @@ class ElasticHFBlock(ElasticMoE):
         _check_supported(block)
         super().__init__(num_experts_of(block), group=group, grad_reduction=grad_reduction)
         self.block_class = type(block)
-        self.router_name, router = router_of(block)  # type: ignore[misc]
-        self.top_k = int(top_k_of(router))  # type: ignore[arg-type]
+        self._layout_key = type(block).__name__     # a key, not the entry: layouts hold functions
+        found = router_of(block)
+        self.router_name = found[0] if found is not None else "router"
+        self.top_k = int(block_top_k(block))  # type: ignore[arg-type]
         slots = self._check_placement(placement)
         mine = sorted(set(slots[self.rank]))
+        layout = self.layout
+        replaced = layout.replaced if layout is not None else ()
         for name, child in block.named_children():   # the block's order, so state_dict keys keep it
-            if name == "experts":
-                self.experts = HFExperts(child, mine)
-            else:
+            if name == "experts" or (replaced and name == replaced[0]):
+                self.experts = self._take_experts(block, mine)
+            elif name not in replaced:
                 self.add_module(name, child)
         for name, p in block.named_parameters(recurse=False):
             self.register_parameter(name, p)
@@ -136,8 +164,85 @@ class ElasticHFBlock(ElasticMoE):
                         and not hasattr(type(self), key)):
                     self.__dict__[key] = value
         self.experts.bind(self)
+        self._router_scores: torch.Tensor | None = None
+        if layout is not None and layout.call == "dense":
+            getattr(self, self.router_name).register_forward_hook(self._keep_scores)
         self._init_placement(placement)
         self.train(block.training)
+
+    @property
+    def layout(self) -> BlockLayout | None:
+        """This block's entry in :data:`~lazarus.adapters.hf._layouts.LAYOUTS` (None: a
+        standard block)."""
+        return LAYOUTS.get(self._layout_key)
+
+    def _take_experts(self, block: nn.Module, mine: list[int]) -> Any:
+        layout = self.layout
+        original: Any = getattr(block, "experts", None) if layout is None or not layout.replaced else block
+        if layout is None:
+            return HFExperts(original, mine)
+        if layout.call == "mask":
+            return ModuleExperts(original, mine, num_experts=self.num_experts)
+        assert layout.experts is not None
+        return HFExperts(original, mine, layout.experts(block), call=layout.call)
+
+    def dispatch_dense(self, routed_in: torch.Tensor) -> torch.Tensor:
+        """Llama 4's ``experts(routed_in)``: ``routed_in`` [E * T, d] holds every token for
+        every expert, pre-scaled by its router score (zero where not routed). The routed rows
+        (the top-k scores the router just returned) are dispatched as tokens; the others
+        stay zero, as the experts' output of a zero row is."""
+        scores = self._router_scores
+        self._router_scores = None
+        if scores is None:
+            raise RuntimeError(f"{self.block_class.__name__}: the experts were called before the router")
+        n_tok, num = scores.shape
+        d = routed_in.shape[-1]
+        ids = scores.detach().topk(self.top_k, dim=1).indices                 # [T, k]
+        rows = (ids * n_tok + torch.arange(n_tok, device=ids.device)[:, None]).reshape(-1)
+        y = self.dispatch(routed_in[rows], ids.reshape(-1, 1), torch.ones_like(rows, dtype=routed_in.dtype)[:, None])
+        return routed_in.new_zeros((num * n_tok, d)).index_copy(0, rows, y)
+
+    def dispatch_identity(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """LongCat-Flash's experts: slots with ids ``>= E`` are zero-compute identity experts
+        (``h * weight``, added here); the others are dispatched to the E real experts."""
+        real = ids < self.num_experts
+        t, j = real.nonzero(as_tuple=True)
+        y = self.dispatch(h[t], ids[t, j][:, None], weights[t, j][:, None])
+        out = torch.zeros_like(h).index_add(0, t, y.to(h.dtype))
+        ti, ji = (~real).nonzero(as_tuple=True)
+        return out.index_add(0, ti, (h[ti] * weights[ti, ji][:, None]).to(h.dtype))
+
+    def dispatch_mask(self, h: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Per-expert modules called with a routing mask (Switch Transformers, NLLB-MoE):
+        every slot ``(t, j)`` the mask sends to expert ``e`` with a non-zero weight is one
+        dispatched row ``h[t]`` weighted ``weights[t, j]``; slots with weight 0 (dropped
+        over capacity) add 0, as in the original."""
+        assert self.layout is not None and self.layout.mask is not None
+        onehot, w = self.layout.mask(self.experts, mask, weights)
+        onehot = onehot.reshape(h.shape[0], -1, self.num_experts)
+        w = w.reshape(h.shape[0], -1)
+        t, j, e = ((onehot != 0) & (w != 0)[..., None]).nonzero(as_tuple=True)
+        y = self.dispatch(h[t], e[:, None], w[t, j][:, None])
+        if self.training and isinstance(self.experts, ModuleExperts):
+            self.experts.count_routed(self.routing_counts)
+        if self.layout.post_slot is not None:
+            y = self.layout.post_slot(self.experts, y)
+        return torch.zeros_like(h).index_add(0, t, y.to(h.dtype))
+
+    def __getattr__(self, name: str) -> Any:
+        """The block class's own methods (DBRX's ``route_tokens_to_experts``), bound to this
+        module, where nn.Module has no such attribute."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            klass = self.__dict__.get("block_class")
+            fn = getattr(klass, name, None) if klass is not None and not name.startswith("_") else None
+            if callable(fn) and not isinstance(fn, type):
+                return fn.__get__(self, type(self))
+            raise
+
+    def _keep_scores(self, module: nn.Module, args: Any, out: Any) -> None:
+        self._router_scores = out[0]
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's router (``gate`` or ``router``) on ``h`` [tokens, d]: ``(top-k ids,
@@ -149,6 +254,8 @@ class ElasticHFBlock(ElasticMoE):
         """The block class's own forward, run on this module (its ``experts(...)`` call
         dispatches through Lazarus)."""
         self.experts._owner = weakref.ref(self)
+        if self.layout is not None and self.layout.forward is not None:
+            return self.layout.forward(self, *args, **kwargs)
         return self.block_class.forward(self, *args, **kwargs)
 
     def extra_repr(self) -> str:

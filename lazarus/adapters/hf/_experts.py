@@ -20,6 +20,8 @@ from torch import nn
 
 from lazarus.moe import GroupedExperts, grouped_mm
 
+from ._layouts import ExpertsSpec
+
 if TYPE_CHECKING:
     from lazarus.moe import ElasticMoE
 
@@ -64,32 +66,47 @@ class HFExperts(GroupedExperts):
 
     act_fn: Callable[[torch.Tensor], torch.Tensor]   # the original's activation child (taken over)
 
-    def __init__(self, original: nn.Module, ids: Sequence[int]) -> None:
-        if not is_hf_experts(original):
+    def __init__(self, original: nn.Module, ids: Sequence[int], spec: ExpertsSpec | None = None,
+                 call: str = "ids") -> None:
+        if spec is None and not is_hf_experts(original):
             raise ValueError(f"{type(original).__name__} is not a transformers fused-experts module "
                              "(num_experts, gate_up_proj or up_proj, down_proj with num_experts rows)")
         if getattr(original, "has_post_expert_norm", False):
             raise ValueError(f"{type(original).__name__}: experts with a post-expert norm are not supported")
+        if call not in ("ids", "ids_identity", "dense"):
+            raise ValueError(f"call must be 'ids', 'ids_identity' or 'dense', got {call!r}")
         ids = sorted(set(int(e) for e in ids))
         index = torch.tensor(ids, dtype=torch.long)
-        tensors = {name: p.detach().index_select(0, index.to(p.device))
-                   for name, p in original.named_parameters(recurse=False)}
         fields: Any = original   # the model's own module: transformers declares no attribute types
-        super().__init__(int(fields.num_experts), ids, tensors)
+        source = original if spec is None else spec.source
+        full = dict(original.named_parameters(recurse=False)) if spec is None else spec.tensors
+        tensors = {name: p.detach().index_select(0, index.to(p.device)) for name, p in full.items()}
+        super().__init__(int(fields.num_experts) if spec is None else spec.num_experts, ids, tensors)
         self.original_class = type(original)
-        for key, value in vars(original).items():
+        self.call = call
+        for name, b in (spec.buffers if spec is not None else {}).items():
+            self.register_buffer(name, b.detach().clone())
+        for key, value in (vars(source) if source is not None else {}).items():
             if key.startswith("_") or key in ("training", "num_experts") or key in self.__dict__:
                 continue
             self.__dict__[key] = value
-        for name, child in original.named_children():
+        for name, child in (source.named_children() if source is not None else ()):
             if any(True for _ in child.parameters()):
                 raise ValueError(f"{type(original).__name__}.{name} has parameters: not supported")
             self.add_module(name, child)
-        self.has_gate = bool(getattr(original, "has_gate", "gate_up_proj" in tensors))
-        self.has_bias = bool(getattr(original, "has_bias", any(n.endswith("_bias") for n in tensors)))
-        self.is_transposed = bool(getattr(original, "is_transposed", False))
-        gate = getattr(type(original), "_apply_gate", None)
+        if spec is not None and spec.act_fn is not None:
+            self.act_fn = spec.act_fn
+        self.has_gate = bool(getattr(source, "has_gate", "gate_up_proj" in tensors))
+        self.has_bias = bool(getattr(source, "has_bias", any(n.endswith("_bias") for n in tensors)))
+        self.is_transposed = bool(getattr(source, "is_transposed", spec is not None and spec.is_transposed))
+        gate = getattr(type(source), "_apply_gate", None) if source is not None else None
         self._gate_fn: Callable[[Any, torch.Tensor], torch.Tensor] = gate if gate is not None else _default_gate
+        if call == "dense":
+            zero = self.act_fn(torch.zeros(1))
+            if bool(zero.abs().max() != 0):
+                raise ValueError(f"{type(original).__name__}: its experts take a dense input with zero rows for "
+                                 f"tokens not routed, and its activation ({self.act_fn}) is not 0 at 0, so those "
+                                 "rows are not zero-output: Lazarus cannot dispatch only the routed ones")
         self._owner: Callable[[], "ElasticMoE | None"] = _unbound
         self.train(original.training)
 
@@ -102,12 +119,20 @@ class HFExperts(GroupedExperts):
         """The Lazarus layer whose dispatch :meth:`forward` uses (held weakly: the layer owns us)."""
         self._owner = weakref.ref(owner)
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
-        owner = self._owner()
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
+                top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
+        owner: Any = self._owner()
         if owner is None:
             raise RuntimeError("HFExperts is not bound to a Lazarus layer (use lazarus.adapters.hf.make_elastic)")
-        return owner.dispatch(hidden_states, top_k_index, top_k_weights)
+        if self.call == "dense":
+            return owner.dispatch_dense(hidden_states)
+        if top_k_index is None or top_k_weights is None:
+            raise TypeError("HFExperts(hidden_states, top_k_index, top_k_weights): the ids and weights are missing")
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])   # DBRX passes [batch, seq, d]
+        ids, weights = top_k_index.reshape(flat.shape[0], -1), top_k_weights.reshape(flat.shape[0], -1)
+        out = owner.dispatch_identity(flat, ids, weights) if self.call == "ids_identity" else \
+            owner.dispatch(flat, ids, weights)
+        return out.view(hidden_states.shape)
 
     # -- the expert math, over this rank's rows -------------------------------------------------
     def _linear(self, x: torch.Tensor, name: str, counts: list[int], rows: torch.Tensor | None) -> torch.Tensor:
