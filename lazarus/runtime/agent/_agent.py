@@ -68,6 +68,7 @@ from collections import OrderedDict
 from typing import Any
 
 from .._config import AgentConfig
+from .._netif import socket_env
 from .._plan import Plan
 from .._wire import (PLAN_MAX_MESSAGE_BYTES, ConnectionClosed, MalformedMessageError, ProtocolError, encode_frame,
                      read_frame, store_address)
@@ -117,6 +118,11 @@ class Agent:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._activated: asyncio.Event | None = None   # standby: set by activate()
         self._store_host = config.store_host   # where the worker's rendezvous store is reached
+        # gloo / NCCL bind to the interface of that address (unless the user chose one)
+        self._socket_env = socket_env(self._store_host, {**os.environ, **config.env}, where=self.node_id)
+        if self._socket_env:
+            log.info("agent %s step -: workers bind gloo and NCCL to %s (the advertised address %s)", self.node_id,
+                     ", ".join(f"{k}={v}" for k, v in self._socket_env.items()), self._store_host)
 
     # ------------------------------------------------------------------ public
     def run(self) -> int:
@@ -535,7 +541,8 @@ class Agent:
         g = cfg.nproc_per_node
         started: list[tuple[WorkerProcess, asyncio.StreamReader]] = []
         for local_rank in range(g):
-            env = worker_env(dict(os.environ), cfg.env, node_id=self.node_id, snapshot_dir=str(cfg.snapshot_dir),
+            env = worker_env(dict(os.environ, **self._socket_env), cfg.env, node_id=self.node_id,
+                             snapshot_dir=str(cfg.snapshot_dir),
                              incarnation=str(inc), secret=cfg.secret.hex(), standby="1" if self._on_standby else "0",
                              store_host=self._store_host,
                              max_message_bytes=str(max(cfg.max_message_bytes, PLAN_MAX_MESSAGE_BYTES)))

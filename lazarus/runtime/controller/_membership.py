@@ -268,9 +268,12 @@ class Membership:
             raise MalformedMessageError("worker_ready: field 'startup' must map phases to times")
         node.store = store_address(msg.get("store"))
         self._forget_holdings(node.node_id)
-        self.port.event("worker_ready", node=node.node_id, incarnation=inc, pid=node.worker_pid,
-                        **({"pids": pids} if pids is not None else {}),
-                        **({"startup": startup} if startup else {}))
+        extra: dict[str, Any] = {"pids": pids} if pids is not None else {}
+        if startup:
+            extra["startup"] = startup
+        if node.store:   # the address this node published
+            extra["store"] = node.store
+        self.port.event("worker_ready", node=node.node_id, incarnation=inc, pid=node.worker_pid, **extra)
         if self.finished:
             return
         if not self._members and not self.stalled:

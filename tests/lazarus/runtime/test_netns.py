@@ -1,0 +1,113 @@
+"""A Lazarus job across hosts on a real network: the controller, moto's S3 endpoint and four
+nodes each in its own network namespace with its own address on one bridge
+(:class:`examples.netns_cluster.NetnsNetwork`), the hostname resolving to loopback as on a
+stock host, and nothing telling gloo which interface to use. Faults are the network's:
+a link down, nft rules dropping one kind of traffic, besides SIGKILL.
+
+Every test ends as the single-host fault tests do (every survivor finished every step in
+one world, every replica identical, the loss went down) and with ``moc verify`` clean on
+the S3 checkpoint. Needs root, ``ip netns`` and nftables (``make test`` installs it where
+apt-get is); skips, saying which is missing, elsewhere.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from examples.local_cluster import LocalCluster
+from examples.netns_cluster import NetnsNetwork, NetnsS3, unavailable
+
+_WHY = unavailable()
+pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"multi-host tests need network namespaces: {_WHY}")
+
+NODES = ["n0", "n1", "n2", "n3"]
+STEPS = 70
+BUCKET = "ckpt"
+HEARTBEAT_TIMEOUT = 2.0
+
+
+class Job:
+    """The network, its S3 endpoint and the cluster on it."""
+
+    def __init__(self, tmp_path: Path, net: NetnsNetwork, s3: NetnsS3, steps: int) -> None:
+        self.tmp, self.net, self.s3, self.steps = tmp_path, net, s3, steps
+        worker = ["--steps", str(steps), "--storage", f"s3://{BUCKET}/run", "--layers", "2", "--experts", "4",
+                  "--d-model", "32", "--d-hidden", "64", "--batch-size", "8", "--seq-len", "32",
+                  "--corpus-bytes", str(1 << 20), "--interval", "5", "--k-snapshot", "2", "--k-persist", "1",
+                  "--persist-every", "2", "--snapshot-copies", "2", "--collective-timeout", "4s",
+                  "--rendezvous-timeout", "20s", "--report-every", "5",
+                  "--digests", str(tmp_path / "digest-{node}.json")]
+        controller = ["--slots", "2", "--min-replicas", "2", "--expected-nodes", "4", "--heartbeat-timeout",
+                      f"{HEARTBEAT_TIMEOUT:g}s", "--join-window", "1s"]
+        self.c = LocalCluster(tmp_path / "job", worker_args=worker, controller_args=controller,
+                              agent_args=["--heartbeat-interval", "250ms"], env=s3.env, network=net)
+
+    def failure_reconfigs(self) -> list[dict]:
+        return [r for r in self.c.reconfigurations() if r["reason"] in ("failure", "collective_error")]
+
+    def trained_after(self, t: float, n: int, world: int | None = None) -> list[dict]:
+        """Steps recorded after ``t`` (by the lowest rank of a ``world``-rank group)."""
+        return [m for m in self.c.steps() if m["t"] > t and (world is None or m["world"] == world)][:n]
+
+    def finish(self, alive: list[str]) -> None:
+        c = self.c
+        assert c.wait(timeout=240) == 0, (self.tmp / "job" / "controller.log").read_text()[-3000:]
+        for node in alive:
+            c.agents[node].wait(timeout=60)
+        digests = c.read_digests(str(self.tmp / "digest-{node}.json"), alive)
+        assert c.final_state_problems(digests, alive, self.steps, expert_units=2 * 4) == [], c.dir
+        first, last = c.loss_drop(10)
+        assert last < first - 0.5, (first, last)
+        r = self.s3.run([sys.executable, "-m", "moc.cli", "verify", f"s3://{BUCKET}/run"], capture_output=True,
+                        text=True, timeout=120)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+@pytest.fixture
+def job(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Job]:
+    steps = getattr(request, "param", STEPS)
+    with NetnsNetwork() as net:
+        s3 = NetnsS3(net, log=tmp_path / "moto.log")
+        try:
+            s3.make_bucket(BUCKET)
+            j = Job(tmp_path, net, s3, steps)
+            with j.c:
+                yield j
+        finally:
+            s3.close()
+
+
+def _resumed_within(job: Job, t_fault: float, world: int, budget: float, steps: int = 5) -> float:
+    """Seconds from ``t_fault`` to the ``steps``-th step in a ``world``-rank group after it;
+    asserts it is within ``budget``."""
+    done = job.c.wait_for(lambda: len(job.trained_after(t_fault, steps, world)) >= steps
+                          and job.trained_after(t_fault, steps, world), budget + 60,
+                          f"{steps} steps on {world} ranks after the fault")
+    took = done[-1]["t"] - t_fault
+    print(f"fault -> {steps} steps on {world} ranks: {took:.1f} s")
+    assert took < budget, f"{took:.1f} s from the fault to {steps} steps on {world} ranks (budget {budget} s)"
+    return took
+
+
+@pytest.mark.timeout(300)
+def test_four_hosts_train_and_survive_a_sigkill(job: Job) -> None:
+    c = job.c
+    c.start(NODES)
+    c.wait_step(15, timeout=180)
+    # every node published its own address (the rendezvous store its worker hosts)
+    ready = {e["node"]: e for e in c.events() if e.get("event") == "worker_ready"}
+    assert {n: ready[n].get("store", {}).get("host") for n in NODES} == {n: job.net.address(n) for n in NODES}
+    # ...and its worker binds gloo and NCCL to the interface holding it, told by no one
+    for n in NODES:
+        env = Path(f"/proc/{c.worker_pids(n)[0]}/environ").read_bytes().split(b"\0")
+        assert b"GLOO_SOCKET_IFNAME=eth0" in env and b"NCCL_SOCKET_IFNAME==eth0" in env, n
+    t_kill = c.kill_node("n2")
+    c.wait_for(lambda: job.failure_reconfigs(), 60, "reconfiguration after the kill")
+    rec = job.failure_reconfigs()[0]
+    assert rec["world_size"] == 3 and "n2" not in rec["members"]
+    _resumed_within(job, t_kill, 3, HEARTBEAT_TIMEOUT + 10)
+    job.finish(["n0", "n1", "n3"])
