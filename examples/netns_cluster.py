@@ -153,7 +153,8 @@ class NetnsNetwork:
     def cut(self, host: str, from_: str, direction: str = "both") -> float:
         """Drop ``host``'s traffic with ``from_`` (``"controller"``, ``"storage"``, ``"peers"``
         (every other host but those two) or a host's name): ``direction`` ``"out"`` what it
-        sends them, ``"in"`` what it receives from them, ``"both"``. Returns when."""
+        sends them, ``"in"`` what it receives from them, ``"both"``; silently, as a dead
+        link (connects time out). Returns when."""
         self._check(host)
         if direction not in ("both", "in", "out"):
             raise ValueError(f"direction must be 'both', 'in' or 'out', got {direction!r}")
@@ -209,7 +210,20 @@ class NetnsNetwork:
         _ip("-n", self.switch, "link", "set", f"p-{host}", "up")
         if shutil.which("nft") is not None:
             self.run(host, ["nft", "delete", "table", "inet", _TABLE], capture_output=True, timeout=30)
+        self._wait_up(host)
         return t
+
+    def _wait_up(self, host: str, timeout: float = 10.0) -> None:
+        """Until both ends of ``host``'s link carry traffic again; its neighbour entries that
+        failed while it was down are forgotten (else the first packets wait for them to expire)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            a = _ip("-n", self._ns[host], "-o", "link", "show", "eth0", check=False).stdout
+            b = _ip("-n", self.switch, "-o", "link", "show", f"p-{host}", check=False).stdout
+            if "state UP" in a and "state UP" in b:
+                break
+            time.sleep(0.02)
+        _ip("-n", self._ns[host], "neigh", "flush", "all", check=False)
 
     # -- teardown ------------------------------------------------------------------------------
     def close(self) -> None:
