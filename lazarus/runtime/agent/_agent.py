@@ -70,6 +70,7 @@ from typing import Any
 from .._config import AgentConfig
 from .._netif import socket_env
 from .._plan import Plan
+from ._probe import parse_targets, unreachable
 from .._wire import (PLAN_MAX_MESSAGE_BYTES, ConnectionClosed, MalformedMessageError, ProtocolError, encode_frame,
                      read_frame, store_address)
 from ._agent_worker import (RestartPolicy, WorkerGroup, WorkerProcess, describe_exit, exit_status, spawn_worker,
@@ -466,8 +467,23 @@ class Agent:
             self._finish(EXIT_FAILED)
         elif kind == "pong":
             pass
+        elif kind == "probe":   # which peers can this node reach? (after a collective error)
+            self._spawn_task(self._answer_probe(msg))
         else:
             log.warning("agent %s: ignoring controller message %r", self.node_id, kind)
+
+    async def _answer_probe(self, msg: dict[str, Any]) -> None:
+        try:
+            targets, timeout = parse_targets(msg, exclude=self.node_id)
+        except MalformedMessageError as exc:
+            log.error("agent %s step -: dropped a probe from the controller: %s", self.node_id, exc)
+            return
+        lost = await unreachable(targets, timeout)
+        if lost:
+            log.warning("agent %s step -: cannot reach %s (probe after a collective error)", self.node_id,
+                        ", ".join(lost))
+        self._to_controller({"type": "probe_result", "node": self.node_id, "generation": msg.get("generation"),
+                             "unreachable": lost})
 
     def _on_plan(self, msg: dict[str, Any]) -> None:
         """Relay a plan to the workers, as it came (they read it themselves)."""

@@ -34,6 +34,7 @@ from .._config import ControllerConfig
 from .._plan import Plan
 from .._wire import MalformedMessageError, store_address
 from ._port import Node, Port, Timer, msg_field
+from ._reachability import PROBE_SLACK_S, PROBE_TIMEOUT_S, cut_off, probe_targets
 from ._planner import InsufficientSlots, LayerSpec, PlanResult, applied_holdings, compute_plan, max_replica_load
 
 __all__ = ["Membership"]
@@ -65,6 +66,11 @@ class Membership:
         self._collective_at: float | None = None
         self._failure_timer: Timer | None = None
         self._collective_timer: Timer | None = None
+        # after a collective error: who each member's agent could not reach (_reachability)
+        self._probe_gen: int | None = None
+        self._probe_asked: set[str] = set()
+        self._probe_reports: dict[str, list[str]] = {}
+        self._probe_deadline = 0.0
         self._start_timer: Timer | None = None
         self._pending_joins: set[str] = set()
         self._join_timer: Timer | None = None
@@ -234,6 +240,8 @@ class Membership:
             self._on_worker_exit(node, msg)
         elif kind == "leaving":
             self._on_leaving(node, msg)
+        elif kind == "probe_result":
+            self._on_probe_result(node, msg)
         elif kind == "worker":
             inner = msg.get("msg")
             if not isinstance(inner, dict) or not isinstance(inner.get("type"), str):
@@ -387,16 +395,52 @@ class Membership:
         self._collective_at = time.time()
         self._collective_timer = self.port.call_later(
             self.config.failure_grace.total_seconds(), self._collective_replan, gen)
+        self._send_probes(gen)
+
+    def _send_probes(self, gen: int) -> None:
+        """Ask every member's agent which other members it cannot reach (their published
+        addresses): a broken link between two members fails every rank's collective, and
+        only these reports say whom to drop (:mod:`._reachability`)."""
+        targets = probe_targets({m: self.nodes[m].store for m in self._members if m in self.nodes})
+        asked = [m for m in self._members if self.eligible(m)] if len(targets) > 1 else []
+        self._probe_gen, self._probe_asked, self._probe_reports = gen, set(asked), {}
+        self._probe_deadline = self.port.time() + PROBE_TIMEOUT_S + PROBE_SLACK_S
+        for m in asked:
+            self.port.send(m, {"type": "probe", "generation": gen, "targets": targets, "timeout_s": PROBE_TIMEOUT_S})
+
+    def _on_probe_result(self, node: Node, msg: dict[str, Any]) -> None:
+        lost = msg_field(msg, "unreachable", list)
+        if not all(isinstance(n, str) for n in lost):
+            raise MalformedMessageError("probe_result: field 'unreachable' must be a list of node names")
+        if msg.get("generation") == self._probe_gen and node.node_id in self._probe_asked:
+            self._probe_reports[node.node_id] = lost
+
+    def _probes_pending(self, gen: int) -> bool:
+        """Are members' probe reports of ``gen`` still on their way (and time left)?"""
+        if self._probe_gen != gen or self.port.time() >= self._probe_deadline:
+            return False
+        return any(m not in self._probe_reports and self.eligible(m) for m in self._probe_asked)
 
     def _collective_replan(self, gen: int) -> None:
         self._collective_timer = None
         if self.resuming:   # handled once the members are back (Resume.end)
             self.port.collective_while_resuming(gen == self.generation)
             return
+        if gen == self.generation and self._failure_timer is None and self._probes_pending(gen):
+            self._collective_timer = self.port.call_later(0.05, self._collective_replan, gen)
+            return
         detected_at, self._collective_at = self._collective_at, None
         if gen != self.generation or self._failure_timer is not None:
             return
         members = [m for m in self._members if self.eligible(m)]
+        reports = self._probe_reports if self._probe_gen == gen else {}
+        cut = cut_off(members, reports)
+        if cut:   # a broken link: the fewest nodes whose loss leaves everyone reaching everyone
+            self.port.event("peers_unreachable", level=logging.WARNING, generation=gen, dropped=cut,
+                            reports={k: v for k, v in reports.items() if v})
+            for n in cut:
+                self.evict(n)   # its worker restarts and joins again once it reaches the others
+            members = [m for m in members if m not in cut]
         lost = [m for m in self._members if m not in members]
         self.issue("collective_error", "immediate", members, lost=lost, detected_at=detected_at)
 

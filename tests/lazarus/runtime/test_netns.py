@@ -193,3 +193,26 @@ def test_a_host_cut_from_storage_only_trains_on(job: Job) -> None:
     print(f"storage cut -> reported {degraded['t'] - t_cut:.1f} s; heal -> recovered {recovered['t'] - t_heal:.1f} s")
     slow.unlink()
     job.finish(NODES)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("job", [150], indirect=True)
+def test_a_host_cut_from_one_peer_is_dropped_not_the_majority(job: Job) -> None:
+    # n2 and n3 lose each other (both ways); both still reach the controller and the others.
+    # Either one could go; the controller must drop one of the two, never re-plan all four
+    # (their group cannot form again) nor drop a node that reached everyone.
+    c, slow = job.c, job.tmp / "slow"
+    c.start(NODES)
+    c.wait_step(15, timeout=180)
+    slow.touch()
+    t_cut = job.net.cut("n3", "n2")
+    rec = c.wait_for(lambda: [r for r in job.failure_reconfigs() if r["world_size"] == 3], 90,
+                     "a reconfiguration without one of the two")[0]
+    dropped = sorted(set(NODES) - set(rec["members"]))
+    assert dropped in (["n2"], ["n3"]), rec["members"]
+    _resumed_within(job, t_cut, 3, HEARTBEAT_TIMEOUT + 20)
+    t_heal = job.net.heal("n3")
+    _rejoined(job, dropped[0], t_heal)
+    _no_stale_steps(job, rec)
+    slow.unlink()
+    job.finish(NODES)
