@@ -89,7 +89,7 @@ def _resumed_within(job: Job, t_fault: float, world: int, budget: float, steps: 
                           and job.trained_after(t_fault, steps, world), budget + 60,
                           f"{steps} steps on {world} ranks after the fault")
     took = done[-1]["t"] - t_fault
-    print(f"fault -> {steps} steps on {world} ranks: {took:.1f} s")
+    print(f"fault -> first step on {world} ranks {done[0]['t'] - t_fault:.1f} s, {steps} steps {took:.1f} s")
     assert took < budget, f"{took:.1f} s from the fault to {steps} steps on {world} ranks (budget {budget} s)"
     return took
 
