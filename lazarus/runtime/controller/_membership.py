@@ -34,6 +34,7 @@ from .._config import ControllerConfig
 from .._plan import Plan
 from .._wire import MalformedMessageError, store_address
 from ._port import Node, Port, Timer, msg_field
+from ._reachability import ADMIT as _ADMIT
 from ._reachability import PROBE_SLACK_S, PROBE_TIMEOUT_S, cut_off, probe_targets
 from ._planner import InsufficientSlots, LayerSpec, PlanResult, applied_holdings, compute_plan, max_replica_load
 
@@ -71,6 +72,9 @@ class Membership:
         self._probe_asked: set[str] = set()
         self._probe_reports: dict[str, list[str]] = {}
         self._probe_deadline = 0.0
+        # nodes dropped for a broken link: node -> the wait before its next admission probe
+        self._cut_nodes: dict[str, float] = {}
+        self._admission: dict[str, dict[str, Any]] = {}   # node -> its admission probe under way
         self._start_timer: Timer | None = None
         self._pending_joins: set[str] = set()
         self._join_timer: Timer | None = None
@@ -412,8 +416,51 @@ class Membership:
         lost = msg_field(msg, "unreachable", list)
         if not all(isinstance(n, str) for n in lost):
             raise MalformedMessageError("probe_result: field 'unreachable' must be a list of node names")
-        if msg.get("generation") == self._probe_gen and node.node_id in self._probe_asked:
+        tag = msg.get("generation")
+        if tag == self._probe_gen and node.node_id in self._probe_asked:
             self._probe_reports[node.node_id] = lost
+        elif isinstance(tag, str) and tag.startswith(_ADMIT):
+            probe = self._admission.get(tag[len(_ADMIT):])
+            if probe is not None and node.node_id in probe["asked"]:
+                probe["reports"][node.node_id] = lost
+                if probe["asked"] <= set(probe["reports"]):
+                    self._admission_done(tag[len(_ADMIT):])
+
+    def _admit_probe(self, node_id: str) -> None:
+        """``node_id`` was dropped for a broken link and wants to join: first every member's
+        agent tries to reach it and it tries to reach every member; it joins only when none
+        fails (else again after a wait that doubles up to 30 s: a link that stays broken
+        costs the members nothing, a flapping one a bounded number of plans)."""
+        node = self.nodes.get(node_id)
+        if node_id in self._admission or not self.eligible(node_id) or node is None or not node.store:
+            return
+        members = [m for m in self._members if self.eligible(m) and m != node_id]
+        stores = probe_targets({m: self.nodes[m].store for m in members})
+        mine = probe_targets({node_id: node.store})
+        tag = _ADMIT + node_id
+        self._admission[node_id] = {"asked": {node_id, *stores}, "reports": {}}
+        self.port.send(node_id, {"type": "probe", "generation": tag, "targets": stores, "timeout_s": PROBE_TIMEOUT_S})
+        for m in stores:
+            self.port.send(m, {"type": "probe", "generation": tag, "targets": mine, "timeout_s": PROBE_TIMEOUT_S})
+        self.port.call_later(PROBE_TIMEOUT_S + PROBE_SLACK_S, self._admission_done, node_id)
+
+    def _admission_done(self, node_id: str) -> None:
+        probe = self._admission.pop(node_id, None)
+        if probe is None or node_id not in self._cut_nodes:
+            return
+        reports: dict[str, list[str]] = probe["reports"]
+        missing = sorted(probe["asked"] - set(reports))
+        broken = sorted({m for m in reports.get(node_id, [])} | {m for m, lost in reports.items() if node_id in lost})
+        if broken or missing:
+            wait = self._cut_nodes[node_id] = min(30.0, max(2.0, 2 * self._cut_nodes[node_id]))
+            self.port.event("join_deferred", level=logging.WARNING, node=node_id, unreachable=broken,
+                            no_answer=missing, retry_s=wait)
+            self.port.call_later(wait, self._admit_probe, node_id)
+            return
+        del self._cut_nodes[node_id]
+        self.port.event("reachable_again", node=node_id)
+        if node_id not in self._members and self.eligible(node_id):
+            self._add_join(node_id)
 
     def _probes_pending(self, gen: int) -> bool:
         """Are members' probe reports of ``gen`` still on their way (and time left)?"""
@@ -440,6 +487,7 @@ class Membership:
                             reports={k: v for k, v in reports.items() if v})
             for n in cut:
                 self.evict(n)   # its worker restarts and joins again once it reaches the others
+                self._cut_nodes[n] = 0.0
             members = [m for m in members if m not in cut]
         lost = [m for m in self._members if m not in members]
         self.issue("collective_error", "immediate", members, lost=lost, detected_at=detected_at)
@@ -586,6 +634,9 @@ class Membership:
 
     def _add_join(self, node_id: str) -> None:
         if node_id in self._pending_joins:
+            return
+        if node_id in self._cut_nodes:   # dropped for a broken link: it joins once it reaches everyone
+            self._admit_probe(node_id)
             return
         self._pending_joins.add(node_id)
         warming = self._warming_up()

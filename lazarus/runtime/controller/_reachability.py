@@ -9,7 +9,8 @@ published (its worker's rendezvous store) and reports back which it could not
 (``probe`` / ``probe_result``); :func:`cut_off` then picks the fewest nodes whose removal
 leaves a group in which everyone reaches everyone: a node cut from its peers is the one
 every report names; of two nodes that lost only each other, the later member goes (one
-drop is enough, and the choice is the same on every replay of the same reports).
+drop is enough, and the choice is the same on every replay of the same reports). A node
+dropped this way joins again only after a probe both ways finds every link to it back.
 """
 
 from __future__ import annotations
@@ -17,13 +18,16 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["PROBE_SLACK_S", "PROBE_TIMEOUT_S", "cut_off", "probe_targets"]
+__all__ = ["ADMIT", "PROBE_SLACK_S", "PROBE_TIMEOUT_S", "cut_off", "probe_targets"]
 
 #: how long an agent's connect to a peer may take before the peer counts as unreachable
 PROBE_TIMEOUT_S = 1.0
 #: how much longer the controller waits for the reports (their way back) before it plans
 #: with those it has
 PROBE_SLACK_S = 0.5
+#: the tag of the probe that admits a node dropped this way again (``admit:<node>``): it
+#: joins only once it and every member reach each other
+ADMIT = "admit:"
 
 
 def probe_targets(stores: Mapping[str, Mapping[str, object] | None]) -> dict[str, list[object]]:

@@ -97,3 +97,33 @@ def test_membership_plans_with_the_reports_it_has_when_one_never_comes() -> None
     assert len(c.plans()) == 1
     c.loop.advance(1.0)   # past the probe timeout and its slack: b never answered
     assert c.plans()[-1]["members"] == ["a", "c"]
+
+
+def test_a_dropped_node_joins_again_only_once_every_link_to_it_is_back() -> None:
+    c = started("a", "b", "c", failure_grace=timedelta(milliseconds=200))
+    _with_stores(c, ["a", "b", "c"])
+    c.worker("a", type="collective_error", generation=1, error="timeout")
+    for n, lost in (("a", ["c"]), ("b", []), ("c", ["a"])):
+        c.m.on_message(n, {"type": "probe_result", "generation": 1, "unreachable": lost})
+    c.loop.advance(0.3)
+    assert c.plans()[-1]["members"] == ["a", "b"] and c.named("evicted")
+    c.applied(2)
+    # its agent restarts the worker, which registers and is ready again: probed, not planned
+    c.sent.clear()
+    c.register("c", store={"host": "192.0.2.22", "port": 4100})
+    admit = [(n, m) for n, m in c.sent if m.get("type") == "probe"]
+    assert sorted(n for n, _ in admit) == ["a", "b", "c"] and {m["generation"] for _, m in admit} == {"admit:c"}
+    assert dict(admit)["a"]["targets"] == {"c": ["192.0.2.22", 4100]}
+    assert not [p for p in c.plans() if "c" in p["members"] and p["generation"] > 1]
+    for n, lost in (("a", ["c"]), ("b", []), ("c", ["a"])):   # still cut
+        c.m.on_message(n, {"type": "probe_result", "generation": "admit:c", "unreachable": lost})
+    assert c.named("join_deferred")[-1]["unreachable"] == ["a"]
+    c.loop.advance(3.6)   # probed again after 2 s; no answer at all defers again (4 s)
+    assert len(c.named("join_deferred")) == 2 and c.named("join_deferred")[-1]["no_answer"] == ["a", "b", "c"]
+    assert all(len(p["members"]) == 2 for p in c.plans()[1:])
+    c.loop.advance(4.0)   # the third probe: every link is back
+    for n in ("a", "b", "c"):
+        c.m.on_message(n, {"type": "probe_result", "generation": "admit:c", "unreachable": []})
+    assert c.named("reachable_again") and c.named("join")[-1]["node"] == "c"
+    c.loop.advance(2.0)
+    assert c.plans()[-1]["members"] == ["a", "b", "c"] and c.plans()[-1]["reason"] == "join"
