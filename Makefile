@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 # `titan` extra brings what its modules do import (einops, tyro, torchdata, spmd_types, triton...).
 TORCHTITAN_PIN ?= torchtitan==0.3.0
 
-.PHONY: test lint test-gpu demo demo-moc docs-heatmap bench bench-store bench-placement bench-node-gpus bench-dispatch bench-hf bench-moc bench-simulate bench-runtime bench-peers bench-exact bench-gpu gpu-check gpu-wheels soak soak-matrix install bytecode check-install clean
+.PHONY: test lint netns-deps test-gpu demo demo-moc docs-heatmap bench bench-store bench-placement bench-node-gpus bench-dispatch bench-hf bench-moc bench-simulate bench-runtime bench-peers bench-exact bench-gpu gpu-check gpu-wheels soak soak-matrix install bytecode check-install clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -36,8 +36,17 @@ lint: $(STAMP)
 	$(VPY) -m ruff check .
 	$(VPY) -m mypy
 
-test: lint $(STAMP) bytecode
+test: lint $(STAMP) bytecode netns-deps
 	$(VPY) -m pytest -q
+
+# The multi-host tests (tests/lazarus/runtime/test_netns.py: network namespaces on a bridge)
+# cut traffic with nftables: installed, quietly, where we are root with apt-get and nft is
+# missing (CI here). Elsewhere those tests skip, saying what is missing.
+netns-deps:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v nft >/dev/null && [ ! -x /usr/sbin/nft ]; then \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -qq nftables >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && \
+	    apt-get install -y -qq nftables >/dev/null 2>&1; } || echo "nftables could not be installed: the netns tests skip"; fi
 
 # Only the CUDA tests (tests/gpu, marker `gpu`); they skip, with the reason, without a GPU.
 # GPU_PY=python3 uses an interpreter that already has a CUDA torch (no .venv is made).

@@ -34,6 +34,8 @@ def add_job_arguments(p: argparse.ArgumentParser, *, batch_size: int) -> None:
     p.add_argument("--corpus-bytes", type=int, default=4 << 20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--storage", required=True, help="moc storage URL or path (shared by all nodes)")
+    p.add_argument("--storage-connect-timeout", type=_duration, default=None,
+                   help="S3 storage: connect timeout of each attempt (storage_backends' default: 5s)")
     p.add_argument("--interval", type=int, default=10, help="moc checkpoint every N steps")
     p.add_argument("--k-snapshot", type=int, default=None, help="experts per layer to memory (default all)")
     p.add_argument("--k-persist", type=int, default=None, help="experts per layer to storage (default k-snapshot)")
@@ -81,14 +83,15 @@ def elastic_config(args: argparse.Namespace, *, top_k: int) -> Any:
     """The :class:`lazarus.runtime.ElasticConfig` of the flags, moc included."""
     from lazarus.runtime import ElasticConfig
 
+    opts = {} if args.storage_connect_timeout is None else {"connect_timeout": args.storage_connect_timeout}
     if args.exact:
         # keep_last=3: a rollback reads the newest committed window while the next may be committed
         moc_cfg = MoCConfig(storage=args.storage, interval=1, k_snapshot=args.k_snapshot, exact=True,
-                            persist_every=args.persist_every, top_k=top_k, keep_last=3)
+                            persist_every=args.persist_every, top_k=top_k, keep_last=3, storage_options=opts)
     else:
         moc_cfg = MoCConfig(storage=args.storage, interval=args.interval, k_snapshot=args.k_snapshot,
                             k_persist=args.k_persist, persist_every=args.persist_every, top_k=top_k,
-                            snapshot_copies=args.snapshot_copies, keep_last=2)
+                            snapshot_copies=args.snapshot_copies, keep_last=2, storage_options=opts)
     return ElasticConfig(collective_timeout=args.collective_timeout, rendezvous_timeout=args.rendezvous_timeout,
                          plan_timeout=args.plan_timeout, connect_timeout=args.connect_timeout,
                          report_every=args.report_every, moc=moc_cfg,

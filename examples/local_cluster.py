@@ -8,6 +8,11 @@ training processes (or one of them: with ``nproc_per_node`` > 1 an agent runs se
 one's death takes the node's others down); ``leave`` sends the agent SIGTERM, like a spot-preemption notice;
 ``kill_controller`` / ``restart_controller`` take the controller down and bring it back
 with the same command line (it resumes from its state directory).
+
+With ``network=`` (a :class:`examples.netns_cluster.NetnsNetwork`) the controller and every
+node run on hosts of their own, each in its network namespace with its own address on a
+bridge (the controller bound to its address), and the network's faults apply to them:
+``c.network.partition("n2")``, ``c.network.cut("n1", "controller")``...
 """
 
 from __future__ import annotations
@@ -65,12 +70,15 @@ class LocalCluster:
         controller_args: extra ``lazarus controller`` options (``--slots 4`` ...).
         agent_args: extra ``lazarus agent`` options.
         nproc_per_node: workers per agent (``--nproc-per-node``).
+        network: run each process on a host of this :class:`~examples.netns_cluster.NetnsNetwork`
+            (the controller on host ``controller``, node ``n`` on host ``n``); None: all
+            on this machine's loopback.
     """
 
     def __init__(self, workdir: str | os.PathLike, *, worker_args: Sequence[str] = (),
                  worker_command: Sequence[str] | None = None, controller_args: Sequence[str] = (),
                  agent_args: Sequence[str] = (), env: dict[str, str] | None = None,
-                 nproc_per_node: int = 1) -> None:
+                 nproc_per_node: int = 1, network: Any = None) -> None:
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.events_path = self.dir / "events.jsonl"
@@ -95,6 +103,7 @@ class LocalCluster:
         self.agents: dict[str, subprocess.Popen] = {}
         self.kill_times: dict[str, float] = {}
         self.controller_down = False   # killed on purpose (kill_controller) and not started again
+        self.network = network
 
     # -- processes -------------------------------------------------------------------------
     def start_controller(self, timeout: float = 60.0) -> str:
@@ -102,10 +111,12 @@ class LocalCluster:
         controller finds its state beside the events file and its old ports)."""
         self.controller_down = False
         log = open(self.dir / "controller.log", "a")
+        cmd = [sys.executable, "-m", "lazarus.cli", "controller", "--port", "0", "--store-port", "0",
+               "--secret-file", str(self.secret_path), "--events", str(self.events_path), *self.controller_args]
+        if self.network is not None:
+            cmd = self.network.wrap("controller", [*cmd, "--host", self.network.add_host("controller")])
         self.controller = subprocess.Popen(
-            [sys.executable, "-m", "lazarus.cli", "controller", "--port", "0", "--store-port", "0",
-             "--secret-file", str(self.secret_path), "--events", str(self.events_path), *self.controller_args],
-            stdout=subprocess.PIPE, stderr=log, env=self.env, start_new_session=True, text=True)
+            cmd, stdout=subprocess.PIPE, stderr=log, env=self.env, start_new_session=True, text=True)
         deadline = time.monotonic() + timeout
         assert self.controller.stdout is not None
         while time.monotonic() < deadline:
@@ -128,6 +139,9 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "lazarus.cli", "agent", "--controller", self.address,
                "--secret-file", str(self.secret_path), "--node-id", node, "--snapshot-dir", str(mem),
                *self.agent_args, *(["--standby"] if standby else []), "--", *self.worker_command, *extra_worker_args]
+        if self.network is not None:
+            self.network.add_host(node)
+            cmd = self.network.wrap(node, cmd)
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
         self.agents[node] = proc
         return proc

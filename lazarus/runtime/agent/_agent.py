@@ -78,9 +78,11 @@ from typing import Any
 
 from .._backoff import Backoff
 from .._config import AgentConfig
+from .._netif import socket_env
 from .._plan import Plan
 from .._wire import (PLAN_MAX_MESSAGE_BYTES, AuthRefusedError, ConnectionClosed, MalformedMessageError, ProtocolError,
                      encode_frame, read_frame, store_address)
+from ._probe import parse_targets, unreachable
 from ._agent_worker import (RestartPolicy, WorkerGroup, WorkerProcess, describe_exit, exit_status, spawn_worker,
                             worker_env)
 
@@ -155,6 +157,11 @@ class Agent:
         self._backoff = Backoff(*_RECONNECT_BACKOFF)
         self._attempts = 0                     # connection attempts since the node was last accepted
         self._last_failure = ""                # why the latest of them failed
+        # gloo / NCCL bind to the interface of that address (unless the user chose one)
+        self._socket_env = socket_env(self._store_host, {**os.environ, **config.env}, where=self.node_id)
+        if self._socket_env:
+            log.info("agent %s step -: workers bind gloo and NCCL to %s (the advertised address %s)", self.node_id,
+                     ", ".join(f"{k}={v}" for k, v in self._socket_env.items()), self._store_host)
 
     # ------------------------------------------------------------------ public
     def run(self) -> int:
@@ -622,8 +629,23 @@ class Agent:
             self._finish(EXIT_FAILED)
         elif kind == "pong":
             pass
+        elif kind == "probe":   # which peers can this node reach? (after a collective error)
+            self._spawn_task(self._answer_probe(msg))
         else:
             log.warning("agent %s: ignoring controller message %r", self.node_id, kind)
+
+    async def _answer_probe(self, msg: dict[str, Any]) -> None:
+        try:
+            targets, timeout = parse_targets(msg, exclude=self.node_id)
+        except MalformedMessageError as exc:
+            log.error("agent %s step -: dropped a probe from the controller: %s", self.node_id, exc)
+            return
+        lost = await unreachable(targets, timeout)
+        if lost:
+            log.warning("agent %s step -: cannot reach %s (probe after a collective error)", self.node_id,
+                        ", ".join(lost))
+        self._to_controller({"type": "probe_result", "node": self.node_id, "generation": msg.get("generation"),
+                             "unreachable": lost})
 
     def _on_plan(self, msg: dict[str, Any]) -> None:
         """Relay a plan to the workers, as it came (they read it themselves)."""
@@ -697,7 +719,8 @@ class Agent:
         g = cfg.nproc_per_node
         started: list[tuple[WorkerProcess, asyncio.StreamReader]] = []
         for local_rank in range(g):
-            env = worker_env(dict(os.environ), cfg.env, node_id=self.node_id, snapshot_dir=str(cfg.snapshot_dir),
+            env = worker_env(dict(os.environ, **self._socket_env), cfg.env, node_id=self.node_id,
+                             snapshot_dir=str(cfg.snapshot_dir),
                              incarnation=str(inc), secret=cfg.secret.hex(), standby="1" if self._on_standby else "0",
                              store_host=self._store_host,
                              max_message_bytes=str(max(cfg.max_message_bytes, PLAN_MAX_MESSAGE_BYTES)))
