@@ -228,9 +228,10 @@ def _plot(path: Path, steps: list[dict], timeline: list[dict]) -> None:
         if dt > 0:
             rate_t.append(ts[i])
             rate.append(window / dt)
-    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(8, 7), sharex=True)
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(8, 7.6), sharex=True)
     ax1.plot(rate_t, rate, color="tab:blue")
     ax1.set_ylabel("steps / s")
+    ax1.ticklabel_format(axis="y", useOffset=False)
     ax2.step(ts, [m["world"] for m in steps], where="post", color="tab:green")
     ax2.set_ylabel("nodes training")
     ax2.set_ylim(0, 5)
@@ -240,10 +241,14 @@ def _plot(path: Path, steps: list[dict], timeline: list[dict]) -> None:
     for ev in timeline:
         for ax in (ax1, ax2, ax3):
             ax.axvline(ev["t"] - t0, color="gray", ls="--", lw=0.8)
-        ax1.annotate(ev["event"].split(" (")[0], (ev["t"] - t0, ax1.get_ylim()[1]), fontsize=7, rotation=90,
-                     va="top", ha="right")
-    ax1.set_title("Lazarus on 4 CPU nodes: throughput, membership and loss")
-    fig.tight_layout()
+        # above the plot (x in data, y in axes units), never on the curve
+        ax1.annotate(ev["event"].split(" (")[0], (ev["t"] - t0, 1.02), xycoords=("data", "axes fraction"),
+                     fontsize=7, rotation=45, va="bottom", ha="left", annotation_clip=False)
+    fig.suptitle("Lazarus on 4 CPU nodes: throughput, membership and loss")
+    fig.text(0.5, 0.01, "The nodes share this machine's cores: with fewer processes each one gets more CPU, so "
+             "steps/s can rise after a node leaves.\nOn separate hosts throughput follows the nodes training.",
+             ha="center", va="bottom", fontsize=7, color="dimgray")
+    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
