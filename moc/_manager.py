@@ -43,6 +43,7 @@ import torch
 
 from storage_backends import open_store
 
+from ._announce import announce
 from ._config import MoCConfig
 from ._coordination import Coordinator
 from ._dist import Comm
@@ -53,7 +54,7 @@ from ._persister import Persister
 from ._plt import PLTTracker
 from ._policy import CheckpointPolicy
 from ._recovery import Recovery
-from ._restore import RestorePlan
+from ._restore import RestorePlan, RestoreReport, report_restore
 from ._run_state import RunState
 from ._snapshot import BufferPool, Inventory, SnapshotEngine
 from ._store import CheckpointStore
@@ -184,6 +185,7 @@ class CheckpointManager:
                                  run=self.run, store=store, snapshot_dir=self.snapshot_dir, policy=self.policy,
                                  extra_state=self.extra_state)
         self._closed = False
+        self._restore_report: RestoreReport | None = None
         self._adopt([t["handover"] for t in told])
         #: exact mode's checkpointer (None: plain mode); the manager calls only :attr:`mode`
         self.exact = self._exact_checkpointer(store, pool) if cfg.exact else None
@@ -274,6 +276,13 @@ class CheckpointManager:
     def last_restore(self) -> RestorePlan | None:
         """The plan of the newest :meth:`restore` (sources per unit), None before one."""
         return self.recovery.last_restore
+
+    @property
+    def last_restore_report(self) -> RestoreReport | None:
+        """What the newest :meth:`restore` did (step, source, units from memory and
+        storage, expert versions, PLT, seconds), None before one; its ``str()`` is the line
+        rank 0 logged."""
+        return self._restore_report
 
     # -- context manager -----------------------------------------------------------------
     def __enter__(self) -> "CheckpointManager":
@@ -367,8 +376,20 @@ class CheckpointManager:
         read by its name (from this rank's memory where it holds the same record), and the
         replay-divergence check is off unless the world and every rank's units are the
         window's (``status()["exact"]["last_replay"]`` says which).
+
+        Rank 0 logs what it did in one line at INFO, shown under Python's default logging
+        set-up too (:mod:`moc._announce`); :attr:`last_restore_report` holds it.
         """
-        return self.mode.restore(reshard=reshard)
+        started = time.monotonic()
+        next_step = self.mode.restore(reshard=reshard)
+        replay = self.exact.last_replay if self.exact is not None and next_step else None
+        self._restore_report = report_restore(
+            self.recovery.last_restore, next_step=next_step, storage=str(self.cfg.storage), plt=self.plt(),
+            seconds=time.monotonic() - started,
+            exact_window=None if replay is None else (replay["start"], replay["end"], str(replay["source"])))
+        if self.rank == 0:
+            announce(log, "%s", self._restore_report)
+        return next_step
 
     def restore_units(self, names: list[str]) -> dict[str, dict[str, Any]]:
         """Replace the named units (typically experts that lost every replica) with their
