@@ -25,6 +25,7 @@ calls one mode object (:mod:`moc._modes`: plain or exact) for ``step``, ``restor
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -59,7 +60,7 @@ from ._run_state import RunState
 from ._snapshot import BufferPool, Inventory, SnapshotEngine
 from ._store import CheckpointStore
 from ._topology import check_node, default_node
-from ._units import RouterTaps, UnitLayout, UnitPlans, discover_units, routing_reporters
+from ._units import RouterTaps, UnitLayout, UnitPlans, discover_units, resolve_top_k, routing_reporters
 
 __all__ = ["CheckpointManager", "CheckpointError", "Handover"]
 
@@ -157,6 +158,9 @@ class CheckpointManager:
                                       "run_id": uuid.uuid4().hex[:16],
                                       "handover": handover.state if handover is not None else None})
         self.inventory = Inventory.from_gathered(model, layout, told)
+        top_k = resolve_top_k(cfg.top_k, model, self.inventory.num_experts)   # None: the model's
+        if top_k != cfg.top_k:
+            self.cfg = cfg = dataclasses.replace(cfg, top_k=top_k)
         if self.rank == 0:   # once a run: a manager replacing another (handover) has the same layout
             log.log(logging.DEBUG if handover is not None else logging.INFO, "rank %d step -: expert layout %s",
                     self.rank, self.inventory.info["description"])
@@ -335,7 +339,7 @@ class CheckpointManager:
             if units and units[0].refs:
                 key = units[0].refs[0].key
                 owners[layer] = key.rsplit(".", 1)[0] if "." in key else ""
-        self._taps = RouterTaps(self.model, self.num_experts, skip=lazarus_layers, top_k=self.cfg.top_k,
+        self._taps = RouterTaps(self.model, self.num_experts, skip=lazarus_layers, top_k=self.policy.tracker.top_k,
                                 widths=self.layout.routed_ids, owners=owners)
         if self._taps.tapped and self.rank == 0:
             log.info("rank %d step -: routing counted from %d routers", self.rank, self._taps.tapped)
