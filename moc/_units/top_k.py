@@ -6,7 +6,8 @@ Where it can be read:
 * the routers: a module at or beside an MoE layer with an integer ``top_k`` attribute
   (transformers 5.x routers such as ``Qwen3MoeTopKRouter`` and ``MixtralSparseMoeBlock``,
   torchtitan's ``TokenChoiceTopKRouter``, Lazarus' ``SoftmaxRouter``, a plain MoE block
-  keeping its ``top_k``), when they all agree;
+  keeping its ``top_k``), or a router class named for its k (``SwitchTransformersTop1Router``,
+  ``NllbMoeTop2Router``), when they all agree;
 * a transformers config (``model.config``, its text config, DBRX's ``ffn_config``):
   ``num_experts_per_tok`` (also what ``moe_k`` is mapped to), ``moe_top_k`` (DBRX),
   ``moe_topk`` (Aria, LongCat-Flash, Hunyuan), ``top_k_experts`` (Gemma 4),
@@ -15,12 +16,14 @@ Where it can be read:
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
 from torch import nn
 
 __all__ = ["CONFIG_FIELDS", "model_top_k", "resolve_top_k"]
 
+_CLASS_TOP_K = re.compile(r"Top(\d+)Router$")
 CONFIG_FIELDS = ("num_experts_per_tok", "moe_top_k", "moe_topk", "top_k_experts", "moe_k", "num_selected_experts",
                  "experts_per_token")
 
@@ -39,13 +42,19 @@ def _from_routers(model: nn.Module, layers: list[str]) -> tuple[int, str] | None
         if not any(name == s or name.startswith(s + ".") for s in scopes):
             continue
         value = _int(getattr(module, "top_k", None))
+        named = _CLASS_TOP_K.search(type(module).__name__)
+        if value is None and named is not None:     # routers whose k is their class: Top1Router, Top2Router
+            value = int(named.group(1))
         if value is not None:
             found.setdefault(value, []).append(name)
     if len(found) != 1:
         return None
     (value, names), = found.items()
     more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
-    return value, f"{names[0] or type(model).__name__}.top_k{more}"
+    module, label = model.get_submodule(names[0]), names[0] or type(model).__name__
+    where = (f"{label}.top_k" if _int(getattr(module, "top_k", None)) is not None
+             else f"{label} ({type(module).__name__})")
+    return value, where + more
 
 
 def _from_config(model: nn.Module) -> tuple[int, str] | None:
