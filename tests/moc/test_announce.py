@@ -64,3 +64,50 @@ def test_restore_says_what_it_did_at_the_default_logging_set_up(tmp_path):
     # A user who set moc's level to WARNING does not see it.
     fourth, err = _run(tmp_path, 29, "--quiet-moc")
     assert fourth["report"]["step"] == 25 and "resumed step" not in err, err
+
+
+def test_an_exact_restore_says_which_window_it_replays(tmp_path, caplog):
+    """Exact mode: the line names the window and the steps the loop replays; it reaches the
+    application's handlers (here pytest's) though the root logger is left at WARNING."""
+    import torch
+
+    from examples.toy_moe import BigramTask, ToyMoE
+    from moc import CheckpointManager, MoCConfig, RestoreReport
+
+    cfg = MoCConfig(storage=str(tmp_path / "s"), snapshot_dir=str(tmp_path / "m"), interval=1, k_snapshot=3,
+                    exact=True)
+    task = BigramTask(vocab=32)
+    torch.manual_seed(0)
+    model = ToyMoE(vocab=32, dim=16, hidden=32, num_layers=2, num_experts=8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = CheckpointManager(cfg, model=model, optimizer=opt)
+    for step in range(8):      # W = ceil(8 / 3) = 3: windows 0-2 and 3-5 complete, 6-8 not
+        x, y = task.batch(step, 64)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        ckpt.step(step)
+    ckpt.close(keep_snapshots=True, flush=False)
+    caplog.clear()
+    assert logging_root_level() > 20     # INFO would be dropped by the root's level
+    with CheckpointManager(cfg, model=model, optimizer=opt) as again:
+        nxt = again.restore()
+        report = again.last_restore_report
+        assert isinstance(report, RestoreReport) and report.exact_window == (3, 5) and nxt == 4
+        assert report.step == 3 and report.source in ("memory", "storage") and report.plt == 0.0
+        assert str(report).startswith(f"moc: resumed step 3 from {report.source} (exact window 3-5; the loop "
+                                      "replays steps 4-5), PLT 0.00%, ")
+        for step in range(nxt, 6):
+            x, y = task.batch(step, 64)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            again.step(step)
+    said = [r for r in caplog.records if r.name == "moc" and r.getMessage().startswith("moc: ")]
+    assert [r.getMessage() for r in said] == [str(report)] and said[0].levelname == "INFO"
+
+
+def logging_root_level() -> int:
+    import logging
+
+    return logging.getLogger().getEffectiveLevel()
