@@ -12,8 +12,8 @@ import torch
 
 from .._config import MoCConfig
 from .._manager import CheckpointManager
-from .._restore import RestoreReport
 from .._optional import import_optional
+from .._restore import RestoreReport
 from .._units import capture_rng, restore_rng
 
 __all__ = ["inner_optimizer", "RngHandoff", "require", "check_callback_args", "CallbackRun", "delegated", "QuietRecord",

@@ -76,6 +76,8 @@ class MoCCallback(Callback):
     Attributes:
         manager: the :class:`moc.CheckpointManager` while ``fit`` runs, else ``None``.
         resumed_step: the global step the newest ``fit`` restored (``None``: nothing).
+        last_restore_report: what the newest ``fit``'s restore did, a :class:`moc.RestoreReport`
+            (the line moc logged; ``step`` None when nothing was stored; None: no restore).
     """
 
     config = delegated("config", "the :class:`moc.MoCConfig`")

@@ -86,6 +86,8 @@ class MoCCallback(TrainerCallback):
         manager: the :class:`moc.CheckpointManager` while ``train()`` runs, else ``None``.
         resumed_step: the global step restored by the newest ``train()`` (``None``: nothing
             was restored).
+        last_restore_report: what the newest ``train()``'s restore did, a :class:`moc.RestoreReport`
+            (the line moc logged; ``step`` None when nothing was stored; None: no restore).
     """
 
     config = delegated("config", "the :class:`moc.MoCConfig`")
