@@ -12,6 +12,7 @@ from ._config import MoCConfig
 from ._errors import CheckpointError
 from ._manager import CheckpointManager
 from ._plt import PLTTracker
+from ._restore import RestoreReport
 from ._selection import load_aware_selection, sequential_selection
 from ._store import decode_tree, encode_tree
 from ._store.format import FORMAT_VERSION, ChunkRecord, Manifest, ManifestError, UnitRecord, UnsupportedFormatError
@@ -21,6 +22,7 @@ from ._units import DEFAULT_EXPERT_PATTERN, ExpertLayout, UnitLayout, UnitSpec, 
 __all__ = [
     "CheckpointManager",
     "MoCConfig",
+    "RestoreReport",
     "CheckpointError",
     "ExpertLayout",
     "CheckpointStore",

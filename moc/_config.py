@@ -54,6 +54,10 @@ class MoCConfig:
             accumulated PLT exceeds ``plt_threshold``.
         plt_threshold: PLT above which dynamic-K raises K (0.0375 in the MoC paper).
         top_k: experts each token is routed to (the PLT denominator counts tokens x top_k).
+            ``None`` (default): read from the model (its routers' ``top_k``, a transformers
+            config's ``num_experts_per_tok`` and the like; see :mod:`moc._units.top_k`), 1
+            when it does not say. A value the model contradicts, or more than a layer's
+            experts, is an error naming both.
         sharding: how ranks split the saving work: ``"adaptive"`` (greedy, largest module
             to the least loaded rank), ``"equal"`` (round robin) or ``"none"`` (rank 0
             saves every non-expert module).
@@ -98,7 +102,7 @@ class MoCConfig:
     selection: str = "sequential"
     dynamic_k: bool = True
     plt_threshold: float = 0.0375
-    top_k: int = 1
+    top_k: Union[int, None] = None
     sharding: str = "adaptive"
     compression: Union[str, None] = None
     keep_last: int = 3
@@ -138,7 +142,7 @@ class MoCConfig:
             raise ValueError(f"MoCConfig.selection must be one of {SELECTIONS}, got {self.selection!r}")
         if not isinstance(self.plt_threshold, (int, float)) or not 0.0 < self.plt_threshold < 1.0:
             raise ValueError(f"MoCConfig.plt_threshold must be in (0, 1), got {self.plt_threshold!r}")
-        _check_int("top_k", self.top_k, 1)
+        _check_int("top_k", self.top_k, 1, allow_none=True)
         if self.sharding not in SHARDINGS:
             raise ValueError(f"MoCConfig.sharding must be one of {SHARDINGS}, got {self.sharding!r}")
         if self.compression not in (None, *CODECS):

@@ -25,6 +25,7 @@ calls one mode object (:mod:`moc._modes`: plain or exact) for ``step``, ``restor
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -43,6 +44,7 @@ import torch
 
 from storage_backends import open_store
 
+from ._announce import announce
 from ._config import MoCConfig
 from ._coordination import Coordinator
 from ._dist import Comm
@@ -53,12 +55,12 @@ from ._persister import Persister
 from ._plt import PLTTracker
 from ._policy import CheckpointPolicy
 from ._recovery import Recovery
-from ._restore import RestorePlan
+from ._restore import RestorePlan, RestoreReport, report_restore
 from ._run_state import RunState
 from ._snapshot import BufferPool, Inventory, SnapshotEngine
 from ._store import CheckpointStore
 from ._topology import check_node, default_node
-from ._units import RouterTaps, UnitLayout, UnitPlans, discover_units, routing_reporters
+from ._units import RouterTaps, UnitLayout, UnitPlans, discover_units, resolve_top_k, routing_reporters
 
 __all__ = ["CheckpointManager", "CheckpointError", "Handover"]
 
@@ -156,6 +158,9 @@ class CheckpointManager:
                                       "run_id": uuid.uuid4().hex[:16],
                                       "handover": handover.state if handover is not None else None})
         self.inventory = Inventory.from_gathered(model, layout, told)
+        top_k = resolve_top_k(cfg.top_k, model, self.inventory.num_experts)   # None: the model's
+        if top_k != cfg.top_k:
+            self.cfg = cfg = dataclasses.replace(cfg, top_k=top_k)
         if self.rank == 0:   # once a run: a manager replacing another (handover) has the same layout
             log.log(logging.DEBUG if handover is not None else logging.INFO, "rank %d step -: expert layout %s",
                     self.rank, self.inventory.info["description"])
@@ -184,6 +189,7 @@ class CheckpointManager:
                                  run=self.run, store=store, snapshot_dir=self.snapshot_dir, policy=self.policy,
                                  extra_state=self.extra_state)
         self._closed = False
+        self._restore_report: RestoreReport | None = None
         self._adopt([t["handover"] for t in told])
         #: exact mode's checkpointer (None: plain mode); the manager calls only :attr:`mode`
         self.exact = self._exact_checkpointer(store, pool) if cfg.exact else None
@@ -275,6 +281,13 @@ class CheckpointManager:
         """The plan of the newest :meth:`restore` (sources per unit), None before one."""
         return self.recovery.last_restore
 
+    @property
+    def last_restore_report(self) -> RestoreReport | None:
+        """What the newest :meth:`restore` did (step, source, units from memory and
+        storage, expert versions, PLT, seconds), None before one; its ``str()`` is the line
+        rank 0 logged."""
+        return self._restore_report
+
     # -- context manager -----------------------------------------------------------------
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -326,7 +339,7 @@ class CheckpointManager:
             if units and units[0].refs:
                 key = units[0].refs[0].key
                 owners[layer] = key.rsplit(".", 1)[0] if "." in key else ""
-        self._taps = RouterTaps(self.model, self.num_experts, skip=lazarus_layers, top_k=self.cfg.top_k,
+        self._taps = RouterTaps(self.model, self.num_experts, skip=lazarus_layers, top_k=self.policy.tracker.top_k,
                                 widths=self.layout.routed_ids, owners=owners)
         if self._taps.tapped and self.rank == 0:
             log.info("rank %d step -: routing counted from %d routers", self.rank, self._taps.tapped)
@@ -367,8 +380,20 @@ class CheckpointManager:
         read by its name (from this rank's memory where it holds the same record), and the
         replay-divergence check is off unless the world and every rank's units are the
         window's (``status()["exact"]["last_replay"]`` says which).
+
+        Rank 0 logs what it did in one line at INFO, shown under Python's default logging
+        set-up too (:mod:`moc._announce`); :attr:`last_restore_report` holds it.
         """
-        return self.mode.restore(reshard=reshard)
+        started = time.monotonic()
+        next_step = self.mode.restore(reshard=reshard)
+        replay = self.exact.last_replay if self.exact is not None and next_step else None
+        self._restore_report = report_restore(
+            self.recovery.last_restore, next_step=next_step, storage=str(self.cfg.storage), plt=self.plt(),
+            seconds=time.monotonic() - started,
+            exact_window=None if replay is None else (replay["start"], replay["end"], str(replay["source"])))
+        if self.rank == 0:
+            announce(log, "%s", self._restore_report)
+        return next_step
 
     def restore_units(self, names: list[str]) -> dict[str, dict[str, Any]]:
         """Replace the named units (typically experts that lost every replica) with their

@@ -310,7 +310,7 @@ class Persister:
             for name, u in merged.items()
         ]
         base = self.base if self.base is not None else self.store.latest_manifest()
-        plt = PLTTracker(self.policy.num_experts, self.cfg.top_k)
+        plt = PLTTracker(self.policy.num_experts, self.policy.tracker.top_k)
         plt.load_state(header["plt"])
         carry_persist_counters(plt, base)
         for layer, experts in header["selection"].items():

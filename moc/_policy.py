@@ -99,7 +99,7 @@ class CheckpointPolicy:
         if self.k_persist > self.k_snapshot:
             raise ValueError(f"MoCConfig.k_persist ({self.k_persist}) must be <= k_snapshot ({self.k_snapshot})")
         self.interval = 1 if cfg.interval == "auto" else int(cfg.interval)
-        self.tracker = PLTTracker(self.num_experts, cfg.top_k)
+        self.tracker = PLTTracker(self.num_experts, cfg.top_k or 1)   # (the manager resolved None)
         # Routing counts since the last sync: this rank's tokens ("local", summed over ranks
         # at the sync) and counts already summed over the job ("global", the same on every
         # rank, so any survivor can hand them to the next manager).
@@ -192,7 +192,7 @@ class CheckpointPolicy:
                 self.tracker.record(l, flat[pos: pos + n])
                 pos += n
             first = flat[: self._pending[layers[0]].numel()]
-            self.tracker.add_tokens(int(first.sum()) // self.cfg.top_k)
+            self.tracker.add_tokens(int(first.sum()) // self.tracker.top_k)
 
     def pending_state(self) -> dict[str, dict[str, list[int]]]:
         """Routing counts not yet synced, for the manager that replaces this one."""
@@ -374,14 +374,20 @@ class CheckpointPolicy:
         if not levels and tracker.value() > thr:
             levels = {max(("snapshot", "persist"), key=tracker.lost_tokens)}
         e_min = min(self.num_experts.values())
+        before = {"snapshot": self.k_snapshot, "persist": self.k_persist}
         if "snapshot" in levels:
             self.k_snapshot = min(2 * self.k_snapshot, e_min)
         if "persist" in levels:
             self.k_persist = min(2 * self.k_persist, e_min)
             self.k_snapshot = max(self.k_snapshot, self.k_persist)
-        if levels:
-            log.warning("rank %d: PLT %.4f%% > %.4f%%: K raised to snapshot=%d persist=%d", self.run.rank,
-                        100 * tracker.value(), 100 * thr, self.k_snapshot, self.k_persist)
+        after = {"snapshot": self.k_snapshot, "persist": self.k_persist}
+        changed = [f"{lv} {before[lv]} -> {after[lv]}" for lv in ("snapshot", "persist") if before[lv] != after[lv]]
+        if levels:   # say what changed, and the K left as it was (already at E)
+            same = [f"{lv} {after[lv]}" for lv in ("snapshot", "persist") if before[lv] == after[lv]]
+            log.warning("rank %d: PLT %.4f%% > %.4f%% (%s): %s%s", self.run.rank, 100 * tracker.value(), 100 * thr,
+                        " and ".join(sorted(levels)) + " level" + ("s" if len(levels) > 1 else ""),
+                        f"K raised: {', '.join(changed)}" if changed else f"K already at E = {e_min}",
+                        f" (unchanged: {', '.join(same)})" if changed and same else "")
 
     # -- recovery bookkeeping --------------------------------------------------------------
     def book_restored(self, name: str, level: str, cum: int | None, *, rewind: bool) -> int:

@@ -138,7 +138,7 @@ class Recovery:
         self._after_restore(plan, manifest)
         with self.run.lock:
             plt = self.policy.tracker.value()
-        log.info("rank %d: restored step %d (%s), PLT %.4f%%, k_snapshot=%d k_persist=%d", self.rank, plan.step,
+        log.debug("rank %d: restored step %d (%s), PLT %.4f%%, k_snapshot=%d k_persist=%d", self.rank, plan.step,
                  "memory" if plan.from_memory else "storage", 100 * plt, self.policy.k_snapshot,
                  self.policy.k_persist)
         return plan.step + 1, manifest

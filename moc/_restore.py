@@ -11,6 +11,9 @@ gathered inventories without further talk.
   ``<= S`` covers all its bytes, from storage otherwise (the manifest's record).
 * Versions newer than ``S`` are never used: the model would otherwise mix states that
   never coexisted.
+
+What a restore did is summed up for the user in a :class:`RestoreReport` (one log line,
+``CheckpointManager.last_restore_report``).
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-__all__ = ["Source", "RestorePlan", "plan_restore", "plan_units", "MemoryPiece", "manifest_inventory",
-           "restore_snapshots", "module_units_of"]
+__all__ = ["Source", "RestorePlan", "RestoreReport", "report_restore", "plan_restore", "plan_units", "MemoryPiece",
+           "manifest_inventory", "restore_snapshots", "module_units_of"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,84 @@ class RestorePlan:
     sources: dict[str, Source]
     plt: dict[str, Any]                          # tracker state at S
     meta: dict[str, Any]                         # manager metadata at S (K values, counters)
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    """What one :meth:`moc.CheckpointManager.restore` did, for the whole job (every rank
+    computes the same plan); ``str(report)`` is the line moc logs.
+
+    Attributes:
+        step: the step restored; None when nothing was stored (training starts at 0).
+        next_step: what ``restore()`` returned (the step to run next).
+        source: where the restore step came from: ``"memory"`` (a shared-memory snapshot
+            newer than storage) or ``"storage"``; None when nothing was restored.
+        storage: the store's URL.
+        units_from_memory: units (experts, non-expert modules, extra state; a unit split
+            over ranks counts once per piece) read from the ranks' in-memory snapshots.
+        units_from_storage: units read from storage.
+        experts_by_version: experts restored per saved version, ``{step: count}``; an
+            expert older than ``step`` lost the updates since its version (what PLT counts).
+        dense: non-expert module units (all at ``step``).
+        plt: the run's proportion of lost tokens after this restore (0.012 = 1.2%).
+        seconds: how long ``restore()`` took.
+        exact_window: exact mode: the window ``(first, last)`` restored, whose steps the
+            loop replays (no token lost; the unit counts are not reported there).
+    """
+
+    step: int | None
+    next_step: int
+    source: str | None
+    storage: str
+    units_from_memory: int = 0
+    units_from_storage: int = 0
+    experts_by_version: Mapping[int, int] = field(default_factory=dict)
+    dense: int = 0
+    plt: float = 0.0
+    seconds: float = 0.0
+    exact_window: tuple[int, int] | None = None
+
+    @property
+    def experts(self) -> int:
+        """Experts restored, all versions together."""
+        return sum(self.experts_by_version.values())
+
+    def __str__(self) -> str:
+        if self.step is None:
+            return f"moc: nothing to resume in {self.storage}; training starts at step 0 ({self.seconds:.2f} s)"
+        if self.exact_window is not None:
+            first, last = self.exact_window
+            what = (f"exact window {first}-{last}; the loop replays steps {first + 1}-{last}" if last > first
+                    else f"exact window {first}-{last}")
+        else:
+            versions = ", ".join(f"{n} from step {v}" for v, n in sorted(self.experts_by_version.items(),
+                                                                           reverse=True))
+            what = (f"experts {versions or 'none'}; dense {self.dense}; units {self.units_from_memory} from memory, "
+                    f"{self.units_from_storage} from storage")
+        return (f"moc: resumed step {self.step} from {self.source} ({what}), PLT {100 * self.plt:.2f}%, "
+                f"{self.seconds:.2f} s; training continues at step {self.next_step}")
+
+
+def report_restore(plan: RestorePlan | None, *, next_step: int, storage: str, plt: float, seconds: float,
+                   exact_window: tuple[int, int, str] | None = None) -> RestoreReport:
+    """The :class:`RestoreReport` of a restore that returned ``next_step``: from its plan
+    (plain mode) or the exact window ``(first, last, source)`` it restored."""
+    if not next_step:
+        return RestoreReport(None, 0, None, storage, seconds=seconds)
+    if exact_window is not None:
+        first, last, source = exact_window
+        return RestoreReport(first, next_step, source, storage, plt=plt, seconds=seconds,
+                             exact_window=(first, last))
+    assert plan is not None          # a plain restore that returned a step planned it
+    levels = [src.level for src in plan.sources.values()]
+    versions: dict[int, int] = {}
+    for name in sorted({n.split("#", 1)[0] for n in plan.sources if n.startswith("expert/")}):
+        version = min(src.version for n, src in plan.sources.items() if n.split("#", 1)[0] == name)
+        versions[version] = versions.get(version, 0) + 1
+    dense = len({n.split("#", 1)[0] for n in plan.sources if not n.startswith(("expert/", "extra/"))})
+    return RestoreReport(plan.step, next_step, "memory" if plan.from_memory else "storage", storage,
+                         units_from_memory=levels.count("snapshot"), units_from_storage=levels.count("persist"),
+                         experts_by_version=versions, dense=dense, plt=plt, seconds=seconds)
 
 
 def manifest_inventory(manifest: Any) -> dict[str, Any] | None:

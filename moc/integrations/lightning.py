@@ -30,13 +30,13 @@ import logging
 from typing import Any, Mapping
 
 from .._config import MoCConfig
-from .._manager import CheckpointManager
 from .._units import capture_rng, restore_rng
-from ._common import RngHandoff, check_callback_args, inner_optimizer, require
+from ._common import CallbackRun, QuietWarning, delegated, require
 
 require("lightning.pytorch", "lightning", "moc.integrations.lightning")
 from lightning.pytorch import Callback  # noqa: E402
 from lightning.fabric.utilities.data import _set_sampler_epoch  # noqa: E402
+from lightning.fabric.utilities.warnings import PossibleUserWarning  # noqa: E402
 
 __all__ = ["MoCCallback"]
 
@@ -76,20 +76,30 @@ class MoCCallback(Callback):
     Attributes:
         manager: the :class:`moc.CheckpointManager` while ``fit`` runs, else ``None``.
         resumed_step: the global step the newest ``fit`` restored (``None``: nothing).
+        last_restore_report: what the newest ``fit``'s restore did, a :class:`moc.RestoreReport`
+            (the line moc logged; ``step`` None when nothing was stored; None: no restore).
     """
+
+    config = delegated("config", "the :class:`moc.MoCConfig`")
+    resume = delegated("resume", "restore moc's newest step when ``fit`` starts")
+    extra_state = delegated("extra_state", "the user's extra state objects")
+    manager_kwargs = delegated("manager_kwargs", "passed on to :class:`moc.CheckpointManager`")
+    manager = delegated("manager", "the :class:`moc.CheckpointManager` while ``fit`` runs, else None")
+    resumed_step = delegated("resumed_step", "the global step the newest ``fit`` restored (None: nothing)")
+    last_restore_report = delegated("last_restore_report", "what the newest ``fit``'s restore did (a "
+                                    ":class:`moc.RestoreReport`; None: no restore was made)")
 
     def __init__(self, config: MoCConfig, *, resume: bool = True, extra_state: Mapping[str, Any] | None = None,
                  manager_kwargs: Mapping[str, Any] | None = None) -> None:
-        check_callback_args(config, extra_state, manager_kwargs,
-                            reserved=lambda n: n == "fit" or n.startswith("lr_scheduler"))
-        self.config = config
-        self.resume = bool(resume)
-        self.extra_state = dict(extra_state or {})
-        self.manager_kwargs = dict(manager_kwargs or {})
-        self.manager: CheckpointManager | None = None
-        self.resumed_step: int | None = None
+        self._run = CallbackRun(config, resume=resume, extra_state=extra_state, manager_kwargs=manager_kwargs,
+                                reserved=lambda n: n == "fit" or n.startswith("lr_scheduler"))
         self._progress: _FitProgress | None = None
-        self._rng = RngHandoff()
+        self._rng = self._run.rng
+        # Restarted mid-epoch, Lightning warns that a plain DataLoader cannot resume exactly;
+        # after a moc restore the callback positions it exactly: that warning, then only.
+        self._quiet = QuietWarning("You're resuming from a checkpoint that ended before the epoch ended and your "
+                                   "dataloader is not resumable", PossibleUserWarning,
+                                   "lightning.pytorch.loops.training_epoch_loop")
         self._skip = 0
         self._epoch_rng: dict[str, Any] | None = None
         self._keep_epoch_rng = False
@@ -98,14 +108,11 @@ class MoCCallback(Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         if len(trainer.optimizers) > 1:
             raise ValueError(f"MoCCallback supports one optimizer, the module configured {len(trainer.optimizers)}")
-        optimizer = inner_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
         self._progress = _FitProgress(trainer)
-        extra: dict[str, Any] = {"fit": self._progress, **self.extra_state}
+        extra: dict[str, Any] = {"fit": self._progress}
         for i, cfg in enumerate(trainer.lr_scheduler_configs):
             extra[f"lr_scheduler{i}"] = cfg.scheduler
-        self.manager = CheckpointManager(self.config, model=pl_module, optimizer=optimizer, extra_state=extra,
-                                         **self.manager_kwargs)
-        self.resumed_step = None
+        self._run.open(pl_module, trainer.optimizers[0] if trainer.optimizers else None, extra)
         self._skip = 0
         self._epoch_rng = None
         self._keep_epoch_rng = False
@@ -115,9 +122,10 @@ class MoCCallback(Callback):
                         trainer.global_rank, trainer.global_step, trainer.ckpt_path)
             return
         if self.resume:
-            next_step = self.manager.restore()
-            if next_step:
-                self._apply_restore(trainer, next_step - 1)
+            step = self._run.restore()
+            if step is not None:
+                self._quiet.install()        # Lightning warns when its loop restarts, before the first batch
+                self._apply_restore(trainer, step)
 
     def _apply_restore(self, trainer, step: int) -> None:
         assert self._progress is not None   # made by on_fit_start before the restore
@@ -184,6 +192,9 @@ class MoCCallback(Callback):
         if self._progress is not None:
             self._progress.epoch_rng = self._epoch_rng
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._quiet.remove()                 # the loop has restarted: Lightning's own warnings pass again
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.manager is None or trainer.global_step == self._last_step:
             return                              # accumulating: no optimizer step yet
@@ -191,14 +202,12 @@ class MoCCallback(Callback):
         self.manager.step(trainer.global_step)
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        if self.manager is not None:
-            manager, self.manager = self.manager, None
-            manager.close()
+        self._quiet.remove()
+        self._run.close()
 
     def on_exception(self, trainer, pl_module, exception) -> None:
-        if self.manager is not None:
-            manager, self.manager = self.manager, None
-            manager.close(keep_snapshots=True, raise_errors=False, flush=False)
+        self._quiet.remove()
+        self._run.close(keep_snapshots=True, raise_errors=False, flush=False)
 
 
 def _epoch_closed(fit_loop: Mapping[str, Any], per_epoch: int | None) -> dict[str, Any]:

@@ -9,7 +9,7 @@ a torchtitan job switches to moc in its config and nothing else::
 
     config = deepseek_v3_debugmodel()                 # any torchtitan Trainer.Config
     config.checkpoint = MoCCheckpointManager.Config(
-        enable=True, moc=MoCConfig(storage="s3://bucket/run", interval=50, k_snapshot=2, top_k=8))
+        enable=True, moc=MoCConfig(storage="s3://bucket/run", interval=50, k_snapshot=2))
 
 The trainer then calls ``load()`` before its loop (moc restores its newest consistent step:
 model, optimizer, LR schedule, the trainer's ``step`` / ``ntokens_seen`` and the data

@@ -34,8 +34,7 @@ import sys
 from typing import Any, Mapping
 
 from .._config import MoCConfig
-from .._manager import CheckpointManager
-from ._common import RngHandoff, check_callback_args, inner_optimizer, require
+from ._common import CallbackRun, QuietRecord, delegated, require
 
 transformers = require("transformers", "hf", "moc.integrations.transformers")
 require("accelerate", "hf", "transformers.Trainer")
@@ -87,19 +86,29 @@ class MoCCallback(TrainerCallback):
         manager: the :class:`moc.CheckpointManager` while ``train()`` runs, else ``None``.
         resumed_step: the global step restored by the newest ``train()`` (``None``: nothing
             was restored).
+        last_restore_report: what the newest ``train()``'s restore did, a :class:`moc.RestoreReport`
+            (the line moc logged; ``step`` None when nothing was stored; None: no restore).
     """
+
+    config = delegated("config", "the :class:`moc.MoCConfig`")
+    resume = delegated("resume", "restore moc's newest step when ``train()`` starts")
+    extra_state = delegated("extra_state", "the user's extra state objects")
+    manager_kwargs = delegated("manager_kwargs", "passed on to :class:`moc.CheckpointManager`")
+    manager = delegated("manager", "the :class:`moc.CheckpointManager` while ``train()`` runs, else None")
+    resumed_step = delegated("resumed_step", "the global step the newest ``train()`` restored (None: nothing)")
+    last_restore_report = delegated("last_restore_report", "what the newest ``train()``'s restore did (a "
+                                    ":class:`moc.RestoreReport`; None: no restore was made)")
 
     def __init__(self, config: MoCConfig, *, resume: bool = True, extra_state: Mapping[str, Any] | None = None,
                  manager_kwargs: Mapping[str, Any] | None = None) -> None:
-        check_callback_args(config, extra_state, manager_kwargs, reserved=lambda n: n in ("trainer", "lr_scheduler"))
-        self.config = config
-        self.resume = bool(resume)
-        self.extra_state = dict(extra_state or {})
-        self.manager_kwargs = dict(manager_kwargs or {})
-        self.manager: CheckpointManager | None = None
-        self.resumed_step: int | None = None
+        self._run = CallbackRun(config, resume=resume, extra_state=extra_state, manager_kwargs=manager_kwargs,
+                                reserved=lambda n: n in ("trainer", "lr_scheduler"))
         self._progress: _TrainerProgress | None = None
-        self._rng = RngHandoff()
+        self._rng = self._run.rng
+        # The Trainer finds no batch in an epoch the callback skips on purpose and warns that
+        # it stops training (it does not): that warning, in those epochs only.
+        self._quiet = QuietRecord("transformers.trainer", "There seems not to be a single sample in your "
+                                  "epoch_iterator")
         self._skip_epochs = 0        # whole epochs the restored step had consumed
         self._skip_batches = 0       # batches of the resumed epoch it had consumed
         self._steps_in_epoch: int | None = None
@@ -131,19 +140,17 @@ class MoCCallback(TrainerCallback):
                 "gradient_accumulation_steps": ga, "train_batch_size": state.train_batch_size,
                 "world_size": args.world_size}
         self._progress = _TrainerProgress(state, data)
-        extra = {"trainer": self._progress, **self.extra_state}
+        extra: dict[str, Any] = {"trainer": self._progress}
         if lr_scheduler is not None:
             extra["lr_scheduler"] = lr_scheduler
-        self.manager = CheckpointManager(self.config, model=model, optimizer=inner_optimizer(optimizer),
-                                         extra_state=extra, **self.manager_kwargs)
-        self.resumed_step = None
+        self._run.open(model, optimizer, extra)
         if state.global_step > 0:
             log.warning("%s: the Trainer resumed from its own checkpoint (resume_from_checkpoint); moc loads "
                         "nothing and checkpoints on from step %d", where, state.global_step)
         elif self.resume:
-            next_step = self.manager.restore()
-            if next_step:
-                self._apply_restore(args, state, control, next_step - 1, per_epoch)
+            step = self._run.restore()
+            if step is not None:
+                self._apply_restore(args, state, control, step, per_epoch)
         return control
 
     def _apply_restore(self, args, state, control, step: int, per_epoch: int | None) -> None:
@@ -189,7 +196,7 @@ class MoCCallback(TrainerCallback):
             return control
         if self._done or self._epoch < self._skip_epochs:
             self._loader.skip_batches = sys.maxsize     # this epoch was trained before the restore
-            _trainer_log.addFilter(_quiet_empty_epoch)
+            self._quiet.install()
             if state.is_world_process_zero:
                 log.info("rank %d step %d: epoch %d was trained before the restore; its batches are skipped",
                          args.process_index, state.global_step, self._epoch)
@@ -224,26 +231,16 @@ class MoCCallback(TrainerCallback):
                 # would stop; nothing to log, evaluate or save either.
                 control.should_training_stop = self._done
                 control.should_log = control.should_evaluate = control.should_save = False
-            _trainer_log.removeFilter(_quiet_empty_epoch)
+            self._quiet.remove()
             if self._epoch >= self._skip_epochs:
                 self._loader.skip_batches = 0
         self._epoch += 1
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.manager is not None:
-            manager, self.manager = self.manager, None
-            manager.close()
+        self._quiet.remove()
+        self._run.close()
         return control
-
-
-_trainer_log = logging.getLogger("transformers.trainer")
-
-
-def _quiet_empty_epoch(record: logging.LogRecord) -> bool:
-    """Drop the Trainer's 'not a single sample in your epoch_iterator' warning for an epoch
-    the callback skipped on purpose (it logs its own line)."""
-    return "not a single sample" not in record.getMessage()
 
 
 def _length(loader: Any) -> int | None:

@@ -491,3 +491,26 @@ def test_a_closed_or_detached_manager_leaves_no_hook_on_the_model(tmp_path, end)
     gc.collect()
     assert ref() is None
     train_step(model, opt, task, 2)                                # the model trains on without it
+
+
+def test_dynamic_k_says_which_k_rose(tmp_path, caplog):
+    """Only persist K rises (storage lost the tokens, snapshot K is already 2): the log says
+    so, not 'K raised to snapshot=2 persist=2'."""
+    kw = dict(k_snapshot=2, k_persist=1, interval=4, plt_threshold=1e-6)
+    model, opt, task = make(0)
+    ckpt = CheckpointManager(cfg_for(tmp_path, **kw), model=model, optimizer=opt)
+    for step in range(18):
+        train_step(model, opt, task, step, ckpt)
+        if step % 4 == 0:
+            ckpt.wait()
+    ckpt.close()   # snapshots removed: the restore comes from storage, losses at the persist level
+    model, opt, _ = make(1)
+    ckpt = CheckpointManager(cfg_for(tmp_path, **kw), model=model, optimizer=opt)
+    with caplog.at_level("WARNING", logger="moc"):
+        assert ckpt.restore() == 17
+    assert ckpt.plt_tracker.value("persist") > 1e-6 >= ckpt.plt_tracker.value("snapshot")
+    assert (ckpt.k_snapshot, ckpt.k_persist) == (2, 2)
+    raised = [r.getMessage() for r in caplog.records if "K " in r.getMessage()]
+    assert len(raised) == 1 and "K raised: persist 1 -> 2 (unchanged: snapshot 2)" in raised[0], raised
+    assert "(persist level)" in raised[0]
+    ckpt.close()

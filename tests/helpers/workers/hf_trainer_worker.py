@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import signal
 
@@ -118,8 +119,10 @@ def main() -> None:
     moc_cb = MoCCallback(MoCConfig(storage=a.storage, interval=4, k_snapshot=None, persist_every=2, top_k=2))
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[moc_cb, recorder])
     out = trainer.train()
+    report = moc_cb.last_restore_report
     recorder.rec["final"] = {"global_step": trainer.state.global_step, "train_loss": out.training_loss,
-                             "resumed_step": moc_cb.resumed_step}
+                             "resumed_step": moc_cb.resumed_step, "report": None if report is None else str(report),
+                             "trainer_log_filters": len(logging.getLogger("transformers.trainer").filters)}
     recorder.dump()
 
 

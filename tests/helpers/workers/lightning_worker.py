@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import signal
+import warnings
 
 import lightning.pytorch as pl
 import torch
@@ -102,7 +103,10 @@ def main() -> None:
                          default_root_dir=os.path.dirname(a.out))
     trainer.fit(module, loader)
     rec = json.load(open(a.out))
-    rec["final"] = {"global_step": trainer.global_step, "resumed_step": moc_cb.resumed_step}
+    report = moc_cb.last_restore_report
+    rec["final"] = {"global_step": trainer.global_step, "resumed_step": moc_cb.resumed_step,
+                    "report": None if report is None else str(report),
+                    "filters_left": sum("resuming" in str(getattr(f[1], "pattern", "")) for f in warnings.filters)}
     with open(a.out, "w") as f:
         json.dump(rec, f)
 

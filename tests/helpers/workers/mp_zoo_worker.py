@@ -100,7 +100,7 @@ def state_dump(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
 
 def config(arch_dir: str, shm: str) -> MoCConfig:
     return MoCConfig(storage=os.path.join(arch_dir, "store"), snapshot_dir=shm, interval=1, k_snapshot=1,
-                     k_persist=1, dynamic_k=False, keep_last=50, top_k=zoo.TOP_K)
+                     k_persist=1, dynamic_k=False, keep_last=50)     # top_k: the model's (ZAYA routes top-1)
 
 
 def train(arch: str, arch_dir: str, shm: str, steps: int, keep: list) -> None:

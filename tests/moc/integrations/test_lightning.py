@@ -12,6 +12,7 @@ learning rate and loss as the uninterrupted run.
 
 from __future__ import annotations
 
+import re
 import signal
 
 import pytest
@@ -35,12 +36,20 @@ def test_lightning_resumes_exactly_after_sigkill(tmp_path):
     crash_proc, crash_dir = _start(tmp_path, "crash", storage, "--kill-at", "10")
     ref, _ = finish(ref_proc, ref_dir)
     first, _ = finish(crash_proc, crash_dir, -signal.SIGKILL)
-    assert ref["final"] == {"global_step": 18, "resumed_step": None}
+    assert ref["final"]["report"].startswith("moc: nothing to resume in ")
+    assert ref["final"] == {"global_step": 18, "resumed_step": None, "report": ref["final"]["report"],
+                            "filters_left": 0}
     assert max(map(int, first["steps"])) == 10
 
     again, again_dir = _start(tmp_path, "again", storage, "--kill-at", "13")
-    second, _ = finish(again, again_dir, -signal.SIGKILL)
+    second, log = finish(again, again_dir, -signal.SIGKILL)
     assert second["resumed"]["global_step"] == 8 and second["resumed"]["epoch"] == 1
+    # Resumed mid-epoch: moc says what it restored, once, at the default log level, and
+    # Lightning's "dataloader is not resumable" warning (moc positions the data exactly) is not shown.
+    lines = [ln for ln in log.splitlines() if ln.startswith("moc: resumed")]
+    assert len(lines) == 1 and re.match(r"moc: resumed step 8 from (memory|storage) \(experts 8 from step 8; ",
+                                        lines[0]), log
+    assert "not resumable" not in log, log
     assert second["resumed"]["model"] == ref["steps"]["8"]["model"]
     assert second["resumed"]["optimizer"] == ref["steps"]["8"]["optimizer"]
     same_after(ref, second, 8, 13)
@@ -50,7 +59,9 @@ def test_lightning_resumes_exactly_after_sigkill(tmp_path):
     assert third["resumed"]["global_step"] == 12 and third["resumed"]["epoch"] == 2
     assert third["resumed"]["model"] == ref["steps"]["12"]["model"]
     same_after(ref, third, 12, 18)
-    assert third["final"] == {"global_step": 18, "resumed_step": 12}
+    assert third["final"]["report"].startswith("moc: resumed step 12 from ")
+    assert third["final"] == {"global_step": 18, "resumed_step": 12, "report": third["final"]["report"],
+                              "filters_left": 0}                 # the warning filter went with the restart
 
 
 def test_callback_rejects_bad_arguments():

@@ -13,6 +13,7 @@ learning rates, epochs and losses, the same final weights.
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import pytest
@@ -37,11 +38,13 @@ def test_trainer_resumes_exactly_after_sigkill(tmp_path):
     ref, _ = finish(ref_proc, ref_dir)
     first, _ = finish(crash_proc, crash_dir, -signal.SIGKILL)
     assert ref["final"]["global_step"] == 18 and ref["final"]["resumed_step"] is None
+    assert ref["final"]["report"].startswith("moc: nothing to resume in ")
     assert max(map(int, first["steps"])) == 10
 
     # Second run: resumes from step 8 (mid-epoch 1), then is killed at step 13.
     again, again_dir = _start(tmp_path, "again", storage, "--kill-at", "13")
-    second, _ = finish(again, again_dir, -signal.SIGKILL)
+    second, log = finish(again, again_dir, -signal.SIGKILL)
+    assert _resume_lines(log) == ["moc: resumed step 8 from * (experts 8 from step 8; dense "], log
     assert second["resumed"]["global_step"] == 8
     assert second["resumed"]["model"] == ref["steps"]["8"]["model"]          # weights as saved at step 8
     assert second["resumed"]["optimizer"] == ref["steps"]["8"]["optimizer"]  # Adam state too
@@ -55,8 +58,20 @@ def test_trainer_resumes_exactly_after_sigkill(tmp_path):
     same_after(ref, third, 12, 18)
     assert third["final"]["global_step"] == 18 and third["final"]["resumed_step"] == 12
     assert "the Trainer also saves (save_strategy='steps')" in log
-    assert "not a single sample" not in log                                  # skipped epochs said as such
+    # What the restore did, once, at the default log level; the two epochs trained before
+    # the restore are skipped without the Trainer's "stopping training" warning.
+    assert _resume_lines(log) == ["moc: resumed step 12 from * (experts 8 from step 12; dense "], log
+    assert third["final"]["report"].startswith("moc: resumed step 12 from ")
+    assert "There seems not to be a single sample in your epoch_iterator" not in log
+    assert third["final"]["trainer_log_filters"] == 0                       # the filter went with the run
     assert os.path.isdir(last_dir / "trainer-out" / "checkpoint-15")        # the Trainer's own saves still run
+
+
+def _resume_lines(log: str) -> list[str]:
+    """moc's resume lines in a run's output, up to the units, the source as ``*`` (memory or
+    storage: whether the newest snapshot was persisted before the kill depends on timing)."""
+    return [re.sub(r" from (memory|storage) \(", " from * (", ln[:ln.index("dense ") + 6])
+            for ln in log.splitlines() if ln.startswith("moc: resumed")]
 
 
 def test_callback_rejects_bad_arguments():
