@@ -315,6 +315,24 @@ class CheckpointStore:
                 seen.add(rec.step)
                 yield rec
 
+    def version_counter(self, name: str, version: int) -> int | None:
+        """The routing counter of expert unit ``name`` when its version of step ``version``
+        was saved (what PLT charges a restore to that version with): read from the newest
+        kept manifest that records that version (a manifest's persist counters are those
+        of the versions it records). None: not an expert, or no kept manifest records it."""
+        for step in reversed([s for s in self.steps() if s >= version]):
+            try:
+                manifest = self.read_manifest(step)
+            except ManifestError:
+                continue
+            rec = manifest.units.get(name)
+            if rec is None or rec.step != version or rec.layer is None or rec.expert is None:
+                continue
+            row = (((manifest.plt or {}).get("saved") or {}).get("persist") or {}).get(rec.layer)
+            if isinstance(row, list) and int(rec.expert) < len(row):
+                return int(row[int(rec.expert)])
+        return None
+
     def load(self, step: int | None = None, names: Iterable[str] | None = None, *,
              fallback: bool = True, progress: Progress | None = None) -> LoadResult:
         """Read the units of ``step`` (newest valid step by default).
