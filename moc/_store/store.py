@@ -66,7 +66,7 @@ class VerifyProblem:
     reason: str
 
     def __str__(self) -> str:
-        return f"{self.key}: {self.reason} (units: {', '.join(self.units)})"
+        return f"{self.key}: {self.reason}" + (f" (units: {', '.join(self.units)})" if self.units else "")
 
 
 class ShardWriter:
@@ -419,11 +419,16 @@ class CheckpointStore:
         """Re-read every object referenced by ``step`` (all committed steps when None)."""
         manifests = []
         problems: list[VerifyProblem] = []
-        for s in ([step] if step is not None else self.steps()):
+        steps = self.steps()
+        bad: list[tuple[int, ManifestError]] = []
+        for s in ([step] if step is not None else steps):
             try:
                 manifests.append(self.read_manifest(s))
             except ManifestError as exc:
-                problems.append(VerifyProblem(manifest_key(s), (), str(exc)))
+                bad.append((s, exc))
+        readable = {m.step for m in manifests}
+        for s, error in bad:
+            problems.append(VerifyProblem(manifest_key(s), (), self._manifest_problem(s, error, steps, readable)))
         chunks: dict[tuple[str, int], tuple[ChunkRecord, set[str]]] = {}
         for m in manifests:
             for rec in m.units.values():
@@ -453,6 +458,34 @@ class CheckpointStore:
                 if progress is not None:
                     progress(done, total)
         return problems
+
+    def _manifest_problem(self, step: int, exc: ManifestError, steps: list[int], readable: set[int]) -> str:
+        """What is wrong with the manifest of ``step`` and what it means for a restore."""
+        try:
+            nbytes = self.store.size(manifest_key(step))
+            size = f"{nbytes} bytes" + (", cut short" if f"(char {nbytes})" in str(exc) else "")
+        except OSError as err:
+            size = f"size unknown: {err}"
+        newer = [s for s in steps if s > step and s in readable]
+        if newer:
+            return (f"manifest of step {step} is unreadable ({size}): {exc}; the units it records are not "
+                    f"checked; restore() uses the newer step {newer[-1]}, but can no longer fall back to this "
+                    f"step's versions")
+        fallback = None
+        for s in reversed([s for s in steps if s < step]):
+            if s in readable:
+                fallback = s
+                break
+            try:
+                self.read_manifest(s)
+            except ManifestError:
+                continue
+            fallback = s
+            break
+        then = (f"restore() and export skip it and use step {fallback}, the newest readable older manifest"
+                if fallback is not None else "no older manifest is readable: restore() would start from step 0")
+        return (f"manifest of step {step} is unreadable ({size}): {exc}; the units it records are not checked; "
+                f"{then}")
 
     # -- retention -----------------------------------------------------------------------
     def gc(self, upto: int | None = None) -> list[str]:
