@@ -574,6 +574,7 @@ class CheckpointManager:
                 "rank": self.rank, "world": self.world, "step": self.run.last_step,
                 "last_snapshot_step": e.last_snapshot_step, "last_persisted_step": p.last_persisted_step,
                 "persist_in_flight": busy, "persist_failures": p.failures, "persists_skipped": p.skipped,
+                "persist_error_permanent": p.permanent.kind if p.permanent is not None else None,
                 "last_error": self.run.last_error,
                 "snapshot_failures": e.failures, "consecutive_snapshot_failures": e.consecutive_failures,
                 "snapshots_skipped": e.skipped, "snapshots_skipped_here": e.skipped_local,

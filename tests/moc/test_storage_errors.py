@@ -71,6 +71,7 @@ def test_root_unwritable_after_open_reported_once_and_raised_at_close_at_once(tm
                 time.sleep(0.03)
             status = ckpt.status()
             assert status["persist_failures"] >= 2 and status["last_snapshot_step"] == 14
+            assert status["persist_error_permanent"] == "permission"
             t0 = time.monotonic()
             with pytest.raises(PermanentStorageError) as info:
                 ckpt.close()
@@ -169,3 +170,36 @@ def test_sigterm_during_stuck_flush_exits_within_stop_timeout(tmp_path, in_close
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert elapsed < stop + 8, f"exited {elapsed:.1f} s after SIGTERM; stop_timeout {stop} s"
     assert "stop_timeout" in err
+
+
+def _ranks_on_a_root_that_turns_immutable(rank: int, world: int, tmp: str) -> None:
+    import torch.distributed as dist
+
+    root = os.path.join(tmp, "ckpt")
+    cfg = MoCConfig(storage=root, snapshot_dir=os.path.join(tmp, f"shm{rank}"), interval=2, k_snapshot=4,
+                    k_persist=2, persist_timeout=timedelta(seconds=60))
+    model, opt, task = make(0)
+    ckpt = CheckpointManager(cfg, model=model, optimizer=opt)
+    for step in range(4):
+        train_step(model, opt, task, step, ckpt)
+    ckpt.wait()
+    dist.barrier()
+    if rank == 0:
+        make_immutable(root)
+    dist.barrier()
+    for step in range(4, 12):
+        train_step(model, opt, task, step, ckpt)
+    t0 = time.monotonic()
+    with pytest.raises(PermanentStorageError, match="checkpoint of step 10 cannot be persisted"):
+        ckpt.close()
+    assert time.monotonic() - t0 < 10, time.monotonic() - t0
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_raise_a_permanent_error_at_close_together(tmp_path):
+    from tests.helpers.rank_harness import run_ranks
+
+    try:
+        run_ranks(_ranks_on_a_root_that_turns_immutable, 2, tmp_path, str(tmp_path))
+    finally:
+        make_mutable(str(tmp_path / "ckpt"))
