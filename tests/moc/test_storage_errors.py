@@ -116,8 +116,10 @@ def test_root_writable_again_persists_resume(tmp_path, caplog):
 
 
 CHILD = textwrap.dedent("""
-    import sys, time
+    import atexit, logging, sys, time
     from datetime import timedelta
+    logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)d ms %(message)s")
+    atexit.register(lambda: logging.warning("exiting"))
     sys.path.insert(0, {root!r})
     from moc import CheckpointManager, MoCConfig
     from tests.helpers.moc_helpers import make, train_step
@@ -158,9 +160,9 @@ def test_sigterm_during_stuck_flush_exits_within_stop_timeout(tmp_path, in_close
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(stop + 20)
+                proc.wait(stop + 40)
             except subprocess.TimeoutExpired:
-                pytest.fail(f"still running {stop + 20:.0f} s after SIGTERM (stop_timeout {stop} s)")
+                pytest.fail(f"still running {stop + 40:.0f} s after SIGTERM (stop_timeout {stop} s)")
             elapsed = time.monotonic() - t0
         finally:
             if proc.poll() is None:
@@ -168,8 +170,15 @@ def test_sigterm_during_stuck_flush_exits_within_stop_timeout(tmp_path, in_close
                 proc.wait()
         err = proc.stderr.read()
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert elapsed < stop + 8, f"exited {elapsed:.1f} s after SIGTERM; stop_timeout {stop} s"
     assert "stop_timeout" in err
+    # From the handler's first line to the interpreter's exit handlers, by the child's own
+    # clock (the signal itself waits for the step under way, seconds on a loaded machine).
+    stamps = {m: int(line.split(" ms ", 1)[0]) for line in err.splitlines() if " ms " in line
+              for m in ("SIGTERM received", "exiting") if m in line}
+    handled = (stamps["exiting"] - stamps["SIGTERM received"]) / 1000
+    print(f"exited {elapsed:.1f} s after SIGTERM, {handled:.1f} s after handling it (stop_timeout {stop} s)")
+    assert handled < stop + 3, f"{handled:.1f} s from SIGTERM to exit; stop_timeout {stop} s"
+    assert elapsed < stop + 30, f"exited {elapsed:.1f} s after SIGTERM; stop_timeout {stop} s"
 
 
 def _ranks_on_a_root_that_turns_immutable(rank: int, world: int, tmp: str) -> None:
