@@ -517,7 +517,11 @@ class CheckpointManager:
 
     def close(self, *, keep_snapshots: bool = False, raise_errors: bool = True, flush: bool = True) -> None:
         """Persist the newest snapshot (``flush``), stop the workers, release the hook and
-        the SIGTERM handler; remove the shared-memory buffers unless ``keep_snapshots``."""
+        the SIGTERM handler; remove the shared-memory buffers unless ``keep_snapshots`` or
+        the final flush failed (they then hold the only copy of the newest state). A
+        permanent storage error is raised at once (:class:`storage_backends.PermanentStorageError`);
+        a SIGTERM meanwhile bounds the flush by ``MoCConfig.stop_timeout`` and ends in
+        ``SystemExit(143)``."""
         if self._closed:
             return
         self._flushing = True
