@@ -80,7 +80,13 @@ class MoCConfig:
             other nodes; 2 means losing one node loses no snapshot share. 1 halves
             snapshot memory.
         mtbf: failure interval assumed by ``interval="auto"`` until failures are observed.
-        persist_timeout: how long :meth:`CheckpointManager.wait` waits for storage.
+        persist_timeout: how long :meth:`CheckpointManager.wait` waits for storage (transient
+            errors are retried that long; a permanent one, such as a read-only location or
+            wrong credentials, is raised at once).
+        stop_timeout: after SIGTERM, the most the manager spends flushing the newest
+            snapshot before the process exits (status 143; the snapshot stays in the
+            snapshot directory). Keep it below the orchestrator's grace period (Kubernetes
+            ``terminationGracePeriodSeconds``, 30 s by default; ``docker stop -t``, 10 s).
         coordination_timeout: timeout of the manager's own process groups.
         exact: sparse checkpoints that lose no tokens (``docs/exact.md``): every step captures
             the full state of the units scheduled for it and the compute weights of the
@@ -113,6 +119,7 @@ class MoCConfig:
     snapshot_copies: int = 2
     mtbf: timedelta = timedelta(hours=6)
     persist_timeout: timedelta = timedelta(minutes=10)
+    stop_timeout: timedelta = timedelta(seconds=25)
     coordination_timeout: timedelta = timedelta(minutes=5)
     exact: bool = False
 
@@ -163,7 +170,7 @@ class MoCConfig:
             raise ValueError(f"MoCConfig.exact must be True or False, got {self.exact!r}")
         if self.exact:
             self._check_exact()
-        for name in ("mtbf", "persist_timeout", "coordination_timeout"):
+        for name in ("mtbf", "persist_timeout", "stop_timeout", "coordination_timeout"):
             value = getattr(self, name)
             if not isinstance(value, timedelta) or value <= timedelta(0):
                 raise ValueError(f"MoCConfig.{name} must be a positive timedelta, got {value!r}")

@@ -42,7 +42,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from storage_backends import open_store
+from storage_backends import LocalStore, PermanentStorageError, open_store, permanent_fault
 
 from ._announce import announce
 from ._config import MoCConfig
@@ -79,15 +79,28 @@ class Handover:
 
 def _open(cfg: MoCConfig):
     """The configured store; an S3 endpoint that is unreachable right now (a transient
-    error) is not a configuration error: training starts, persists retry, status() says so."""
+    error) is not a configuration error: training starts, persists retry, status() says so.
+    A local root must be writable (a probe file, removed): one that is not (read-only
+    mount, immutable, another user's) is an error here, not a warning per checkpoint."""
     try:
-        return open_store(cfg.storage, **cfg.storage_options)
+        store = open_store(cfg.storage, **cfg.storage_options)
     except (ConnectionError, TimeoutError) as exc:
         if urlsplit(str(cfg.storage)).scheme.lower() not in ("s3", "s3a"):
             raise
         log.warning("rank - step -: storage %s unreachable now (%s); starting anyway, persists will retry",
                     cfg.storage, exc)
         return open_store(cfg.storage, **{**cfg.storage_options, "check": False})
+    if isinstance(store, LocalStore):
+        try:
+            store.check_writable()
+        except OSError as exc:
+            fault = permanent_fault(exc)
+            fix = f" Fix: {fault.fix}." if fault is not None else ""
+            message = f"MoCConfig.storage {store.root!r} is not writable: {exc}.{fix}"
+            if fault is not None:
+                raise PermanentStorageError(message, fault) from exc
+            raise OSError(message) from exc
+    return store
 
 
 class CheckpointManager:
@@ -190,6 +203,8 @@ class CheckpointManager:
                                  extra_state=self.extra_state)
         self._closed = False
         self._restore_report: RestoreReport | None = None
+        self._flushing = False          # close() or a SIGTERM's flush is under way
+        self._exit_after_close = False  # a SIGTERM came during that flush
         self._adopt([t["handover"] for t in told])
         #: exact mode's checkpointer (None: plain mode); the manager calls only :attr:`mode`
         self.exact = self._exact_checkpointer(store, pool) if cfg.exact else None
@@ -489,12 +504,22 @@ class CheckpointManager:
 
     def _on_sigterm(self, signum, frame) -> None:
         self.run.sigterm = True
+        if self.run.stop_deadline is None:
+            self.run.stop_deadline = time.monotonic() + self.cfg.stop_timeout.total_seconds()
+        if self._flushing:
+            # the flush under way (close(), or the flush of a first SIGTERM) gives up at the
+            # stop deadline; close() then exits
+            self._exit_after_close = True
+            log.warning("%s: SIGTERM received while flushing; giving the flush at most %s (MoCConfig.stop_timeout), "
+                        "then exiting", self.run.where(), self.cfg.stop_timeout)
+            return
         log.warning("rank %d: SIGTERM received; flushing the newest snapshot at the next step", self.rank)
         if not self.comm.distributed and self.run.last_step is not None and not self._closed:
             self._flush_and_exit()
 
     def _flush_and_exit(self) -> None:
         log.warning("%s: flushing the newest snapshot before exit", self.run.where())
+        self._flushing = True
         try:
             self.wait()
         finally:
@@ -517,9 +542,15 @@ class CheckpointManager:
 
     def close(self, *, keep_snapshots: bool = False, raise_errors: bool = True, flush: bool = True) -> None:
         """Persist the newest snapshot (``flush``), stop the workers, release the hook and
-        the SIGTERM handler; remove the shared-memory buffers unless ``keep_snapshots``."""
+        the SIGTERM handler; remove the shared-memory buffers unless ``keep_snapshots`` or
+        the final flush failed (they then hold the only copy of the newest state). A
+        permanent storage error is raised at once (:class:`storage_backends.PermanentStorageError`);
+        a SIGTERM meanwhile bounds the flush by ``MoCConfig.stop_timeout`` and ends in
+        ``SystemExit(143)``."""
         if self._closed:
             return
+        self._flushing = True
+        failed_flush = False
         try:
             self.wait(flush=flush)
             failed = self.engine.consecutive_failures
@@ -529,20 +560,27 @@ class CheckpointManager:
                     f"step {self.persister.last_persisted_step}: {self.run.last_error}"
                 ) from self.engine.last_exception
         except Exception:
-            if raise_errors:
+            # the newest state is in no store: its snapshot files stay for a restart
+            failed_flush = flush
+            if raise_errors and not self._exit_after_close:
                 raise
             log.exception("rank %d: final persist failed", self.rank)
         finally:
             self._closed = True
             self._release_hooks()
             self.engine.shutdown(wait=True)
-            self.persister.shutdown(wait=True)
+            stop = self.run.stop_deadline
+            # after SIGTERM, a persist job stuck on storage is waited for only until the stop deadline
+            self.persister.shutdown(wait=True, timeout=30.0 if stop is None else
+                                    max(0.0, min(30.0, stop - time.monotonic())) / 2)
             self.mode.shutdown()
             self.engine.quiesce()
-            if not keep_snapshots:
+            if not (keep_snapshots or failed_flush):
                 self.engine.pool.remove_files()
             else:
                 self.engine.pool.unpin()   # the files stay for a restart; the driver's pins go
+        if self._exit_after_close:
+            raise SystemExit(128 + signal.SIGTERM)
 
     # -- reporting -----------------------------------------------------------------------
     def snapshot_state(self) -> tuple[int, dict[str, Any]] | None:
@@ -565,6 +603,7 @@ class CheckpointManager:
                 "rank": self.rank, "world": self.world, "step": self.run.last_step,
                 "last_snapshot_step": e.last_snapshot_step, "last_persisted_step": p.last_persisted_step,
                 "persist_in_flight": busy, "persist_failures": p.failures, "persists_skipped": p.skipped,
+                "persist_error_permanent": p.permanent.kind if p.permanent is not None else None,
                 "last_error": self.run.last_error,
                 "snapshot_failures": e.failures, "consecutive_snapshot_failures": e.consecutive_failures,
                 "snapshots_skipped": e.skipped, "snapshots_skipped_here": e.skipped_local,

@@ -3,7 +3,9 @@ ranks' chunk records gathered, and the manifest committed by rank 0.
 
 Storage errors are retried at later decision points, reported in ``status()`` and never
 raised into training; :meth:`Persister.flush` (leaving the ``with`` block, SIGTERM) is
-where they surface.
+where they surface. A permanent error (permission, read-only, credentials, access denied,
+no bucket: :func:`storage_backends.permanent_fault`) is logged once per kind with its fix,
+and the flush raises it after one more try instead of retrying until ``persist_timeout``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FuturesTimeout
 from datetime import timedelta
 from typing import Any, cast
+
+from storage_backends import PermanentFault, PermanentStorageError, permanent_fault
 
 from ._config import MoCConfig
 from ._daemon import DaemonExecutor
@@ -65,6 +69,10 @@ class Persister:
         self.started_seq = 0
         self.finished_seq = 0
         self._outcomes: list[tuple[int, dict[str, list[int]], dict[str, list[int]]]] = []
+        #: the permanent storage error of the newest failed persist (None: none, or a
+        #: commit since): what :meth:`flush` raises at once
+        self.permanent: PermanentFault | None = None
+        self._reported: set[str] = set()   # permanent kinds logged since the last commit
 
     @property
     def busy(self) -> bool:
@@ -183,9 +191,11 @@ class Persister:
                 assert hand.buf is not None     # this rank's share was written: it leased the buffer
                 commit = self._io.submit(self._commit_io, step, results, hand.buf.header)
             else:
+                fault = mine.get("fault")
                 if self.run.rank == 0 and not all(r["ok"] for r in results):
                     error = "; ".join(f"rank {i}: {r['error']}" for i, r in enumerate(results) if not r["ok"])
-                commit.set_result({"committed": False, "error": error})
+                    fault = next((r["fault"] for r in results if r.get("fault")), None)
+                commit.set_result({"committed": False, "error": error, "fault": fault})
             self._wait_together(commit, step, "committing")
             outcome = self.comm.broadcast_json(commit.result(), persist=True)
             return self._book(step, seq, hand.buf, outcome, missing)
@@ -234,7 +244,8 @@ class Persister:
             units = self._write_share(buf)
             return {"ok": True, "error": None, "units": units, "missing": False}
         except Exception as exc:  # noqa: BLE001 - storage trouble never reaches training
-            return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "units": {}, "missing": False}
+            return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "units": {}, "missing": False,
+                    "fault": _fault_json(exc)}
         finally:
             self.pool.release(buf)
 
@@ -244,7 +255,8 @@ class Persister:
             self._commit(step, results, header)
             return {"committed": True, "error": None}
         except Exception as exc:  # noqa: BLE001 - reported to every rank
-            return {"committed": False, "error": f"commit failed: {type(exc).__name__}: {exc}"}
+            return {"committed": False, "error": f"commit failed: {type(exc).__name__}: {exc}",
+                    "fault": _fault_json(exc)}
 
     def _book(self, step: int, seq: int, buf: SnapshotBuffer | None, outcome: dict[str, Any],
               missing: bool) -> bool:
@@ -254,6 +266,9 @@ class Persister:
                 return bool(outcome["committed"])
             if buf is not None:
                 buf.state = READY
+            fault = PermanentFault.from_json(outcome["fault"]) if outcome.get("fault") else None
+            was: PermanentFault | None = None
+            first = fault is not None and fault.kind not in self._reported
             if outcome["committed"] and buf is not None:
                 buf.persisted = True
                 self.last_persisted_step = step
@@ -264,8 +279,27 @@ class Persister:
             else:
                 self.failures += 1
                 self.run.last_error = outcome["error"]
+            if outcome["committed"]:
+                was, self.permanent = self.permanent, None
+                self._reported.clear()
+            elif not missing:
+                self.permanent = fault
+                if fault is not None:
+                    self._reported.add(fault.kind)
+        url = self.store.store.url
         if outcome["committed"]:
-            log.info("rank %d step %d: checkpoint persisted to %s", self.run.rank, step, self.store.store.url)
+            if was is not None:
+                log.warning("rank %d step %d: %s is writable again (was: %s); checkpoint persisted",
+                            self.run.rank, step, url, was.kind)
+            log.info("rank %d step %d: checkpoint persisted to %s", self.run.rank, step, url)
+        elif fault is not None and first:
+            log.error("rank %d step %d: storage %s refuses writes (%s; retrying will not help): %s. Fix: %s. "
+                      "Training goes on from the in-memory snapshots; persists are tried again at later "
+                      "checkpoints (not logged again for this kind), and closing the manager raises this.",
+                      self.run.rank, step, url, fault.kind, outcome["error"], fault.fix)
+        elif fault is not None:
+            log.debug("rank %d step %d: persist failed again (%s): %s", self.run.rank, step, fault.kind,
+                      outcome["error"])
         else:
             log.warning("rank %d step %d: persist failed, snapshot kept in memory: %s",
                         self.run.rank, step, outcome["error"])
@@ -318,30 +352,69 @@ class Persister:
         self.base = self.store.commit(step, records, base=base, plt=plt.state(), meta=header["meta"])
 
     # -- waiting ---------------------------------------------------------------------------
+    def _deadline(self, deadline: float) -> float:
+        """``deadline``, or the stop deadline of a SIGTERM when that comes first (read each
+        time: the signal may arrive while a flush waits)."""
+        stop = self.run.stop_deadline
+        return deadline if stop is None else min(deadline, stop)
+
     def wait_in_flight(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds (less once a SIGTERM set a stop deadline) for the
+        job in flight; raise ``TimeoutError`` when it is still running then."""
         fut = self.in_flight
-        if fut is not None:
-            fut.result(timeout=timeout)
-            self.reap()
+        if fut is None:
+            return
+        deadline = self._deadline(time.monotonic() + timeout)
+        while not fut.done():
+            left = self._deadline(deadline) - time.monotonic()
+            if left <= 0:
+                newest = self.pool.newest_complete()
+                raise TimeoutError(self._timeout_message(newest.step if newest is not None else None, deadline))
+            try:
+                # short waits: a SIGTERM meanwhile (a stop deadline) is seen within a tick
+                fut.result(timeout=min(0.25, left))
+            except FuturesTimeout:
+                continue
+        fut.result()
+        self.reap()
 
     def flush(self, deadline: float) -> None:
-        """Persist the newest complete snapshot (collective); retry until ``deadline``
-        (``time.monotonic()``), then raise ``TimeoutError`` / ``OSError``."""
+        """Persist the newest complete snapshot (collective); retry transient errors until
+        ``deadline`` (``time.monotonic()``; a SIGTERM's stop deadline when sooner), then
+        raise ``TimeoutError`` / ``OSError``; raise :class:`PermanentStorageError` as soon
+        as a try fails with a permanent error (no retry cures it)."""
         while True:
-            self.wait_in_flight(max(0.0, deadline - time.monotonic()))
+            self.wait_in_flight(max(0.0, self._deadline(deadline) - time.monotonic()))
             newest = self.pool.newest_complete()
             if newest is None or newest.persisted:
                 return
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"checkpoint of step {newest.step} not persisted within "
-                                   f"{self.cfg.persist_timeout}: {self.run.last_error}")
+            if time.monotonic() >= self._deadline(deadline):
+                raise TimeoutError(self._timeout_message(newest.step, deadline))
             before = self.failures
             self.maybe_persist("flush")
-            self.wait_in_flight(max(0.0, deadline - time.monotonic()))
-            if self.failures > before and time.monotonic() >= deadline:
+            self.wait_in_flight(max(0.0, self._deadline(deadline) - time.monotonic()))
+            failed = self.failures > before
+            if failed and self.permanent is not None:
+                fault = self.permanent
+                raise PermanentStorageError(
+                    f"{self.run.where()}: checkpoint of step {newest.step} cannot be persisted to "
+                    f"{self.store.store.url}: {fault.kind} ({self.run.last_error}), a permanent error that no "
+                    f"retry cures. Fix: {fault.fix}. The newest persisted step is {self.last_persisted_step}; "
+                    f"the newest snapshot (step {newest.step}) stays in {self.pool.directory} for a restart "
+                    f"on this node.", fault)
+            if failed and time.monotonic() >= self._deadline(deadline):
                 raise OSError(f"checkpoint of step {newest.step} could not be persisted: {self.run.last_error}")
-            if self.failures > before:
-                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            if failed:
+                time.sleep(min(1.0, max(0.0, self._deadline(deadline) - time.monotonic())))
+
+    def _timeout_message(self, step: int | None, deadline: float) -> str:
+        stop = self.run.stop_deadline
+        if stop is not None and stop <= deadline:
+            return (f"{self.run.where()}: SIGTERM: checkpoint of step {step} not persisted within "
+                    f"MoCConfig.stop_timeout ({self.cfg.stop_timeout}); it stays in {self.pool.directory} "
+                    f"for a restart on this node; last storage error: {self.run.last_error}")
+        return (f"checkpoint of step {step} not persisted within {self.cfg.persist_timeout} "
+                f"(MoCConfig.persist_timeout; storage slow or hung?): {self.run.last_error}")
 
     def abandon(self, grace: timedelta) -> None:
         """Detach: give the persist in flight ``grace`` to finish; one still blocked in a
@@ -372,6 +445,11 @@ class Persister:
         if wait and not (self._exec.idle and self._io.idle):
             log.warning("rank %d: a persist job is still blocked on storage at close; left behind: %s",
                         self.run.rank, self.run.last_error)
+
+
+def _fault_json(exc: BaseException) -> dict[str, str] | None:
+    fault = permanent_fault(exc)
+    return fault.to_json() if fault is not None else None
 
 
 class _Handoff:

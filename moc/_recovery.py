@@ -238,13 +238,22 @@ class Recovery:
             tensors = [TensorMeta.from_json(t) for t in src.meta["tensors"]]
             trees[name] = decode_tree(src.meta["skeleton"], tensors, data)
         maps.close()
+        fallbacks = []
         if storage_names:
             loaded = self.store.load(manifest.step, names=storage_names)
             trees.update(loaded.units)
             for unit, bad, used in loaded.fallbacks:
-                src = plan.sources[unit]
-                src.version = used
+                cum = self.store.version_counter(unit, used) if unit.startswith("expert/") else None
+                fallbacks.append([unit, bad, used, cum])
                 log.warning("rank %d: %s restored from step %d (step %d unreadable)", self.rank, unit, used, bad)
+        # Every rank books PLT for every unit: a fallback read by one rank is told to all.
+        for unit, bad, used, cum in (f for fs in self.comm.gather_json(fallbacks) for f in fs):
+            src = plan.sources[unit]
+            src.version = used
+            if unit.startswith("expert/"):
+                # the older version's counter: the tokens routed to it since are lost too.
+                # Unknown (no kept manifest records it): all of the expert's tokens count.
+                src.cum = 0 if cum is None else int(cum)
         return trees, borrowed
 
     def _copied_out(self, trees: dict[str, Any], borrowed: set[str]) -> dict[str, Any]:

@@ -25,6 +25,8 @@ class RunState:
         abandoned: the manager was detached; background jobs must not touch its buffers.
         sigterm: SIGTERM was received; the newest snapshot is flushed and the process exits
             (at once in a single process, else at the step the ranks agree on).
+        stop_deadline: ``time.monotonic()`` by which a flush after SIGTERM gives up (the
+            signal's time + ``MoCConfig.stop_timeout``); None before a SIGTERM.
         last_step: the step passed to the newest ``step()`` call.
         last_error: the newest error any part reported (status only).
         lock: guards these facts and the snapshot buffers' states; the manager passes its
@@ -39,6 +41,7 @@ class RunState:
     first_done: bool = False
     abandoned: bool = False
     sigterm: bool = False
+    stop_deadline: float | None = None
     last_step: int | None = None
     last_error: str | None = None
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)

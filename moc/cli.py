@@ -3,11 +3,13 @@
     moc inspect URL [--step N] [--units] [--png FILE] [--memory DIR] [--json]
     moc verify  URL [--step N]
     moc export  URL [--step N] [--format torch|safetensors|dcp] -o OUT
-                [--max-shard-size 5GB] [--hf-config config.json]
+                [--max-shard-size 5GB] [--hf-config config.json] [--allow-fallback]
 
 URL is a path, file://, s3://BUCKET/PREFIX (credentials and endpoint from the AWS_*
 environment variables or --endpoint-url) or memory://. Errors (bad input included) print
-one line and exit 2; ``verify`` exits 1 when any object is bad. Progress bars (tqdm) go
+one line and exit 2; ``verify`` exits 1 when any object is bad; ``export`` exits 1, removing
+what it wrote, when a unit's version is unreadable and an older one would be exported in
+its place, unless ``--allow-fallback``. Progress bars (tqdm) go
 to stderr when it is a terminal.
 """
 
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, NoReturn, Sequence
@@ -122,12 +126,24 @@ def cmd_export(args: argparse.Namespace) -> int:
     from ._export.formats import export
 
     cs = _open(args)
+    existed = os.path.exists(args.output)
     with _bar(f"export {args.format}") as progress:
         res = export(cs, args.format, args.output, step=args.step, max_shard_size=args.max_shard_size,
                      hf_config=args.hf_config, progress=progress)
+    level = "warning" if args.allow_fallback else "error"
     for unit, bad, used in res.fallbacks:
-        print(f"moc export: warning: unit {unit}: the version of step {bad} is unreadable; "
-              f"exported its version of step {used}", file=sys.stderr)
+        print(f"moc export: {level}: unit {unit}: the version of step {bad} is unreadable; "
+              f"{'exported' if args.allow_fallback else 'only'} its version of step {used}"
+              f"{'' if args.allow_fallback else ' is left'}", file=sys.stderr)
+    if res.fallbacks and not args.allow_fallback:
+        _remove_output(args.output, res.files, existed)
+        units = sorted({u for u, _, _ in res.fallbacks})
+        print(f"moc export: error: step {res.step} is not exportable as saved: {len(units)} unit(s) unreadable "
+              f"there ({', '.join(units[:3])}{', ...' if len(units) > 3 else ''}); the export would mix in older "
+              f"versions, so it was removed. `moc verify {args.url}` names the bad objects; pass --allow-fallback "
+              f"to export the older versions anyway (what restore() loads), or --step an older step.",
+              file=sys.stderr)
+        return 1
     if res.skipped:
         print(f"moc export: warning: {len(res.skipped)} non-tensor entries not written by {res.format} "
               f"(e.g. {res.skipped[0]})", file=sys.stderr)
@@ -135,6 +151,26 @@ def cmd_export(args: argparse.Namespace) -> int:
         (f", ... {len(res.files)} files)" if len(res.files) > 3 else ")")
     print(f"exported step {res.step} ({res.tensors} tensors, {human(res.nbytes)}) as {res.format} to {where}")
     return 0
+
+
+def _remove_output(output: str, files: list[str], existed: bool) -> None:
+    """Remove what an export wrote: the whole output when it did not exist before, else
+    the files it wrote there (a folder may hold the user's own files)."""
+    if not existed:
+        if os.path.isdir(output):
+            shutil.rmtree(output, ignore_errors=True)
+        elif os.path.exists(output):
+            os.remove(output)
+        return
+    if os.path.isfile(output):
+        os.remove(output)
+        return
+    for name in files:
+        path = name if os.path.isabs(name) else os.path.join(output, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.exists(path):
+            os.remove(path)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -188,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="safetensors: start a new shard past this size (default 5GB; e.g. 500MB, 2GiB)")
     p.add_argument("--hf-config", default=None, metavar="FILE",
                    help="safetensors: a transformers config.json (or a folder holding one) to copy in")
+    p.add_argument("--allow-fallback", action="store_true",
+                   help="when a unit's saved version is unreadable, export its newest readable older version "
+                        "(as restore() does) and exit 0 with a warning; default: exit 1 and remove the output")
     p.set_defaults(func=cmd_export)
     return ap
 

@@ -9,7 +9,7 @@ b'el'
 """
 
 from ._commit import is_temporary
-from ._errors import ERROR_TABLE, classify
+from ._errors import ERROR_TABLE, PERMANENT_KINDS, PermanentFault, PermanentStorageError, classify, permanent_fault
 from ._open import SCHEMES, open_store
 from ._retry import RetryPolicy, StorageError
 from ._store import LocalStore, S3Store, Store
@@ -23,6 +23,10 @@ __all__ = [
     "StorageError",
     "ERROR_TABLE",
     "classify",
+    "permanent_fault",
+    "PermanentFault",
+    "PermanentStorageError",
+    "PERMANENT_KINDS",
     "SCHEMES",
     "is_temporary",
 ]

@@ -7,6 +7,7 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
+from ._errors import permanent_fault
 from ._retry import RetryPolicy
 from ._store import DEFAULT_PART_SIZE, LocalStore, S3Store, Store
 
@@ -115,7 +116,15 @@ def _open_s3(bucket: str, prefix: str, url: str, opts: dict[str, Any]) -> Store:
             except FileNotFoundError as exc:
                 raise FileNotFoundError(f"bucket {bucket!r} does not exist{where}") from exc
 
-        store.retry.call(head, what=f"open {store.url}{where}")
+        try:
+            store.retry.call(head, what=f"open {store.url}{where}")
+        except OSError as exc:
+            fault = permanent_fault(exc)
+            if fault is None:
+                raise
+            # the same built-in type, with what to change: a bare NoCredentialsError names
+            # neither the variables nor the options that would have supplied them
+            raise type(exc)(f"{exc}; fix: {fault.fix}") from exc
     return store
 
 

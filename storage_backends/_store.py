@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import time
+import uuid
 from datetime import timedelta
 from typing import Any, Iterable, Iterator, Sequence, Union
 
@@ -202,6 +203,14 @@ class Store:
             self.fs.rm_file(path)
 
         self.retry.call(rm, what=self._what("delete", key))
+
+    def check_writable(self) -> None:
+        """Write a small probe object at the root and remove it again; raises what the
+        write raised (``PermissionError`` for a read-only, immutable or foreign location).
+        A store that opened fine can still refuse writes: opening reads, checkpoints write."""
+        key = f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.write(key, b"moc write probe\n")
+        self.delete(key, missing_ok=True)
 
     def remove_temporaries(self, older_than: timedelta = timedelta(hours=1)) -> int:
         """Delete temporaries left by writers that died mid-write; return how many.

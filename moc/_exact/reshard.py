@@ -30,7 +30,7 @@ import xxhash
 from .._errors import CheckpointError
 from .._snapshot import PERSIST, READY, BufferPool, SnapshotBuffer
 from .._store import CheckpointStore, Manifest, TensorMeta, decode_tree
-from .store import extra_name, weights_name
+from .store import extra_name, load_window, weights_name
 
 __all__ = ["Resharded", "canonical_sources", "read_resharded"]
 
@@ -154,12 +154,12 @@ def read_resharded(store: CheckpointStore, manifest: Manifest, *, rank: int, wor
             pool.release(lease)
         raise CheckpointError(f"the exact window at step {manifest.step} has no {absent[:3]} (rank {rank})")
     try:
-        loaded = store.load(manifest.step, names=list(want))
+        loaded_units = load_window(store, manifest, list(want), rank)
     except BaseException:
         if lease is not None and pool is not None:     # a lease is one of pool's buffers
             pool.release(lease)
         raise
-    trees.update({want[name]: tree for name, tree in loaded.units.items()})
+    trees.update({want[name]: tree for name, tree in loaded_units.items()})
     return Resharded(slots={u: s for u, (_, s) in picks.items()}, trees=trees,
                      grad=own.get("grad") if own is not None else None, same_layout=same,
                      from_memory=len(in_memory), from_storage=len(units) - len(in_memory), lease=lease, notes=notes)

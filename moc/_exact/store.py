@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping
 
 from .._errors import CheckpointError
 from .._snapshot import SnapshotBuffer
-from .._store import CheckpointStore, Manifest, UnitRecord
+from .._store import CheckpointStore, CorruptObjectError, Manifest, UnitRecord, manifest_key
 
 __all__ = ["weights_name", "extra_name", "stored_name", "write_part", "rank_meta", "read_part"]
 
@@ -107,5 +107,20 @@ def read_part(store: CheckpointStore, manifest: Manifest, rank: int, world: int,
     absent = [n for n in want if n not in manifest.units]
     if absent:
         raise CheckpointError(f"the exact window at step {manifest.step} has no {absent[:3]} (rank {rank})")
-    loaded = store.load(manifest.step, names=list(want))
-    return mine, {want[name]: tree for name, tree in loaded.units.items()}
+    units_read = load_window(store, manifest, list(want), rank)
+    return mine, {want[name]: tree for name, tree in units_read.items()}
+
+
+def load_window(store: CheckpointStore, manifest: Manifest, names: list[str], rank: int) -> dict[str, Any]:
+    """The named units of an exact window, each at the version the window recorded: never
+    an older one in place of an unreadable object (restore falls back so elsewhere), as a
+    window replayed from another version would not reproduce the run, and the PLT of an
+    exact restore is 0 by promise."""
+    try:
+        return store.load(manifest.step, names=names, fallback=False).units
+    except CorruptObjectError as exc:
+        raise CheckpointError(
+            f"rank {rank}: the exact window at step {manifest.step} cannot be restored: {exc}. An exact restore "
+            f"takes no older version in place of an unreadable object (its replay would not reproduce the run). "
+            f"`moc verify {store.store.url}` lists the bad objects; to restore the previous window, remove "
+            f"{manifest_key(manifest.step)} from the store") from exc

@@ -4,7 +4,8 @@ writes, commits, reads, verifies and retires checkpoints (:mod:`.store`)."""
 
 from .codec import CODECS, TensorMeta, TreePlan, decode_tree, encode_tree, meta_tree, plan_tree, unit_buffer
 from .format import ChunkRecord, Manifest, UnitRecord, manifest_key
-from .store import CheckpointStore
+from .store import CheckpointStore, CorruptObjectError
 
 __all__ = ["CODECS", "TensorMeta", "TreePlan", "decode_tree", "encode_tree", "meta_tree", "plan_tree", "unit_buffer",
-           "ChunkRecord", "Manifest", "UnitRecord", "manifest_key", "CheckpointStore"]
+           "ChunkRecord", "Manifest", "UnitRecord", "manifest_key", "CheckpointStore",
+           "CorruptObjectError"]

@@ -66,7 +66,7 @@ class VerifyProblem:
     reason: str
 
     def __str__(self) -> str:
-        return f"{self.key}: {self.reason} (units: {', '.join(self.units)})"
+        return f"{self.key}: {self.reason}" + (f" (units: {', '.join(self.units)})" if self.units else "")
 
 
 class ShardWriter:
@@ -315,6 +315,24 @@ class CheckpointStore:
                 seen.add(rec.step)
                 yield rec
 
+    def version_counter(self, name: str, version: int) -> int | None:
+        """The routing counter of expert unit ``name`` when its version of step ``version``
+        was saved (what PLT charges a restore to that version with): read from the newest
+        kept manifest that records that version (a manifest's persist counters are those
+        of the versions it records). None: not an expert, or no kept manifest records it."""
+        for step in reversed([s for s in self.steps() if s >= version]):
+            try:
+                manifest = self.read_manifest(step)
+            except ManifestError:
+                continue
+            rec = manifest.units.get(name)
+            if rec is None or rec.step != version or rec.layer is None or rec.expert is None:
+                continue
+            row = (((manifest.plt or {}).get("saved") or {}).get("persist") or {}).get(rec.layer)
+            if isinstance(row, list) and int(rec.expert) < len(row):
+                return int(row[int(rec.expert)])
+        return None
+
     def load(self, step: int | None = None, names: Iterable[str] | None = None, *,
              fallback: bool = True, progress: Progress | None = None) -> LoadResult:
         """Read the units of ``step`` (newest valid step by default).
@@ -401,11 +419,16 @@ class CheckpointStore:
         """Re-read every object referenced by ``step`` (all committed steps when None)."""
         manifests = []
         problems: list[VerifyProblem] = []
-        for s in ([step] if step is not None else self.steps()):
+        steps = self.steps()
+        bad: list[tuple[int, ManifestError]] = []
+        for s in ([step] if step is not None else steps):
             try:
                 manifests.append(self.read_manifest(s))
             except ManifestError as exc:
-                problems.append(VerifyProblem(manifest_key(s), (), str(exc)))
+                bad.append((s, exc))
+        readable = {m.step for m in manifests}
+        for s, error in bad:
+            problems.append(VerifyProblem(manifest_key(s), (), self._manifest_problem(s, error, steps, readable)))
         chunks: dict[tuple[str, int], tuple[ChunkRecord, set[str]]] = {}
         for m in manifests:
             for rec in m.units.values():
@@ -435,6 +458,34 @@ class CheckpointStore:
                 if progress is not None:
                     progress(done, total)
         return problems
+
+    def _manifest_problem(self, step: int, exc: ManifestError, steps: list[int], readable: set[int]) -> str:
+        """What is wrong with the manifest of ``step`` and what it means for a restore."""
+        try:
+            nbytes = self.store.size(manifest_key(step))
+            size = f"{nbytes} bytes" + (", cut short" if f"(char {nbytes})" in str(exc) else "")
+        except OSError as err:
+            size = f"size unknown: {err}"
+        newer = [s for s in steps if s > step and s in readable]
+        if newer:
+            return (f"manifest of step {step} is unreadable ({size}): {exc}; the units it records are not "
+                    f"checked; restore() uses the newer step {newer[-1]}, but can no longer fall back to this "
+                    f"step's versions")
+        fallback = None
+        for s in reversed([s for s in steps if s < step]):
+            if s in readable:
+                fallback = s
+                break
+            try:
+                self.read_manifest(s)
+            except ManifestError:
+                continue
+            fallback = s
+            break
+        then = (f"restore() and export skip it and use step {fallback}, the newest readable older manifest"
+                if fallback is not None else "no older manifest is readable: restore() would start from step 0")
+        return (f"manifest of step {step} is unreadable ({size}): {exc}; the units it records are not checked; "
+                f"{then}")
 
     # -- retention -----------------------------------------------------------------------
     def gc(self, upto: int | None = None) -> list[str]:

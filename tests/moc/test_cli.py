@@ -124,3 +124,49 @@ def test_progress_reports_reach_total(ckpt_dir, capsys):
     assert "export" in err and "100%" in err
     with _bar("export") as hidden:   # stderr is not a terminal here: no bar
         assert hidden is None
+
+
+def _truncate_unit(root, unit: str) -> tuple[int, int]:
+    """Truncate the newest stored object of ``unit`` before its chunk; return (bad, older) steps."""
+    cs = CheckpointStore(str(root))
+    manifest = cs.latest_manifest()
+    rec = manifest.units[unit]
+    chunk = rec.chunks[0]
+    with open(root / chunk.key, "r+b") as f:
+        f.truncate(chunk.start)
+    older = max(cs.read_manifest(s).units[unit].step for s in cs.steps() if cs.read_manifest(s).units[unit].step
+                < rec.step)
+    return rec.step, older
+
+
+@pytest.mark.parametrize("fmt,out_name", [("torch", "out.pt"), ("safetensors", "st")])
+def test_export_of_a_checkpoint_that_needs_a_fallback_fails_unless_allowed(ckpt_dir, tmp_path, fmt, out_name):
+    bad, older = _truncate_unit(ckpt_dir, "expert/l0/2")
+    out = tmp_path / out_name
+    res = run_cli("export", str(ckpt_dir), "--format", fmt, "-o", str(out))
+    assert res.returncode == 1, res.stderr
+    assert f"unit expert/l0/2: the version of step {bad} is unreadable" in res.stderr
+    assert "--allow-fallback" in res.stderr and "moc verify" in res.stderr
+    assert not out.exists()                       # nothing half-right left behind
+    res = run_cli("export", str(ckpt_dir), "--format", fmt, "-o", str(out), "--allow-fallback")
+    assert res.returncode == 0, res.stderr
+    assert f"warning: unit expert/l0/2: the version of step {bad} is unreadable; exported its version of step " \
+           f"{older}" in res.stderr
+    assert out.exists()
+
+
+def test_export_allow_fallback_in_help():
+    res = run_cli("export", "--help")
+    assert res.returncode == 0 and "--allow-fallback" in res.stdout
+
+
+def test_verify_names_what_is_corrupt_in_a_manifest(ckpt_dir):
+    path = ckpt_dir / "manifests" / "000000000020.json"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    res = run_cli("verify", str(ckpt_dir))
+    assert res.returncode == 1
+    line = next(l for l in res.stdout.splitlines() if "000000000020.json" in l)
+    assert "(units: )" not in line
+    assert f"manifest of step 20 is unreadable ({len(data) // 2} bytes, cut short)" in line
+    assert "not valid JSON" in line and "use step 10" in line

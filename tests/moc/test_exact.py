@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from moc import CheckpointError, CheckpointManager, MoCConfig
+from moc import CheckpointError, CheckpointManager, CheckpointStore, MoCConfig
 from moc._store.codec import ALIGN
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -178,3 +178,38 @@ def test_sigkill_mid_window_hf_fused_experts(tmp_path):
     assert isinstance(res, dict), res.stderr[-3000:]
     assert res["start"] == 5 and res["status"]["replayed_steps"] == 3
     _assert_equal_state(got, ref)
+
+
+def test_restore_refuses_an_older_version_for_an_unreadable_window_object(tmp_path):
+    """An exact window with a truncated object: an older version of the unit (what a plain
+    restore falls back to) would not replay exactly; the restore says so instead."""
+    from examples.toy_moe import BigramTask, ToyMoE
+
+    def fresh():
+        torch.manual_seed(0)
+        model = ToyMoE(vocab=32, dim=16, hidden=32, num_layers=2, num_experts=8)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    cfg = MoCConfig(storage=str(tmp_path / "s"), snapshot_dir=str(tmp_path / "m"), interval=1, k_snapshot=3,
+                    exact=True, keep_last=5)
+    model, opt = fresh()
+    task = BigramTask(vocab=32)
+    with CheckpointManager(cfg, model=model, optimizer=opt) as ckpt:
+        for step in range(9):
+            x, y = task.batch(step, 64)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            ckpt.step(step)
+    store = CheckpointStore(str(tmp_path / "s"))
+    manifest = store.latest_manifest()
+    assert len(store.steps()) > 1           # older windows hold older versions of the units
+    name = next(n for n, r in sorted(manifest.units.items()) if r.kind == "expert" and r.step == manifest.step)
+    chunk = manifest.units[name].chunks[0]
+    with open(tmp_path / "s" / chunk.key, "r+b") as f:
+        f.truncate(chunk.start)
+    model, opt = fresh()
+    with CheckpointManager(cfg, model=model, optimizer=opt) as again:
+        with pytest.raises(CheckpointError, match=rf"exact window at step {manifest.step} cannot be restored.*"
+                                                  r"truncated.*no older version.*moc verify"):
+            again.restore()

@@ -1,11 +1,9 @@
 """Tests of :mod:`moc._recovery` (``restore()``: the newest version of every unit among the
 surviving in-memory snapshots and storage, a fallback to an older stored version when the
 newest object is corrupt, and PLT booked for the experts restored stale), driven through
-a single-process ``CheckpointManager`` on a tiny model with a local store.
-
-Not covered here: that a fallback to an older stored version charges the tokens seen since
-*that* version (DESIGN.md: "lost tokens = unsaved[l][e] at the version used"); today the
-routing counter of the unreadable newer version is kept (see the report of issue 40 item 6).
+a single-process ``CheckpointManager`` on a tiny model with a local store. A fallback to an
+older stored version charges the tokens seen since *that* version (DESIGN.md: "lost tokens
+= unsaved[l][e] at the version used"), on ``restore()`` and on ``restore_units()``.
 """
 
 from __future__ import annotations
@@ -205,3 +203,80 @@ def test_restoring_stale_experts_books_the_tokens_they_saw_since_their_version(t
     for (layer, e), cum in rewound.items():
         assert ckpt.plt_tracker.cum[layer][e] == cum, (layer, e)
     ckpt.close()
+
+
+def _truncate_newest_experts(storage: Path, manifest) -> list[str]:
+    """Truncate the newest step's expert object(s) before their first chunk: every expert
+    saved at that step is unreadable there. Returns those experts."""
+    hit = sorted(n for n, r in manifest.units.items() if r.kind == "expert" and r.step == manifest.step)
+    chunks = [c for n in hit for c in manifest.units[n].chunks]
+    for key in {c.key for c in chunks}:
+        with open(storage / key, "r+b") as f:
+            f.truncate(min(c.start for c in chunks if c.key == key))
+    return hit
+
+
+def _expected_loss(store, manifest, versions: dict[str, int]) -> dict[str, int]:
+    """Tokens routed to each restored expert between its version and the restore step, per layer
+    (counted from the manifests' own counters at each step)."""
+    cum_at = {s: store.read_manifest(s).plt["cum"] for s in store.steps()}
+    out: dict[str, int] = {}
+    for name, rec in manifest.units.items():
+        if rec.kind == "expert":
+            layer, e = str(rec.layer), int(rec.expert)
+            v = versions.get(name, rec.step)
+            out[layer] = out.get(layer, 0) + cum_at[manifest.step][layer][e] - cum_at[v][layer][e]
+    return out
+
+
+def _restored(tmp_path, **kw):
+    model, opt, _ = make(seed=99)
+    ckpt = CheckpointManager(cfg_for(tmp_path, k_snapshot=2, k_persist=2, keep_last=5), model=model, optimizer=opt)
+    start = ckpt.restore()
+    state, plt, plan = ckpt.plt_tracker.state(), ckpt.status()["plt"], ckpt.last_restore
+    ckpt.close()
+    return start, state, plt, plan
+
+
+def test_a_fallback_to_an_older_version_books_the_tokens_seen_since_that_version(tmp_path):
+    train(tmp_path, keep_snapshots=False, k_snapshot=2, k_persist=2, keep_last=5)
+    storage = tmp_path / "ckpt"
+    store = CheckpointStore(str(storage))
+    manifest = store.latest_manifest()
+    intact = _restored(tmp_path)
+    hit = _truncate_newest_experts(storage, manifest)
+    older = {n: max(store.read_manifest(s).units[n].step for s in store.steps()
+                    if store.read_manifest(s).units[n].step < manifest.step) for n in hit}
+    start, state, plt, plan = _restored(tmp_path)
+    assert start == manifest.step + 1 and {n: plan.sources[n].version for n in hit} == older
+    expected = _expected_loss(store, manifest, older)
+    assert {layer: state["lost_tokens"][layer] for layer in expected} == expected
+    assert plt > intact[2], (plt, intact[2])
+    for name, v in older.items():     # the counter rewound to the version actually restored
+        rec = manifest.units[name]
+        assert state["cum"][rec.layer][int(rec.expert)] == store.read_manifest(v).plt["cum"][rec.layer][int(rec.expert)]
+
+
+def test_restore_units_after_a_fallback_books_the_tokens_seen_since_that_version(tmp_path):
+    train(tmp_path, keep_snapshots=False, k_snapshot=2, k_persist=2, keep_last=5)
+    storage = tmp_path / "ckpt"
+    store = CheckpointStore(str(storage))
+    manifest = store.latest_manifest()
+    hit = _truncate_newest_experts(storage, manifest)
+    name = hit[0]
+    rec = manifest.units[name]
+    older = max(store.read_manifest(s).units[name].step for s in store.steps()
+                if store.read_manifest(s).units[name].step < manifest.step)
+    layer, e = str(rec.layer), int(rec.expert)
+    model, opt, task = make(seed=5)
+    ckpt = CheckpointManager(cfg_for(tmp_path, k_snapshot=2, k_persist=2, keep_last=5), model=model, optimizer=opt)
+    assert ckpt.restore() == manifest.step + 1
+    for step in (13, 14):     # no checkpoint (interval 3): the expert is routed to, not saved
+        train_step(model, opt, task, step, ckpt, batch=16)
+    before = ckpt.plt_tracker.state()["lost_tokens"][layer]
+    out = ckpt.restore_units([name])
+    live = ckpt.plt_tracker.cum[layer][e]      # restore_units keeps the live counter (routing synced)
+    ckpt.close()
+    assert out[name]["level"] == "persist" and out[name]["version"] == older
+    assert out[name]["lost_tokens"] == live - store.read_manifest(older).plt["cum"][layer][e] > 0
+    assert ckpt.plt_tracker.state()["lost_tokens"][layer] == before + out[name]["lost_tokens"]
