@@ -206,6 +206,29 @@ class LocalCluster:
     def thaw_node(self, node: str) -> None:
         os.killpg(self.agents[node].pid, signal.SIGCONT)
 
+    def freeze_worker(self, node: str) -> tuple[float, list[int]]:
+        """SIGSTOP only the node's training processes (its agent keeps running, like a
+        worker hung on its host); returns when, and their pids."""
+        pids = list(self.worker_pids(node).values())
+        if not pids:
+            raise RuntimeError(f"node {node} has no worker process")
+        t = time.time()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        return t, pids
+
+    @staticmethod
+    def thaw(pids: Sequence[int]) -> list[int]:
+        """SIGCONT ``pids``; returns those that still existed."""
+        woke = []
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+                woke.append(pid)
+            except ProcessLookupError:
+                pass
+        return woke
+
     def leave(self, node: str) -> float:
         t = time.time()
         self.agents[node].send_signal(signal.SIGTERM)

@@ -83,6 +83,7 @@ from .._wire import (PLAN_MAX_MESSAGE_BYTES, AuthRefusedError, ConnectionClosed,
                      encode_frame, read_frame, store_address)
 from ._agent_worker import (RestartPolicy, WorkerGroup, WorkerProcess, describe_exit, exit_status, spawn_worker,
                             worker_env)
+from ._watchdog import Watchdog, WatchSettings
 
 __all__ = ["Agent"]
 
@@ -155,6 +156,9 @@ class Agent:
         self._backoff = Backoff(*_RECONNECT_BACKOFF)
         self._attempts = 0                     # connection attempts since the node was last accepted
         self._last_failure = ""                # why the latest of them failed
+        # frozen or hung workers are killed, then handled as crashed (_watchdog)
+        self._watchdog = Watchdog(WatchSettings(config.stopped_timeout, config.hang_timeout, config.watch_interval),
+                                  node_id=self.node_id, report=self._report_from_worker)
 
     # ------------------------------------------------------------------ public
     def run(self) -> int:
@@ -639,6 +643,8 @@ class Agent:
             return
         if plan.generation > wk.plan_generation:
             wk.plan_generation = plan.generation
+        if plan.mode == "immediate" and plan.generation > wk.immediate_generation:
+            wk.immediate_generation = plan.generation   # the others left the generation (the watchdog)
         self._to_worker(msg)
 
     def _await_finished_worker(self, wk: WorkerGroup) -> None:
@@ -720,6 +726,7 @@ class Agent:
         for wk, reader in started:
             self._spawn_task(self._read_worker(grp, wk, reader))
         self._spawn_task(self._watch_worker(grp))
+        self._spawn_task(self._watchdog.run(grp, lambda: grp is self._worker))
 
     async def _read_worker(self, grp: WorkerGroup, wk: WorkerProcess, reader: asyncio.StreamReader) -> None:
         secret, limit = self.config.secret, self.config.max_message_bytes
@@ -770,6 +777,11 @@ class Agent:
             wk.writer.close()
         except (ConnectionClosed, ConnectionError, OSError):
             pass
+
+    def _report_from_worker(self, wk: WorkerProcess, msg: dict[str, Any]) -> None:
+        """The watchdog's reports go up as the worker's own (``slow_step``)."""
+        self._to_controller({"type": "worker", "node": self.node_id, "local_rank": wk.local_rank, "msg": msg},
+                            queue=True)
 
     def _brings_group_down(self, grp: WorkerGroup, wk: WorkerProcess) -> bool:
         """Does ``wk``'s exit end its group? A failure (non-zero status), or any exit of a
