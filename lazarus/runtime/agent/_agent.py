@@ -25,6 +25,8 @@ cap counts group restarts. The agent
   ``max_restarts`` times within ``restart_window``. Past that the node leaves the job
   and the agent exits 5, naming the worker's last error (from its stderr, which the
   agent relays);
+* kills a worker found frozen (stopped) or hung (its training thread blocked after a
+  failure plan reached it) and handles it as crashed (:mod:`._watchdog`);
 * keeps the node-memory directory (``snapshot_dir``) across worker crashes and removes it
   when it exits normally.
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from examples.local_cluster import LocalCluster
-from lazarus.runtime.agent._watchdog import proc_state
 
 NODES = ["n0", "n1", "n2"]
 #: the target: the others train again this long after a worker is SIGSTOPped (default settings)
@@ -59,7 +58,12 @@ def _killed_by_watchdog(c: LocalCluster, node: str) -> list[dict]:
 
 
 def _gone(pid: int) -> bool:
-    return proc_state(pid) in (None, "Z")
+    """Process ``pid`` exited (gone, or a zombie its agent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def _rejoin_then_finish(c: LocalCluster, tmp_path: Path, victim: str, slow: Path, steps: int) -> None:
