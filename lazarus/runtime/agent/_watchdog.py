@@ -120,6 +120,7 @@ class Watchdog:
         self._clock = clock
         self._proc = proc
         self._seen: dict[int, _Seen] = {}
+        self._last_look: float | None = None
 
     async def run(self, grp: WorkerGroup, current: Callable[[], bool]) -> None:
         """Look at ``grp``'s workers every ``interval`` while ``current()`` and some runs."""
@@ -137,6 +138,13 @@ class Watchdog:
     def check(self, grp: WorkerGroup) -> None:
         """One look at every worker of ``grp``."""
         now = self._clock()
+        # A long gap since the last look: the agent itself was stopped or starved (a stopped
+        # node's agent and worker are woken together). Time it did not watch is no evidence.
+        gap = None if self._last_look is None else now - self._last_look
+        self._last_look = now
+        if gap is not None and gap > 5 * self.settings.interval.total_seconds() + 0.5:
+            for seen in self._seen.values():
+                seen.stopped_since = None
         for wk in grp.workers:
             if not wk.alive or wk.done or wk.left or wk.watchdog_reason is not None or grp.killed:
                 continue

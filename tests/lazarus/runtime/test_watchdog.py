@@ -195,3 +195,31 @@ def test_watchdog_settings_are_checked_naming_the_field() -> None:
         AgentConfig(**base, watch_interval=timedelta(seconds=1))
     with pytest.raises(ValueError, match=r"watch_interval must be >= 0.01s"):
         AgentConfig(**base, watch_interval=timedelta(milliseconds=1))
+
+
+def test_time_the_agent_itself_was_stopped_is_no_evidence() -> None:
+    # A stopped node (agent and worker SIGSTOPped together, then SIGCONTed together): the
+    # agent's first look after waking must not count its own absence as the worker's stop.
+    async def main() -> None:
+        grp, wk = await _start("train")
+        now = [100.0]
+        dog = Watchdog(_FAST, node_id="n0", report=lambda wk, msg: None, clock=lambda: now[0])
+        os.kill(wk.pid, signal.SIGSTOP)
+        while proc_state(wk.pid) != "T":
+            await asyncio.sleep(0.005)
+        try:
+            dog.check(grp)                 # sees it stopped
+            now[0] += 30.0                 # the agent was away 30 s
+            dog.check(grp)
+            assert wk.watchdog_reason is None and wk.alive
+            for _ in range(20):            # watched without a gap: killed after stopped_timeout (0.3 s)
+                now[0] += 0.02
+                dog.check(grp)
+            assert wk.watchdog_reason is not None and "stopped" in wk.watchdog_reason
+            assert await asyncio.wait_for(wk.proc.wait(), 10) == -signal.SIGKILL
+        finally:
+            if wk.alive:
+                wk.proc.kill()
+                await wk.proc.wait()
+
+    asyncio.run(main())
