@@ -29,7 +29,8 @@ the node and the agent restarts its workers, which rejoin. A killed worker canno
 anything after it, whatever wakes it later.
 
 Steps much slower than the worker's typical step (``SLOW_FACTOR`` times, at least
-``SLOW_MIN``) are reported to the controller (``slow_step``: a straggler), never acted on.
+``SLOW_MIN``) are reported to the controller (``slow_step``), never acted on; the ranks
+that waited for a straggler in a collective report their step as slow too.
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ class _Seen:
 
 
 class Watchdog:
-    """Watches one node's workers; ``kill`` is called once per worker found frozen or
-    hung (with the reason), ``report`` with each ``slow_step`` report."""
+    """Watches one node's workers: kills (SIGKILL) each one found frozen or hung, naming
+    why in its ``watchdog_reason``; ``report`` is called with each ``slow_step`` report."""
 
     def __init__(self, settings: WatchSettings, *, node_id: str,
                  report: Callable[[WorkerProcess, dict[str, Any]], None],
@@ -145,6 +146,7 @@ class Watchdog:
         if gap is not None and gap > 5 * self.settings.interval.total_seconds() + 0.5:
             for seen in self._seen.values():
                 seen.stopped_since = None
+                seen.plan_generation = 0   # a plan's wait is timed afresh from the next look
         for wk in grp.workers:
             if not wk.alive or wk.done or wk.left or wk.watchdog_reason is not None or grp.killed:
                 continue

@@ -117,10 +117,10 @@ def test_a_worker_whose_training_thread_blocks_is_killed_once_its_peers_moved_on
         slow.touch()
         t_hang = time.time()
         hang.touch()
-        exit_ = c.wait_for(lambda: _killed_by_watchdog(c, "n1"), 45, "the watchdog's kill of the hung worker")[0]
-        hang.unlink()   # the node's next worker trains normally
-        assert "hung" in exit_["error"] and exit_["returncode"] == -9, exit_
         rec = c.wait_for(lambda: _failure_reconfigs(c), 60, "training again without the hung worker")[0]
+        hang.unlink()   # the node's next worker trains normally
+        exit_ = c.wait_for(lambda: _killed_by_watchdog(c, "n1"), 10, "the watchdog's kill of the hung worker")[0]
+        assert "hung" in exit_["error"] and exit_["returncode"] == -9, exit_
         print(f"\nhung training thread on n1 -> killed after {exit_['t'] - t_hang:.2f} s, the others train again "
               f"after {rec['t_resumed'] - t_hang:.2f} s (collective_timeout 4 s + hang_timeout 5 s)")
         assert "n1" not in rec["members"]
