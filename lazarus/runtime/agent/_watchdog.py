@@ -127,7 +127,9 @@ class Watchdog:
         """Look at ``grp``'s workers every ``interval`` while ``current()`` and some runs."""
         s = self.settings
         try:
-            while grp.alive and current() and (s.stopped_timeout is not None or s.hang_timeout is not None):
+            if s.stopped_timeout is None and s.hang_timeout is None:
+                await grp.wait()   # nothing to watch; the beats are released at the end
+            while grp.alive and current():
                 self.check(grp)
                 await asyncio.sleep(s.interval.total_seconds())
         finally:

@@ -223,3 +223,14 @@ def test_time_the_agent_itself_was_stopped_is_no_evidence() -> None:
                 await wk.proc.wait()
 
     asyncio.run(main())
+
+
+def test_checks_turned_off_kill_nothing() -> None:
+    async def main() -> None:
+        grp, wk = await _start("block")
+        grp.immediate_generation = 2
+        os.kill(wk.pid, signal.SIGSTOP)
+        off = WatchSettings(stopped_timeout=None, hang_timeout=None, interval=timedelta(milliseconds=20))
+        assert await _watch(grp, off, 1.5) is None and wk.watchdog_reason is None
+
+    asyncio.run(main())
