@@ -234,3 +234,17 @@ def test_checks_turned_off_kill_nothing() -> None:
         assert await _watch(grp, off, 1.5) is None and wk.watchdog_reason is None
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--stopped-timeout", "0"], "--stopped-timeout: stopped_timeout must be a positive datetime.timedelta or None"),
+    (["--hang-timeout", "soon"], "--hang-timeout must be a duration like 500ms, 3s or 2m, got 'soon', or off"),
+    (["--watch-interval", "2s"], "--watch-interval: watch_interval (2.0s) must not exceed stopped_timeout (0.5s)"),
+])
+def test_agent_cli_watchdog_options_are_checked_naming_the_option(args: list[str], message: str) -> None:
+    import subprocess
+
+    env = dict(os.environ, LAZARUS_SECRET="s" * 32)
+    r = subprocess.run([sys.executable, "-m", "lazarus.cli", "agent", "--controller", "127.0.0.1:9", *args, "--",
+                        "true"], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
