@@ -38,6 +38,7 @@ class ProgressBeat:
         self._t_ns = 0
         self._typical_ns = 0.0
         self._steady = 0        # consecutive steps timed since the last pause
+        self._tid = 0           # the training thread's native id (the first caller's)
         if fd is None:
             return
         try:
@@ -95,9 +96,10 @@ class ProgressBeat:
             return
         # typical: known once two steps in a row were timed (the first after a pause is not)
         typical = int(self._typical_ns) if self._steady >= 2 else 0
+        if not self._tid:
+            self._tid = threading.get_native_id() & 0xFFFFFFFF
         self._seq += 1
         SEQ.pack_into(m, SEQ_AT, self._seq)            # odd: writing
-        FIELDS.pack_into(m, FIELDS_AT, phase, threading.get_native_id() & 0xFFFFFFFF, step, generation, t_ns,
-                         typical)
+        FIELDS.pack_into(m, FIELDS_AT, phase, self._tid, step, generation, t_ns, typical)
         self._seq += 1
         SEQ.pack_into(m, SEQ_AT, self._seq)            # even: consistent
