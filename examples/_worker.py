@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -65,6 +66,12 @@ def add_job_arguments(p: argparse.ArgumentParser, *, batch_size: int) -> None:
     p.add_argument("--slow-while", default=None, metavar="FILE",
                    help="fault injection: while FILE exists every step takes 0.5 s longer (a test keeps "
                         "the survivors training until a respawned node is back, however slowly it starts)")
+    p.add_argument("--hang-while", default=None, metavar="FILE",
+                   help="fault injection: a step that starts while FILE exists blocks its training thread for "
+                        "good (a deadlock: no CPU, no progress; the process stays alive)")
+    p.add_argument("--stall-at-step", type=int, default=None, metavar="N",
+                   help="fault injection: step N (once per process) sleeps --stall-for first (a slow step)")
+    p.add_argument("--stall-for", type=_duration, default=timedelta(seconds=6))
 
 
 def start_worker(args: argparse.Namespace) -> str:
@@ -142,6 +149,26 @@ def run_job(args: argparse.Namespace, cfg: Any, *, layout: Any, build_model: Any
             if os.path.exists(flag):
                 time.sleep(0.5)
             return inner(model, step, rank, world)
+
+    if args.hang_while:
+        inner_h, hang_flag = loss_fn, args.hang_while
+
+        def loss_fn(model: Any, step: int, rank: int, world: int) -> Any:
+            if os.path.exists(hang_flag):
+                logging.getLogger("examples").warning("step %d: --hang-while: the training thread blocks", step)
+                lock = threading.Lock()
+                lock.acquire()
+                lock.acquire()   # never returns
+            return inner_h(model, step, rank, world)
+    if args.stall_at_step is not None:
+        inner_s, stalled = loss_fn, []
+
+        def loss_fn(model: Any, step: int, rank: int, world: int) -> Any:
+            if step == args.stall_at_step and not stalled:
+                stalled.append(step)
+                logging.getLogger("examples").warning("step %d: --stall-at-step: sleeping %s", step, args.stall_for)
+                time.sleep(args.stall_for.total_seconds())
+            return inner_s(model, step, rank, world)
 
     t0 = time.time()
     trainer.run(loss_fn, args.steps)

@@ -3,7 +3,8 @@
 Used by ``make demo`` (:mod:`examples.lazarus_demo`) and the fault-injection tests. Each "node" is
 an agent process started in its own session, so ``kill_node`` takes down the agent and
 its worker together (SIGKILL to the process group), like a machine that vanishes;
-``freeze_node`` stops them (SIGSTOP), like a hung host; ``kill_worker`` kills only the
+``freeze_node`` stops them (SIGSTOP), like a hung host; ``freeze_worker`` stops only the
+training processes (or one), like a worker hung under a live agent; ``kill_worker`` kills only the
 training processes (or one of them: with ``nproc_per_node`` > 1 an agent runs several, and
 one's death takes the node's others down); ``leave`` sends the agent SIGTERM, like a spot-preemption notice;
 ``kill_controller`` / ``restart_controller`` take the controller down and bring it back
@@ -219,6 +220,31 @@ class LocalCluster:
 
     def thaw_node(self, node: str) -> None:
         os.killpg(self.agents[node].pid, signal.SIGCONT)
+
+    def freeze_worker(self, node: str, local_rank: int | None = None) -> tuple[float, list[int]]:
+        """SIGSTOP only the node's training processes, or only its worker ``local_rank``
+        (its agent keeps running, like a worker hung on its host); returns when, and their
+        pids."""
+        pids = [pid for lr, pid in self.worker_pids(node).items() if local_rank is None or lr == local_rank]
+        if not pids:
+            raise RuntimeError(f"node {node} has no worker process" +
+                               (f" of local rank {local_rank}" if local_rank is not None else ""))
+        t = time.time()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        return t, pids
+
+    @staticmethod
+    def thaw(pids: Sequence[int]) -> list[int]:
+        """SIGCONT ``pids``; returns those that still existed."""
+        woke = []
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+                woke.append(pid)
+            except ProcessLookupError:
+                pass
+        return woke
 
     def leave(self, node: str) -> float:
         t = time.time()

@@ -99,3 +99,21 @@ def test_shm_full_needs_skipped_snapshots_inside_its_window(tmp_path):
     sf.account(f, events, recs, tmp_path, 0.1)
     assert f.accounted, f.evidence
     assert f.detail["rate"] == pytest.approx(13 * 0.1 / 12, abs=0.01)   # 13 steps in the 12 s window
+
+
+def test_freeze_worker_is_accounted_only_by_the_watchdogs_kill_and_the_rejoin(tmp_path):
+    t0 = 1000.0
+    events = [{"t": t0 + 0.6, "event": "worker_exit", "node": "n2", "returncode": -9,
+               "error": "killed by SIGKILL by the agent's watchdog (frozen: stopped (process state T, SIGSTOP) ..."},
+              {"t": t0 + 0.6, "event": "node_failed", "node": "n2", "cause": "worker_exit"},
+              {"t": t0 + 0.8, "event": "plan", "lost": ["n2"], "joined": [], "members": ["n0", "n1"]},
+              {"t": t0 + 9.0, "event": "plan", "lost": [], "joined": ["n2"], "members": ["n0", "n1", "n2"]}]
+    recs = [{"t": t0 + i * 0.5, "step": 100 + i} for i in range(30)]
+    f = sf.Fault("freeze_worker", t0, node="n2", t_end=t0 + 4)
+    sf.account(f, events, recs, tmp_path, 0.1)
+    assert f.accounted, f.evidence
+    # a SIGKILL the soak ordered (kill_worker) is no watchdog kill
+    plain = [dict(events[0], error="killed by SIGKILL")] + events[1:]
+    f = sf.Fault("freeze_worker", t0, node="n2", t_end=t0 + 4)
+    sf.account(f, plain, recs, tmp_path, 0.1)
+    assert not f.accounted

@@ -7,7 +7,8 @@ details in ``_soak_faults.FAULTS``):
 
 * ``kill_node`` / ``kill_worker`` / ``kill_controller``: SIGKILL of a node (agent and
   worker), of a training process only, of the controller (restarted 2-6 s later);
-* ``freeze_node`` (SIGSTOP 3-6 s), ``spot_notice`` (SIGTERM to an agent), ``join``;
+* ``freeze_node`` (SIGSTOP 3-6 s), ``freeze_worker`` (SIGSTOP of a training process only,
+  3-6 s: its agent's watchdog kills it), ``spot_notice`` (SIGTERM to an agent), ``join``;
 * ``storage_outage`` (S3 refuses connections 10-20 s), ``slow_storage`` (every request
   1.5-4 s slower for 10-25 s), ``shm_full`` (the nodes' snapshot memory, a small tmpfs
   the soak mounts, filled by a real file while a node joins, then freed);

@@ -35,7 +35,8 @@ sys.path.insert(0, str(HERE))
 
 from _soak_faults import KINDS, TARGETS, target_met  # noqa: E402
 
-SHORT = {"kill_node": "kn", "kill_worker": "kw", "kill_controller": "kc", "freeze_node": "fz", "spot_notice": "sp",
+SHORT = {"kill_node": "kn", "kill_worker": "kw", "kill_controller": "kc", "freeze_node": "fz", "freeze_worker": "fw",
+         "spot_notice": "sp",
          "join": "j", "storage_outage": "so", "slow_storage": "ss", "shm_full": "shm", "kill_during_join": "kdj",
          "kill_during_reconfig": "kdr", "kill_controller_away": "kca", "kill_two_in_grace": "k2",
          "spot_notice_persist_hung": "sph"}

@@ -28,6 +28,20 @@ def _duration(name: str):
     return parse
 
 
+def _duration_or_off(name: str):
+    """A duration, or ``off`` (None)."""
+    def parse(text: str):
+        if str(text).strip().lower() == "off":
+            return None
+        try:
+            return parse_duration(text, name)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{exc}, or off") from None
+
+    parse.__name__ = "duration"
+    return parse
+
+
 def _positive_int(name: str):
     def parse(text: str) -> int:
         try:
@@ -253,6 +267,14 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--advertise-host", default=None,
                    help="address other nodes reach this one at (the rendezvous store its worker hosts); "
                         "default: this machine's address on the route to the controller")
+    p.add_argument("--stopped-timeout", type=_duration_or_off("--stopped-timeout"), default="500ms",
+                   help="a worker stopped this long (process state T: SIGSTOP) is killed and handled as crashed, "
+                        "so its peers need not wait out their collective timeout (default 500ms; off: never)")
+    p.add_argument("--hang-timeout", type=_duration_or_off("--hang-timeout"), default="5s",
+                   help="a worker whose training thread is blocked in a step of an older generation this long "
+                        "after a newer plan reached it is killed and handled as crashed (default 5s; off: never)")
+    p.add_argument("--watch-interval", type=_duration("--watch-interval"), default="100ms",
+                   help="how often the hang watchdog looks at the workers (default 100ms)")
     p.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
     p.add_argument("worker_command", nargs=argparse.REMAINDER, metavar="-- WORKER_COMMAND ...",
                    help="the training command to run")
@@ -266,7 +288,8 @@ _AGENT_OPTIONS = {
     "max_restarts": "--max-restarts", "restart_window": "--restart-window",
     "reconnect_timeout": "--reconnect-timeout",
     "leave_timeout": "--leave-timeout", "stop_timeout": "--stop-timeout", "exit_grace": "--exit-grace",
-    "job": "--job", "advertise_host": "--advertise-host",
+    "job": "--job", "advertise_host": "--advertise-host", "stopped_timeout": "--stopped-timeout",
+    "hang_timeout": "--hang-timeout", "watch_interval": "--watch-interval",
     "controller_port": "--controller", "controller_host": "--controller", "worker_command": "WORKER_COMMAND",
 }
 
@@ -299,7 +322,9 @@ def _run_agent(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts, restart_window=args.restart_window,
             reconnect_timeout=args.reconnect_timeout,
             leave_timeout=args.leave_timeout, stop_timeout=args.stop_timeout, exit_grace=args.exit_grace,
-            env=env, standby=args.standby, advertise_host=args.advertise_host, **kwargs,
+            env=env, standby=args.standby, advertise_host=args.advertise_host,
+            stopped_timeout=args.stopped_timeout, hang_timeout=args.hang_timeout, watch_interval=args.watch_interval,
+            **kwargs,
         )
     except ValueError as exc:
         raise _config_error(exc, _AGENT_OPTIONS) from None

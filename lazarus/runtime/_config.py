@@ -237,6 +237,14 @@ class AgentConfig:
             the route to the controller (``127.0.0.1`` for a controller on loopback).
         secret_source: where the secret came from (``--secret-file PATH`` or
             ``LAZARUS_SECRET``), named when the controller refuses it.
+        stopped_timeout: a worker stopped this long (process state ``T``: SIGSTOP, SIGTSTP)
+            is killed and handled as crashed, so its peers need not wait out their
+            ``collective_timeout`` (None: never). See :mod:`lazarus.runtime.agent._watchdog`.
+        hang_timeout: a worker whose training thread is blocked (no progress beat, under a
+            tenth of a core) in a step of an older generation this long after a newer plan
+            reached it is killed and handled as crashed (None: never).
+        watch_interval: how often the watchdog looks at the workers (``/proc`` and their
+            progress beat); at most ``stopped_timeout``.
     """
 
     secret: bytes
@@ -263,9 +271,13 @@ class AgentConfig:
     standby: bool = False
     advertise_host: str | None = None
     secret_source: str | None = None
+    stopped_timeout: timedelta | None = timedelta(milliseconds=500)
+    hang_timeout: timedelta | None = timedelta(seconds=5)
+    watch_interval: timedelta = timedelta(milliseconds=100)
 
     def __post_init__(self) -> None:
         self.secret = _check_secret(self.secret)
+        self._check_watchdog()
         if self.advertise_host is not None and (not isinstance(self.advertise_host, str)
                                                 or not self.advertise_host.strip()):
             raise ValueError(f"advertise_host must be a non-empty address or None, got {self.advertise_host!r}")
@@ -308,6 +320,17 @@ class AgentConfig:
             base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
             self.snapshot_dir = str(base / f"lazarus-{self.job}" / self.node_id)
         self.snapshot_dir = str(self.snapshot_dir)
+
+    def _check_watchdog(self) -> None:
+        for name in ("stopped_timeout", "hang_timeout"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, timedelta) or value <= timedelta(0)):
+                got = f"{value.total_seconds()}s" if isinstance(value, timedelta) else repr(value)
+                raise ValueError(f"{name} must be a positive datetime.timedelta or None (off), got {got}")
+        _check_td("watch_interval", self.watch_interval, lo=timedelta(milliseconds=10))
+        if self.stopped_timeout is not None and self.watch_interval > self.stopped_timeout:
+            raise ValueError(f"watch_interval ({self.watch_interval.total_seconds()}s) must not exceed "
+                             f"stopped_timeout ({self.stopped_timeout.total_seconds()}s)")
 
     @property
     def store_host(self) -> str:

@@ -6,7 +6,9 @@ reports up.
 
 * ``_agent`` — :class:`Agent`;
 * ``_agent_worker`` — the agent's side of its worker processes (spawn, stderr relay,
-  exit status, the restart policy).
+  exit status, the restart policy);
+* ``_watchdog`` — the hang watchdog: a worker stopped (SIGSTOP) or whose training thread
+  is blocked is killed and handled as crashed.
 
 The agent never imports torch, numpy or the planner (its worker's start-up is most of a
 cold join): no module here imports :mod:`lazarus.runtime.worker` or

@@ -25,6 +25,8 @@ cap counts group restarts. The agent
   ``max_restarts`` times within ``restart_window``. Past that the node leaves the job
   and the agent exits 5, naming the worker's last error (from its stderr, which the
   agent relays);
+* kills a worker found frozen (stopped) or hung (its training thread blocked after a
+  failure plan reached it) and handles it as crashed (:mod:`._watchdog`);
 * keeps the node-memory directory (``snapshot_dir``) across worker crashes and removes it
   when it exits normally.
 
@@ -85,6 +87,7 @@ from .._wire import (PLAN_MAX_MESSAGE_BYTES, AuthRefusedError, ConnectionClosed,
 from ._probe import parse_targets, unreachable
 from ._agent_worker import (RestartPolicy, WorkerGroup, WorkerProcess, describe_exit, exit_status, spawn_worker,
                             worker_env)
+from ._watchdog import Watchdog, WatchSettings
 
 __all__ = ["Agent"]
 
@@ -162,6 +165,9 @@ class Agent:
         if self._socket_env:
             log.info("agent %s step -: workers bind gloo and NCCL to %s (the advertised address %s)", self.node_id,
                      ", ".join(f"{k}={v}" for k, v in self._socket_env.items()), self._store_host)
+        # frozen or hung workers are killed, then handled as crashed (_watchdog)
+        self._watchdog = Watchdog(WatchSettings(config.stopped_timeout, config.hang_timeout, config.watch_interval),
+                                  node_id=self.node_id, report=self._report_from_worker)
 
     # ------------------------------------------------------------------ public
     def run(self) -> int:
@@ -661,6 +667,8 @@ class Agent:
             return
         if plan.generation > wk.plan_generation:
             wk.plan_generation = plan.generation
+        if plan.mode == "immediate" and plan.generation > wk.immediate_generation:
+            wk.immediate_generation = plan.generation   # the others left the generation (the watchdog)
         self._to_worker(msg)
 
     def _await_finished_worker(self, wk: WorkerGroup) -> None:
@@ -743,6 +751,7 @@ class Agent:
         for wk, reader in started:
             self._spawn_task(self._read_worker(grp, wk, reader))
         self._spawn_task(self._watch_worker(grp))
+        self._spawn_task(self._watchdog.run(grp, lambda: grp is self._worker))
 
     async def _read_worker(self, grp: WorkerGroup, wk: WorkerProcess, reader: asyncio.StreamReader) -> None:
         secret, limit = self.config.secret, self.config.max_message_bytes
@@ -793,6 +802,11 @@ class Agent:
             wk.writer.close()
         except (ConnectionClosed, ConnectionError, OSError):
             pass
+
+    def _report_from_worker(self, wk: WorkerProcess, msg: dict[str, Any]) -> None:
+        """The watchdog's reports go up as the worker's own (``slow_step``)."""
+        self._to_controller({"type": "worker", "node": self.node_id, "local_rank": wk.local_rank, "msg": msg},
+                            queue=True)
 
     def _brings_group_down(self, grp: WorkerGroup, wk: WorkerProcess) -> bool:
         """Does ``wk``'s exit end its group? A failure (non-zero status), or any exit of a

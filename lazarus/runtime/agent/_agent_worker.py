@@ -27,6 +27,8 @@ import time
 from datetime import timedelta
 from typing import Any, BinaryIO
 
+from .._beat import PROGRESS_FD_ENV, BeatRegion
+
 __all__ = ["RestartPolicy", "WorkerGroup", "WorkerProcess", "describe_exit", "exit_status", "last_error_line",
            "spawn_worker", "worker_env"]
 
@@ -70,7 +72,7 @@ class WorkerProcess:
     """One worker incarnation: its process, its channel and what it reported."""
 
     def __init__(self, incarnation: int, proc: asyncio.subprocess.Process, writer: asyncio.StreamWriter,
-                 local_rank: int = 0) -> None:
+                 local_rank: int = 0, beat: BeatRegion | None = None) -> None:
         self.incarnation = incarnation
         self.local_rank = local_rank
         self.proc = proc
@@ -88,6 +90,8 @@ class WorkerProcess:
         self.done = False                   # reported that training finished; never killed after that
         self.left = False                   # handed its state over and left the job (a leave plan)
         self.grace_task: asyncio.Task[Any] | None = None
+        self.beat = beat                    # its progress beat (the hang watchdog reads it)
+        self.watchdog_reason: str | None = None   # why the hang watchdog killed it
         self._tail = bytearray()
         self._stderr_task: asyncio.Task[None] | None = None
 
@@ -106,6 +110,8 @@ class WorkerProcess:
         """What the worker last said went wrong, with how it ended."""
         rc = self.proc.returncode
         how = describe_exit(rc) if rc is not None else "running"
+        if self.watchdog_reason is not None:
+            how = f"{how} by the agent's watchdog ({self.watchdog_reason})"
         line = last_error_line(self.stderr_tail())
         return f"{how}: {line}" if line else how
 
@@ -139,23 +145,28 @@ async def spawn_worker(command: list[str], env: dict[str, str], incarnation: int
                        stderr_sink: BinaryIO | None = None, local_rank: int = 0,
                        ) -> tuple[WorkerProcess, asyncio.StreamReader]:
     """Start ``command`` with a channel to the agent (``LAZARUS_AGENT_FD`` is added to
-    ``env``). Returns the worker and the agent's reader of its channel.
+    ``env``) and a progress beat region (``LAZARUS_PROGRESS_FD``). Returns the worker and
+    the agent's reader of its channel.
 
     Raises:
         OSError: the command cannot be started.
     """
     parent, child = socket.socketpair()
-    env = dict(env, LAZARUS_AGENT_FD=str(child.fileno()))
+    beat = BeatRegion()
+    assert beat.fd is not None
+    env = dict(env, LAZARUS_AGENT_FD=str(child.fileno()), **{PROGRESS_FD_ENV: str(beat.fd)})
     try:
-        proc = await asyncio.create_subprocess_exec(*command, pass_fds=(child.fileno(),), env=env,
+        proc = await asyncio.create_subprocess_exec(*command, pass_fds=(child.fileno(), beat.fd), env=env,
                                                     stderr=asyncio.subprocess.PIPE)
     except OSError:
         parent.close()
+        beat.close()
         raise
     finally:
         child.close()
+        beat.release_fd()
     reader, writer = await asyncio.open_unix_connection(sock=parent)
-    wk = WorkerProcess(incarnation, proc, writer, local_rank)
+    wk = WorkerProcess(incarnation, proc, writer, local_rank, beat)
     assert proc.stderr is not None
     sink = stderr_sink if stderr_sink is not None else sys.stderr.buffer
     wk._stderr_task = asyncio.ensure_future(wk._relay_stderr(proc.stderr, sink))
@@ -177,6 +188,7 @@ class WorkerGroup:
         self.incarnation = incarnation
         self.workers = workers
         self.plan_generation = 0            # newest plan relayed to it
+        self.immediate_generation = 0       # newest immediate plan (a failure's) relayed to it
         self.killed = False                 # stopped on purpose (evict / shutdown / leave timeout)
         self.ready_sent = False             # worker_ready reported for this incarnation
         self.failed: WorkerProcess | None = None   # the worker whose exit took the group down

@@ -14,7 +14,8 @@ Everything here runs inside the training process, beside the user's model:
   rendezvous-store connect that can be given up on);
 * ``_abort`` — hard abort of a broken process group; ``_backend`` — device and backend;
   ``_step_reduce`` — the step's one all-reduce; ``_lazy_dynamo`` — ``torch._dynamo``
-  deferred until something compiles.
+  deferred until something compiles; ``_progress`` — the training thread's progress beat,
+  read by the agent's hang watchdog.
 
 Kept light: nothing is imported here (``_channel`` needs no torch; the rest does), and the
 public names (:mod:`lazarus.runtime`) load their module on first use.

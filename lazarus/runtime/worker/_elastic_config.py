@@ -21,8 +21,10 @@ class ElasticConfig:
     """Settings of :class:`~lazarus.runtime.ElasticTrainer`.
 
     Attributes:
-        collective_timeout: timeout of every gloo/NCCL collective. A frozen peer (SIGSTOP,
-            a hung host) surfaces as an error after this long; a killed one at once.
+        collective_timeout: timeout of every gloo/NCCL collective. A frozen host (SIGSTOP of
+            the agent too, a hung machine) surfaces as an error after this long; a killed
+            peer at once, a frozen or hung worker whose agent lives as soon as that agent's
+            watchdog kills it (``AgentConfig.stopped_timeout`` / ``hang_timeout``).
         rendezvous_timeout: how long joining a new generation may take (all members
             arriving + ``init_process_group``). Must exceed ``collective_timeout``.
         connect_timeout: how long forming a generation's gloo group waits for any one

@@ -40,6 +40,7 @@ from ._backend import TrainerBackend, nccl_environment, resolve_backend
 from ._elastic_config import ElasticConfig
 from ._lazy_dynamo import defer_dynamo_import
 from ._plan_feed import latest_plan, wait_plan
+from ._progress import ProgressBeat
 from ._reconfigure import Reconfigurer
 from ._step_reduce import all_reduce_step, clip_total_norm_
 from ._worker_state import WorkerContext, WorkerState, state_after
@@ -142,6 +143,9 @@ class ElasticTrainer:
         self._storage_failures = 0       # moc persist failures already reported
         self._storage_bad_since: int | None = None  # last persisted step when storage went bad
         self._training = threading.Event()   # set while the step loop runs on a healthy group
+        # the training thread's progress, read by the agent's hang watchdog (written by this
+        # thread only: it stops when the step stops)
+        self._beat = ProgressBeat.from_env()
         self._watch_lock = threading.Lock()
         self._stop_watch = threading.Event()
 
@@ -287,6 +291,7 @@ class ElasticTrainer:
         while self.step < total_steps and not self.left:
             failure = None
             try:
+                self._beat.step(self.step, self.generation)
                 loss = self._train_step(loss_fn)
                 t1 = time.time()
                 if self._paused is not None:
@@ -318,6 +323,7 @@ class ElasticTrainer:
         background work that cannot end (a checkpoint write to hung storage, abandoned by
         the hand-over) is stopped by the agent after ``--stop-timeout``, not waited for."""
         log.info("node %s step %d: left the job", self.where, self.step)
+        self._beat.done(self.step, self.generation)
         try:
             self.channel.send({"type": "left", "step": self.step, "generation": self.generation})
         except Exception:  # noqa: BLE001 - the agent link has its own watchdog
@@ -499,6 +505,7 @@ class ElasticTrainer:
 
     # -- failures and reconfiguration --------------------------------------------------------
     def _on_broken_collective(self, error: str) -> None:
+        self._beat.idle(self.step, self.generation)
         with self._watch_lock:
             self._training.clear()
         t_error = time.time()
@@ -515,6 +522,7 @@ class ElasticTrainer:
 
     def _reconfigure_loop(self, plan: Plan, error: float | None) -> None:
         """Apply ``plan``; if it breaks (another failure meanwhile), wait for the next."""
+        self._beat.idle(self.step, self.generation)
         with self._watch_lock:
             self._training.clear()
         try:
@@ -576,6 +584,7 @@ class ElasticTrainer:
             raise
 
     def _wait_plan(self, newer_than: int, at_least: int | None = None, unbounded: bool = False) -> Plan:
+        self._beat.idle(self.step, self.generation)
         deadline = time.monotonic() + self.config.plan_timeout.total_seconds()
         while True:
             if unbounded:
@@ -600,6 +609,7 @@ class ElasticTrainer:
             return plan
 
     def _finish(self) -> None:
+        self._beat.done(self.step, self.generation)   # every step applied; the last flush is no step
         if self.ckpt is not None:
             try:
                 self.ckpt.close()

@@ -179,3 +179,35 @@ def test_one_worker_killed_restarts_its_node_which_rejoins(tmp_path: Path) -> No
             assert c.agents[node].wait(timeout=60) == 0
         digests = c.read_digests(str(tmp_path / "digest-{node}-{local_rank}.json"), NODES, G)
         assert c.final_state_problems(digests, LocalCluster.workers(NODES, G), steps, expert_units=2 * 4) == []
+
+
+@pytest.mark.timeout(300)
+def test_one_worker_sigstopped_under_its_live_agent_restarts_its_node_which_rejoins(tmp_path: Path) -> None:
+    # Local rank 1 of n1 is frozen (SIGSTOP), its agent lives: the agent's watchdog kills it
+    # after stopped_timeout (0.5 s), local rank 0 with it, and the node is handled as after
+    # a crash: the 4 other ranks train on long before the 4 s collective timeout, the node's
+    # new workers rejoin, every state agrees at the end.
+    steps = 150
+    slow = tmp_path / "slow"
+    with _cluster(tmp_path, slots=4, min_replicas=2, steps=steps, extra=["--slow-while", str(slow)]) as c:
+        c.start(NODES)
+        c.wait_step(8, timeout=180)
+        slow.touch()
+        t_freeze, pids = c.freeze_worker("n1", local_rank=1)
+        rec = c.wait_for(lambda: _failure_reconfigs(c), 60, "reconfiguration after the freeze")[0]
+        print(f"\nSIGSTOP of n1/1 -> the 4 other ranks train again after {rec['t_resumed'] - t_freeze:.2f} s")
+        assert rec["world_size"] == 4 and "n1" not in rec["members"]
+        assert rec["t_resumed"] - t_freeze < 4.0   # the collective timeout: not waited out
+        exits = [e for e in c.events() if e.get("event") == "worker_exit" and e.get("node") == "n1"]
+        assert exits[0]["incarnation"] == 1 and "local rank 1: killed by SIGKILL by the agent's watchdog (frozen" \
+            in exits[0]["error"], exits
+        c.thaw(pids)   # the frozen worker woken: gone already
+        c.wait_for(lambda: [r for r in c.reconfigurations() if r["reason"] == "join"], 90, "the rejoin")
+        slow.unlink()
+        join = [r for r in c.reconfigurations() if r["reason"] == "join"][0]
+        assert join["world_size"] == 6 and join["step"] < steps
+        assert c.wait(timeout=240) == 0
+        for node in NODES:
+            assert c.agents[node].wait(timeout=60) == 0
+        digests = c.read_digests(str(tmp_path / "digest-{node}-{local_rank}.json"), NODES, G)
+        assert c.final_state_problems(digests, LocalCluster.workers(NODES, G), steps, expert_units=2 * 4) == []
