@@ -72,13 +72,15 @@ class WorkerProcess:
     """One worker incarnation: its process, its channel and what it reported."""
 
     def __init__(self, incarnation: int, proc: asyncio.subprocess.Process, writer: asyncio.StreamWriter,
-                 local_rank: int = 0, beat: BeatRegion | None = None) -> None:
+                 local_rank: int = 0, beat: BeatRegion | None = None, spawned: float | None = None) -> None:
         self.incarnation = incarnation
         self.local_rank = local_rank
         self.proc = proc
         self.writer = writer
         self.started = time.monotonic()
-        self.spawned = time.time()          # when the agent started the process
+        # when the agent started the process: taken before the fork (the process's own start
+        # time, from /proc, must not come before it), else now
+        self.spawned = time.time() if spawned is None else spawned
         self.startup: dict[str, float] = {}  # the worker's start-up phases, from its hello
         self.ready = False                  # said hello
         self.model: dict[str, Any] = {}     # from its hello
@@ -155,6 +157,7 @@ async def spawn_worker(command: list[str], env: dict[str, str], incarnation: int
     beat = BeatRegion()
     assert beat.fd is not None
     env = dict(env, LAZARUS_AGENT_FD=str(child.fileno()), **{PROGRESS_FD_ENV: str(beat.fd)})
+    spawned = time.time()
     try:
         proc = await asyncio.create_subprocess_exec(*command, pass_fds=(child.fileno(), beat.fd), env=env,
                                                     stderr=asyncio.subprocess.PIPE)
@@ -166,7 +169,7 @@ async def spawn_worker(command: list[str], env: dict[str, str], incarnation: int
         child.close()
         beat.release_fd()
     reader, writer = await asyncio.open_unix_connection(sock=parent)
-    wk = WorkerProcess(incarnation, proc, writer, local_rank, beat)
+    wk = WorkerProcess(incarnation, proc, writer, local_rank, beat, spawned=spawned)
     assert proc.stderr is not None
     sink = stderr_sink if stderr_sink is not None else sys.stderr.buffer
     wk._stderr_task = asyncio.ensure_future(wk._relay_stderr(proc.stderr, sink))
