@@ -220,7 +220,10 @@ class SystemRun:
         return self.plt_steps / max(self.step, 1.0)
 
     # ------------------------------------------------------------------ membership
-    def on_remove(self, gone: set[str], alive: list[str]) -> None:
+    def on_remove(self, gone: set[str], alive: list[str], notice: bool = False) -> None:
+        """``gone`` left; ``notice``: every one of them announced it (a spot notice), so the
+        job pays ``notice_detect_s`` instead of ``detect_s`` to learn of it."""
+        detect = self.p.notice_detect_s if notice else self.p.detect_s
         old = list(self.sys.active)
         restarting = any(q[0] == "restart" for q in self.queue)
         d = self.sys.on_remove(gone, alive, math.floor(self.step + 1e-7))
@@ -239,7 +242,7 @@ class SystemRun:
             self.counts["fallbacks"] += 1
             to, secs = self._restore(failed)
             self._rollback(to)
-            self.queue += [["reconfiguration", self.p.detect_s + d.seconds, None], ["restart", secs, None]]
+            self.queue += [["reconfiguration", detect + d.seconds, None], ["restart", secs, None]]
             return
         if d.kind in ("restart", "idle"):
             to, secs = self._restore(failed)
@@ -249,9 +252,9 @@ class SystemRun:
                 self.pending_restore = secs
                 return
             self.counts["restarts"] += 1
-            self.queue.append(["restart", self.p.detect_s + self.p.restart_s + secs, None])
+            self.queue.append(["restart", detect + self.p.restart_s + secs, None])
             return
-        self.queue.append(["reconfiguration", self.p.detect_s + d.seconds, None])
+        self.queue.append(["reconfiguration", detect + d.seconds, None])
         if d.kind == "fallback":
             self.counts["fallbacks"] += 1
             self._plt(d.missing_share, int(self.step))
@@ -279,6 +282,13 @@ class SystemRun:
                 save = self.p.ckpt_call_s + full / (self.p.storage_write_gbps * 1e9)
                 load = full / (self.p.storage_read_gbps * 1e9)
             self.counts["restarts"] += 1
+            if not self.p.save_before_scale:
+                # torchrun's elastic agent: a new member restarts the job from the newest
+                # durable checkpoint; the steps since it are trained again
+                to, secs = self._restore(0.0)
+                self._rollback(to)
+                self.queue.append(["restart", self.p.restart_s + secs, None])
+                return
 
             def saved() -> None:
                 self.snap_step = s
@@ -309,7 +319,7 @@ class SystemRun:
                 self._add("idle", until - self.t)
                 continue
             tau = self._tau()
-            per_step = len(self.sys.active) * self.m.samples_per_node_step
+            per_step = (self.m.ref_nodes if self.m.fixed_batch else len(self.sys.active)) * self.m.samples_per_node_step
             cur = self.step
             marks = [self.interval, self.p.skew_epoch_steps]
             if self.sys.dispatcher:
@@ -359,16 +369,18 @@ class SystemRun:
                 continue
             gone: set[str] = set()
             added = False
+            notice = True
             for ev in groups[times[i]]:
                 if ev.kind == "remove":
                     gone |= set(ev.nodes)
+                    notice = notice and ev.notice
                     alive = [n for n in alive if n not in ev.nodes]
                 else:
                     alive += [n for n in ev.nodes if n not in alive]
                     added = True
             i += 1
             if gone:
-                self.on_remove(gone, alive)
+                self.on_remove(gone, alive, notice)
             if added and join_at == math.inf:
                 join_at = self.t + self.p.join_window_s
 
