@@ -158,3 +158,18 @@ def test_jsonl_trace_carries_notices(tmp_path: Path) -> None:
     p.write_text('[1000, "remove", {"nodes": ["a"], "notice": "yes"}]\n')
     with pytest.raises(ValueError, match="t.jsonl:1"):
         load_trace(p)
+
+
+def test_a_join_costs_the_members_join_reconfig_s_and_a_failure_reconfig_s() -> None:
+    # the live Lazarus: a join stalls the members ~0.1 s, a failure's regroup more; the old
+    # model charged both reconfig_s
+    perf = replace(PERF, detect_s=1.0, reconfig_s=3.0, join_reconfig_s=0.25, join_window_s=2.0)
+    sc = Scenario(("n0", "n1"), [Event(10.0, "add", ("n2",)), Event(20.0, "remove", ("n2",))])
+    for system in ("lazarus", "dsft"):
+        out = run(system, sc, 40.0, perf=perf)
+        assert out["breakdown"]["reconfiguration"] == pytest.approx(0.25 + 1.0 + 3.0, abs=1e-3), system
+        assert out["counts"]["reconfigs"] == 2
+    same = run("lazarus", sc, 40.0, perf=replace(perf, join_reconfig_s=None))
+    assert same["breakdown"]["reconfiguration"] == pytest.approx(3.0 + 1.0 + 3.0, abs=1e-3)
+    with pytest.raises(ValueError, match="join_reconfig_s"):
+        replace(PERF, join_reconfig_s=-0.5)
