@@ -26,6 +26,7 @@ joiner's start-up (importing torch) competes with them for the same two cores.
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any, Sequence
 
@@ -35,17 +36,24 @@ __all__ = ["progress", "typical_steps", "measure", "sim_config", "SIM_SYSTEM"]
 SIM_SYSTEM = {"lazarus": "lazarus", "ckpt": "ds", "torchft": "dsft", "torchft-readme": "dsft"}
 
 
-def _commits(records: list[dict[str, Any]]) -> list[tuple[float, int, int, int]]:
-    """``(t, step, world, run)`` of each commit, the earliest of each (step, run), by time."""
-    seen: dict[tuple[int, int], tuple[float, int, int, int]] = {}
+def _commits(records: list[dict[str, Any]], same_s: float = 2.0) -> list[tuple[float, int, int, int]]:
+    """``(t, step, world, run)`` of each commit, by time: the ranks' lines of one step (of one
+    incarnation) within ``same_s`` of its first are one commit; the same step committed again
+    later (a job that lost its state and trained it again, with or without a ``run`` field) is
+    another commit."""
+    lines: dict[tuple[int, int], list[tuple[float, int]]] = {}
     for r in records:
-        if r.get("kind") != "step":
-            continue
-        key = (int(r["step"]), int(r.get("run", 0)))
-        c = (float(r["t"]), int(r["step"]), int(r.get("world", 0)), int(r.get("run", 0)))
-        if key not in seen or c[0] < seen[key][0]:
-            seen[key] = c
-    return sorted(seen.values())
+        if r.get("kind") == "step":
+            lines.setdefault((int(r["step"]), int(r.get("run", 0))), []).append((float(r["t"]), int(r.get("world", 0))))
+    out = []
+    for (step, run), xs in lines.items():
+        xs.sort()
+        first = None
+        for t, w in xs:
+            if first is None or t - first > same_s:
+                first = t
+                out.append((t, step, w, run))
+    return sorted(out)
 
 
 def progress(records: list[dict[str, Any]], t0: float, t_end: float) -> tuple[int, list[tuple[float, int, int, int]]]:
@@ -66,7 +74,8 @@ def typical_steps(prog: Sequence[tuple[float, int, int, int]],
                   disrupted: Sequence[tuple[float, float]] = ()) -> dict[int, float]:
     """World size -> its typical step (seconds): the mean gap between consecutive progress
     commits (one step apart, same world and incarnation) outside the ``disrupted`` spans (an
-    event until its recovery, a save); a world seen only inside them: its trimmed mean there."""
+    event until its recovery, a save); a world seen only inside them: its best five steps in
+    a row there (what it sustained with the least else running)."""
     steady: dict[int, list[float]] = {}
     every: dict[int, list[float]] = {}
     for a, b in zip(prog, prog[1:]):
@@ -79,8 +88,9 @@ def typical_steps(prog: Sequence[tuple[float, int, int, int]],
         if len(steady.get(w, ())) >= 3:
             out[w] = statistics.fmean(steady[w])
         elif len(g) >= 3 or len(every) == 1:
-            med = statistics.median(g)
-            out[w] = statistics.fmean([x for x in g if x <= 2 * med])
+            # seen only while something else ran on the cores: the best 5 steps in a row
+            k = min(5, len(g))
+            out[w] = min(statistics.fmean(g[i:i + k]) for i in range(len(g) - k + 1))
     return out
 
 
@@ -93,8 +103,10 @@ def _typical_at(typ: dict[int, float], w: int) -> float:
 
 
 def measure(records: list[dict[str, Any]], events: list[dict[str, Any]], t0: float, t_end: float,
-            tokens_per_step: int) -> dict[str, Any]:
-    """The figures of one system's replay; ``events``: ``{"t", "kind", "node"}`` injected."""
+            tokens_per_step: int, joined: dict[str, float] | None = None) -> dict[str, Any]:
+    """The figures of one system's replay; ``events``: ``{"t", "kind", "node"}`` injected;
+    ``joined``: node -> when a joiner began training (where the system says so)."""
+    joined = joined or {}
     base, prog = progress(records, t0, t_end)
     commits = _commits(records)
     # one save per checkpoint (every rank writes a line; keep one per step and run)
@@ -110,12 +122,18 @@ def measure(records: list[dict[str, Any]], events: list[dict[str, Any]], t0: flo
     # joiner trains (its start-up shares the cores); a save
     disrupted = [(t - s, t) for t, s in saves]
     for e in events:
-        back = next((c[0] for c in prog if c[0] > e["t"]), t_end)
-        if e["kind"] == "join":
+        # training again: the second commit after it (a step in flight may commit just after)
+        after = [c[0] for c in commits if c[0] > e["t"]][:2]
+        back = after[-1] if len(after) == 2 else t_end
+        if e["kind"] == "join" and e["node"] in joined:
+            back = max(back, next((c[0] for c in commits if c[0] > joined[e["node"]]), back))
+        elif e["kind"] == "join":
             w = next((c[2] for c in reversed(commits) if c[0] < e["t"]), 0)
             back = max(back, next((c[0] for c in commits if c[0] >= e["t"] and c[2] > w), back))
         disrupted.append((e["t"], back))
-    typ = typical_steps(prog, disrupted)
+    # every step trained counts for the step time, redone ones too (a job that lost its state
+    # trains it again at its normal speed)
+    typ = typical_steps([c for c in commits if t0 < c[0] <= t_end], disrupted)
     if not typ:
         # too few steps in the replay itself (a job restarting all along): its steps before it
         typ = typical_steps(progress(records, float("-inf"), t_end)[1])
@@ -147,12 +165,16 @@ def measure(records: list[dict[str, Any]], events: list[dict[str, Any]], t0: flo
         row["overlapped"] = back is None or back[0] > span["hi"]   # another event came first
         row["left_s"] = t_end - e["t"]
         if e["kind"] == "join":
-            # the joiner's world: its first commit of a larger world before the next event; the
+            # the joiner's world: its first commit (where the system says when the joiner began
+            # training; else the first commit of a larger world before the next event); the
             # members paused at the commit before it (stall: that gap less the new world's step)
             before = [c for c in commits if c[0] < e["t"]]
             w = before[-1][2] if before else 0
-            i = next((i for i, c in enumerate(commits) if e["t"] <= c[0] <= span["hi"] and c[2] > w), None)
-            if i is not None and i > 0:
+            if e["node"] in joined:
+                i = next((i for i, c in enumerate(commits) if c[0] > joined[e["node"]]), None)
+            else:
+                i = next((i for i, c in enumerate(commits) if e["t"] <= c[0] <= span["hi"] and c[2] > w), None)
+            if i is not None and i > 0 and commits[i - 1][0] >= e["t"] - 60:
                 first, prev = commits[i], commits[i - 1]
                 row["join_to_world_s"] = first[0] - e["t"]
                 row["join_pause_at_s"] = max(0.0, prev[0] - e["t"])
@@ -206,14 +228,15 @@ def sim_config(results: dict[str, dict[str, Any]], *, experts: int, layers: int,
         ev = res["per_event"]
 
         def recovered(kinds: tuple[str, ...], clean: bool) -> list[float]:
-            """Recovery times of the events of these kinds (``clean``: only those back before
-            the next event, unless none was); an event never recovered from counts with the
-            time it had left (a lower bound), when no event of its kinds recovered."""
+            """Recovery times of the events of these kinds less the steps redone on the way
+            (the simulator books a roll back itself) (``clean``: only those back before the
+            next event, unless none was); an event never recovered from counts with the time
+            it had left (a lower bound), when no event of its kinds recovered."""
             xs = [e for e in ev if e["kind"] in kinds and e.get("recovery_s") is not None]
             if clean:
                 xs = [e for e in xs if not e["overlapped"]] or xs
             if xs:
-                return [e["recovery_s"] for e in xs]
+                return [e["recovery_s"] - e["redone"] * ref for e in xs]
             return [e["left_s"] for e in ev if e["kind"] in kinds]
 
         p: dict[str, Any] = {}
@@ -234,6 +257,12 @@ def sim_config(results: dict[str, dict[str, Any]], *, experts: int, layers: int,
             # same cores, and the stall) is booked as that stall, less the half step the
             # simulator drops there
             joins = [e for e in ev if e["kind"] == "join" and e.get("join_loss_s") is not None]
+            # (only joins with no departure before the joiner trained, nor one still being
+            # recovered from when it came, unless none was)
+            joins = [e for e in joins if not any(
+                x["kind"] != "join" and (e["t"] <= x["t"] <= e["t"] + e["join_to_world_s"]
+                                         or x["t"] <= e["t"] <= x["t"] + (x.get("recovery_s") or math.inf))
+                for x in ev)] or joins
             p.update(join_reconfig_s=max(0.0, _mean([e["join_loss_s"] for e in joins]) - 0.5 * ref),
                      join_window_s=_mean([e["join_pause_at_s"] for e in joins]), reconfig_s=0.0)
             # a departure: recovery = detection and reconfiguration, then one new step

@@ -129,18 +129,38 @@ def run_system(system: str, work: Path, spec: ModelSpec, trace: TraceSpec, *, st
         _sleep_until(t0 + duration)
         t_end = time.time()
         records = arm.records()
+        joined = joined_at(arm, records, [a.node for a in acts if a.kind == "join"])
     finally:
         arm.stop()
-    raw = {"records": records, "events": events, "t0": t0, "t_end": t_end,
+    raw = {"records": records, "events": events, "t0": t0, "t_end": t_end, "joined": joined,
            "interval": (arm.interval() or {}) if isinstance(arm, CkptRestartArm) else None,
            "restarts": len(arm.restarts) if isinstance(arm, CkptRestartArm) else None}
     (work / "raw.json").write_text(json.dumps(raw))
     return analyse(system, raw, spec)
 
 
+def joined_at(arm: Any, records: list[dict[str, Any]], nodes: Sequence[str]) -> dict[str, float]:
+    """When each joiner began training: Lazarus's controller says (the join plan's event);
+    torchft's and checkpoint-restart's workers log their steps with their node: the first one
+    began a step before it was committed (the job's typical step, taken off in ``measure``)."""
+    out: dict[str, float] = {}
+    if isinstance(arm, LazarusArm):
+        for ev in arm.events():
+            if ev.get("event") == "plan":
+                for n in ev.get("joined") or ():
+                    if n in nodes:
+                        out.setdefault(n, float(ev["t"]))
+        return out
+    for r in sorted((r for r in records if r.get("kind") == "step"), key=lambda r: r["t"]):
+        if r.get("node") in nodes:
+            out.setdefault(r["node"], float(r["t"]) - 1e-6)
+    return out
+
+
 def analyse(system: str, raw: dict[str, Any], spec: ModelSpec) -> dict[str, Any]:
     """The figures of one system from its raw replay (records, injected events, t0, end)."""
-    res = measure(raw["records"], raw["events"], raw["t0"], raw["t_end"], spec.tokens_per_step)
+    res = measure(raw["records"], raw["events"], raw["t0"], raw["t_end"], spec.tokens_per_step,
+                  joined=raw.get("joined"))
     res.update(system=system, label=LABEL[system], events_injected=len(raw["events"]), raw=raw)
     if raw.get("interval") is not None:
         res["interval"] = raw["interval"]

@@ -142,12 +142,14 @@ class PerfParams:
     # what a join costs the members (None: reconfig_s, the paper's single regroup cost); apart
     # from reconfig_s, which a failure's recovery pays after its detection
     join_reconfig_s: float | None = None
+    notice_period_s: float = 120.0  # AWS spot: the interruption notice comes 2 minutes ahead
 
     def __post_init__(self) -> None:
         _positive(self, "transfer_gbps", "storage_write_gbps", "storage_read_gbps",
                   "memory_read_gbps", "snapshot_gbps", "exact_weight_bytes")
         _positive(self, "detect_s", "restart_s", "reconfig_s", "rebalance_s", "ckpt_call_s",
-                  "dispatch_overhead", "join_window_s", "plt_threshold", "notice_detect_s", allow_zero=True)
+                  "dispatch_overhead", "join_window_s", "plt_threshold", "notice_detect_s",
+                  "notice_period_s", allow_zero=True)
         for name in ("ds_interval_steps", "ft_interval_steps", "lazarus_interval_steps",
                      "moc_interval_divisor", "rebalance_every_steps", "skew_epoch_steps",
                      "min_replicas", "k_persist", "persist_every", "exact_window_steps"):

@@ -357,6 +357,8 @@ class SystemRun:
             groups.setdefault(ev.time_s, []).append(ev)
         times = sorted(groups)
         join_at = math.inf
+        # nodes that gave notice and stay until the joiners arrive, to hand their state over
+        deferred: set[str] = set()
         i = 0
         while self.t < end and self.jct is None:
             nxt = min(times[i] if i < len(times) else math.inf, join_at)
@@ -365,7 +367,10 @@ class SystemRun:
                 break  # done, out of time, or idle with no event left to wake it
             if join_at <= nxt and (i >= len(times) or join_at <= times[i]):
                 join_at = math.inf
-                self.on_join(alive)
+                self.on_join(alive + sorted(deferred))
+                if deferred:
+                    left, deferred = deferred, set()
+                    self.on_remove(left, alive, True)
                 continue
             gone: set[str] = set()
             added = False
@@ -379,10 +384,16 @@ class SystemRun:
                     alive += [n for n in ev.nodes if n not in alive]
                     added = True
             i += 1
-            if gone:
-                self.on_remove(gone, alive, notice)
             if added and join_at == math.inf:
                 join_at = self.t + self.p.join_window_s
+            if (gone and notice and self.sys.hands_over and join_at - self.t <= self.p.notice_period_s
+                    and not set(self.sys.active) - gone - deferred):
+                # the last members got a spot notice while nodes are joining: they train on and
+                # hand their state to the joiners (Lazarus's SIGTERM), no roll back
+                deferred |= gone & set(self.sys.active)
+                gone -= deferred
+            if gone:
+                self.on_remove(gone, alive, notice)
 
     # ------------------------------------------------------------------ output
     def totals(self) -> dict[str, float]:

@@ -55,6 +55,9 @@ class System(ABC):
 
     name = ""
     dispatcher = False
+    # a node that gets a spot notice hands its state over before it leaves (waiting, within
+    # the notice, for a joiner when it is the last member) instead of dying with it
+    hands_over = False
 
     def __init__(self, model: ModelSpec, perf: PerfParams, routing: Routing) -> None:
         self.model, self.perf, self.routing = model, perf, routing
@@ -195,6 +198,7 @@ class Lazarus(System):
 
     name = "lazarus"
     dispatcher = True
+    hands_over = True
 
     def __init__(self, model: ModelSpec, perf: PerfParams, routing: Routing) -> None:
         super().__init__(model, perf, routing)

@@ -173,3 +173,25 @@ def test_a_join_costs_the_members_join_reconfig_s_and_a_failure_reconfig_s() -> 
     assert same["breakdown"]["reconfiguration"] == pytest.approx(3.0 + 1.0 + 3.0, abs=1e-3)
     with pytest.raises(ValueError, match="join_reconfig_s"):
         replace(PERF, join_reconfig_s=-0.5)
+
+
+def test_the_last_node_with_a_notice_hands_its_state_to_a_joiner() -> None:
+    # the live Lazarus: the last member's agent, SIGTERMed while a node joins, trains on and
+    # hands the state over (no roll back); the old model restarted from the last checkpoint.
+    # n1 joins at 9 s (ready 3 s later); n0, alone, gets its notice at 10 s
+    perf = replace(PERF, join_window_s=3.0, notice_detect_s=0.0, reconfig_s=0.5, join_reconfig_s=0.25, min_replicas=1,
+                   lazarus_interval_steps=10 ** 6)
+    sc = Scenario(("n0",), [Event(9.0, "add", ("n1",)), Event(10.0, "remove", ("n0",), notice=True)])
+    out = run("lazarus", sc, 30.0, perf=perf, model=replace(WIDE, fixed_batch=True))
+    assert out["counts"]["restarts"] == 0 and out["breakdown"]["lost"] < 1.0
+    # one between-steps plan: the joiner in, the leaver out (the departure's regroup)
+    assert out["breakdown"]["reconfiguration"] == pytest.approx(0.5, abs=1e-3)
+    assert out["breakdown"]["compute"] == pytest.approx(30.0 - 0.5, abs=1.0)
+    # a SIGKILL cannot hand over: the job restarts from its checkpoint on the joiner
+    killed = Scenario(("n0",), [Event(9.0, "add", ("n1",)), Event(10.0, "remove", ("n0",))])
+    assert run("lazarus", killed, 30.0, perf=perf, model=replace(WIDE, fixed_batch=True))["counts"]["restarts"] == 1
+    # nor can torchft's replica group (DS(FT)): it dies with its SIGTERM
+    assert run("dsft", sc, 30.0, perf=perf, model=replace(WIDE, fixed_batch=True))["counts"]["restarts"] == 1
+    # a notice longer ago than the notice period: gone before the joiner comes
+    late = replace(perf, notice_period_s=1.0)
+    assert run("lazarus", sc, 30.0, perf=late, model=replace(WIDE, fixed_batch=True))["counts"]["restarts"] == 1
