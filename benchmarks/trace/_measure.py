@@ -9,8 +9,10 @@ replay's start ``t0`` and its end:
 - *typical step* at each world size: the mean gap between consecutive progress commits of
   that world (one step apart, same incarnation) away from any event (from an event until
   the job is back to new steps, for a join until the joiner trains) and any save: the
-  step as this (shared, loaded) machine runs it; *useful time* = each progress commit's
-  typical step; ETTR = useful time / wall time (the simulator's compute / simulated time).
+  step as this (shared, loaded) machine runs it; *useful time* = each progress commit's own
+  step time away from disruptions (the machine's background load moves it), its world's
+  typical step inside one; ETTR = useful time / wall time (the simulator's compute /
+  simulated time).
 - *time lost per event*: the wall time from an event to the next one (or the end) that is
   not useful, less the checkpoint saves in it (booked as checkpoint time); events at the
   same instant share their span equally. The span before the first event is the baseline.
@@ -138,7 +140,16 @@ def measure(records: list[dict[str, Any]], events: list[dict[str, Any]], t0: flo
         # too few steps in the replay itself (a job restarting all along): its steps before it
         typ = typical_steps(progress(records, float("-inf"), t_end)[1])
     wall = t_end - t0
-    useful = [(c[0], _typical_at(typ, c[2])) for c in prog]
+    # a new step away from any disruption counts its own duration (the machine's load moves
+    # the step time; the simulator gets the mean); one inside a disruption its world's step
+    inside = sorted(c for c in commits if t0 < c[0] <= t_end)
+    prev_of = {c: p for p, c in zip(inside, inside[1:])}
+    useful = []
+    for c in prog:
+        p = prev_of.get(c)
+        ok = p is not None and c[1] == p[1] + 1 and c[2] == p[2] and c[3] == p[3] and not any(
+            lo < c[0] and p[0] < hi for lo, hi in disrupted)
+        useful.append((c[0], c[0] - p[0] if ok and p is not None else _typical_at(typ, c[2])))
     # time lost per event: spans between event instants
     times = sorted({e["t"] for e in events})
     bounds = [t0] + [t for t in times if t0 <= t <= t_end] + [t_end]

@@ -193,7 +193,8 @@ def simulate(results: dict[str, dict[str, Any]], trace: TraceSpec, spec: ModelSp
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"lazarus simulate failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
-    shown = ["lazarus", "simulate", *cmd[4:-1]]
+    shown = ["lazarus", "simulate", *(os.path.relpath(a, ROOT) if a == str(path) and path.is_relative_to(ROOT) else a
+                                      for a in cmd[4:-1])]
     return {"systems": json.loads(proc.stdout)["systems"], "command": shlex.join(shown), "config": cfg}
 
 
@@ -372,8 +373,10 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"{len(sc.initial)}); {len(acts)} actions, kill share {trace.kill_share:g}, seed {trace.seed}.",
              f"Model: {spec.layers} MoE layers of {spec.experts} experts (d_model {spec.d_model}), global batch "
              f"{spec.batch_size} x {spec.seq_len} tokens whatever the nodes (strong scaling on 2 shared cores).",
-             "ETTR = useful time (each new step at its world's typical step) / wall time; lost per event = the "
-             "span from an event to the next that is not useful, checkpoint saves excepted."]
+             "ETTR = useful time / wall time: a new step away from any event counts its own time, one during "
+             "an event's disruption (until training again; a join until the joiner trains) its world's mean "
+             "undisturbed step; lost per event = the span from an event to the next that is not useful, "
+             "checkpoint saves excepted; recovery = the event to the next new step."]
     for s, r in results.items():
         typ = ", ".join(f"{w} nodes {t * 1000:.0f} ms" for w, t in sorted(r["typical_step_s"].items()))
         extra = ""
