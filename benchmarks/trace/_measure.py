@@ -19,11 +19,12 @@ replay's start ``t0`` and its end:
 
 :func:`sim_config` turns these into ``lazarus simulate --config`` sections, one per
 simulated system (``lazarus`` = Lazarus, ``ds`` = checkpoint-restart, ``dsft`` = torchft:
-replicas that reconfigure in place): the measured step time per node count, and each
-event kind's lost time less what the simulator books on its own (half a step for the
-interrupted step, the steps a restart redoes). A join's cost to the members is all they lost
-between the join and the joiner's first step (``join_reconfig_s``): on this machine the
-joiner's start-up (importing torch) competes with them for the same two cores.
+replicas that reconfigure in place): the measured step time per node count; for Lazarus
+and torchft each event kind's mean lost time less the half step the simulator drops with
+the interrupted step (a join's includes what the joiner's start-up, importing torch, takes
+from the members on these two shared cores), and the join window from the joins; for
+checkpoint-restart the restart (recovery less the steps redone, which the simulator's roll
+back books itself), the Young/Daly interval and the save.
 """
 
 from __future__ import annotations
@@ -263,10 +264,8 @@ def sim_config(results: dict[str, dict[str, Any]], *, experts: int, layers: int,
                      ds_interval_steps=int(res.get("interval", {}).get("every") or 10 ** 9),
                      ckpt_call_s=_mean(res.get("save_s", [])))
         else:
-            # a join: the members train on until the joiner is ready (the join window), then
-            # stall once; what they lost in all (slower steps while the joiner starts on the
-            # same cores, and the stall) is booked as that stall, less the half step the
-            # simulator drops there
+            # a join: the members train on until the joiner is ready (the join window, from
+            # the joins no departure disturbed), then stall once
             joins = [e for e in ev if e["kind"] == "join" and e.get("join_loss_s") is not None]
             # (only joins with no departure before the joiner trained, nor one still being
             # recovered from when it came, unless none was)
@@ -274,12 +273,16 @@ def sim_config(results: dict[str, dict[str, Any]], *, experts: int, layers: int,
                 x["kind"] != "join" and (e["t"] <= x["t"] <= e["t"] + e["join_to_world_s"]
                                          or x["t"] <= e["t"] <= x["t"] + (x.get("recovery_s") or math.inf))
                 for x in ev)] or joins
-            p.update(join_reconfig_s=max(0.0, _mean([e["join_loss_s"] for e in joins]) - 0.5 * ref),
-                     join_window_s=_mean([e["join_pause_at_s"] for e in joins]), reconfig_s=0.0)
-            # a departure: recovery = detection and reconfiguration, then one new step
-            for kinds, field in ((("kill",), "detect_s"), (("term",), "notice_detect_s")):
-                # (a join does not stop the others' steps: a departure's recovery is its own)
-                p[field] = max(0.0, _mean(recovered(kinds, False), ref) - ref)
+            p.update(join_window_s=_mean([e["join_pause_at_s"] for e in joins]), reconfig_s=0.0)
+            # each kind of event: the time the job lost after it until the next event (the
+            # bench's "lost per event"; what the joiner's start-up takes from the members on
+            # these shared cores included) less the half step the simulator drops with the
+            # step it interrupts; booked as the join's stall, the kill's and the notice's
+            # detection (reconfig_s 0: it is inside them)
+            for kinds, field in ((("join",), "join_reconfig_s"), (("kill",), "detect_s"),
+                                 (("term",), "notice_detect_s")):
+                xs = [e["lost_s"] for e in ev if e["kind"] in kinds]
+                p[field] = max(0.0, _mean(xs, 0.5 * ref) - 0.5 * ref)
             if name == "lazarus":
                 p.update(lazarus_interval_steps=10)
         systems[name] = {"perf": p, "model": {"step_s": ref, "step_s_by_nodes": sorted([w, x] for w, x in typ.items())},

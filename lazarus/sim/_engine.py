@@ -268,6 +268,13 @@ class SystemRun:
             return
         s = self._floor()
         if any(q[0] == "restart" for q in self.queue):
+            if d.kind == "scale" and not self.p.save_before_scale:
+                # torchrun: the workers being started are stopped and started again with the
+                # new member; the restart begins anew (its roll back is already booked)
+                self.counts["restarts"] += 1
+                for q in self.queue:
+                    if q[0] == "restart":
+                        q[1] = max(q[1], self.p.restart_s)
             return  # the restart in progress starts on the new nodes as well
         if d.kind == "resume":
             self.counts["restarts"] += 1

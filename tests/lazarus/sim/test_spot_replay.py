@@ -195,3 +195,16 @@ def test_the_last_node_with_a_notice_hands_its_state_to_a_joiner() -> None:
     # a notice longer ago than the notice period: gone before the joiner comes
     late = replace(perf, notice_period_s=1.0)
     assert run("lazarus", sc, 30.0, perf=late, model=replace(WIDE, fixed_batch=True))["counts"]["restarts"] == 1
+
+
+def test_a_torchrun_style_restart_begins_anew_when_a_node_joins_during_it() -> None:
+    # a kill at 10 s: detection 2 s + restart 10 s + the checkpoint's load 1 s, until 23 s; a
+    # node joins at 15 s (join window 0): torchrun stops the workers it is starting and starts
+    # them again with the newcomer (10 s from then), the old model let it join for free
+    sc = Scenario(("n0", "n1"), [Event(10.0, "remove", ("n1",)), Event(15.0, "add", ("n2",))])
+    base = replace(PERF, join_window_s=0.0, restart_s=10.0, detect_s=2.0)
+    absorbed = run("ds", sc, 40.0, perf=base)
+    torchrun = run("ds", sc, 40.0, perf=replace(base, save_before_scale=False))
+    assert absorbed["breakdown"]["restart"] == pytest.approx(13.0)
+    assert torchrun["breakdown"]["restart"] == pytest.approx(5.0 + 10.0)
+    assert torchrun["counts"]["restarts"] == absorbed["counts"]["restarts"] + 1
