@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 # `titan` extra brings what its modules do import (einops, tyro, torchdata, spmd_types, triton...).
 TORCHTITAN_PIN ?= torchtitan==0.3.0
 
-.PHONY: test lint netns-deps test-gpu demo demo-moc docs-heatmap bench bench-store bench-placement bench-node-gpus bench-dispatch bench-hf bench-moc bench-simulate bench-runtime bench-peers bench-exact bench-gpu gpu-check gpu-wheels soak soak-matrix install bytecode check-install clean
+.PHONY: test lint netns-deps test-gpu demo demo-moc docs-heatmap bench bench-store bench-placement bench-node-gpus bench-dispatch bench-hf bench-moc bench-simulate bench-runtime bench-peers bench-trace bench-exact bench-gpu gpu-check gpu-wheels soak soak-matrix install bytecode check-install clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -96,6 +96,12 @@ bench-simulate: $(STAMP)
 # (not part of `make bench`: about 6 minutes; QUICK=1 for the under-3-minutes form).
 bench-peers: $(STAMP) bytecode
 	$(VPY) benchmarks/peers/main.py $(if $(QUICK),--quick)
+
+# A real AWS spot trace (shared/traces) replayed live, 60x compressed, on at most 3 nodes: Lazarus vs
+# checkpoint-restart vs torchft, then `lazarus simulate` with the costs measured, predicted vs measured
+# (not part of `make bench`: about 5 minutes; QUICK=1: a 30-minute segment, about 3 minutes).
+bench-trace: $(STAMP) bytecode
+	$(VPY) benchmarks/trace/main.py $(if $(QUICK),--quick)
 
 # Exact mode (MoCConfig(exact=True)) vs full checkpoints every step vs PEC K=1 every 50 steps on
 # benchmarks/moc_hf's 1.3 GB Qwen3-MoE, then ETTR against MTBF from `lazarus simulate` (not part

@@ -21,14 +21,20 @@ from _common import ModelSpec, read_jsonl
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
-__all__ = ["LazarusArm", "TorchftArm", "CkptRestartArm", "TORCHFT_SETTINGS"]
+__all__ = ["LazarusArm", "TorchftArm", "CkptRestartArm", "TORCHFT_SETTINGS", "TORCHFT_PG_TIMEOUT_S"]
 
 #: torchft Lighthouse settings compared: its README's command, and tuned (1 s heartbeat timeout).
+#: Each with the replica groups' ProcessGroupGloo timeout in TORCHFT_PG_TIMEOUT_S.
 TORCHFT_SETTINGS = {
     "readme": ["--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000"],
     "tuned": ["--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000",
               "--heartbeat_timeout_ms", "1000"],
 }
+#: The groups' process-group timeout (seconds), what a killed peer costs the survivors: the
+#: README's (torchft's train_ddp.py: 5 s), and tuned: the shortest this model's steps allow
+#: (1 s: a step is ~0.1 s and a healing joiner's longest collective wait ~0.4 s on 2 loaded
+#: cores; shorter ones fail healthy steps under load).
+TORCHFT_PG_TIMEOUT_S = {"readme": 5.0, "tuned": 1.0}
 
 
 def _free_port() -> int:
@@ -72,7 +78,8 @@ class LazarusArm(_Arm):
 
     name = "lazarus"
 
-    def __init__(self, work: Path, spec: ModelSpec, steps: int, spare: str | None = None) -> None:
+    def __init__(self, work: Path, spec: ModelSpec, steps: int, spare: str | None = None,
+                 controller: Sequence[str] | None = None) -> None:
         super().__init__(work, spec, steps)
         self.spare = spare
         if spare is None:
@@ -82,8 +89,9 @@ class LazarusArm(_Arm):
         worker = ["--steps", str(steps), "--storage", str(self.work / "store"), "--interval", "10",
                   "--k-snapshot", "2", "--k-persist", "1", "--persist-every", "2", "--collective-timeout", "5s",
                   "--report-every", "10", *spec.worker_args()]
-        controller = ["--slots", "4", "--min-replicas", "2", "--expected-nodes", "4", "--heartbeat-timeout", "2s",
-                      "--join-window", "1s"]
+        controller = list(controller) if controller is not None else [
+            "--slots", "4", "--min-replicas", "2", "--expected-nodes", "4", "--heartbeat-timeout", "2s",
+            "--join-window", "1s"]
         self.cluster = LocalCluster(self.work / "job", worker_args=worker, controller_args=controller,
                                     agent_args=["--heartbeat-interval", "250ms"])
         self.metrics = self.cluster.metrics_path
@@ -131,12 +139,16 @@ class TorchftArm(_Arm):
     one process per node (:mod:`_torchft_worker`). A killed group is not restarted in place:
     the replacement node's group is the restart (``join``), as torchelastic would start it."""
 
-    def __init__(self, work: Path, spec: ModelSpec, steps: int, setting: str) -> None:
+    def __init__(self, work: Path, spec: ModelSpec, steps: int, setting: str,
+                 pg_timeout_s: float | None = None) -> None:
         super().__init__(work, spec, steps)
         if setting not in TORCHFT_SETTINGS:
             raise ValueError(f"torchft setting must be one of {sorted(TORCHFT_SETTINGS)}, got {setting!r}")
         self.name = f"torchft ({setting})"
         self.setting = setting
+        self.pg_timeout_s = TORCHFT_PG_TIMEOUT_S[setting] if pg_timeout_s is None else float(pg_timeout_s)
+        if not self.pg_timeout_s > 0:
+            raise ValueError(f"torchft pg_timeout_s must be > 0 seconds, got {pg_timeout_s!r}")
         self.procs: dict[str, subprocess.Popen] = {}
         self.lighthouse: subprocess.Popen | None = None
         self.address = ""
@@ -180,13 +192,17 @@ class TorchftArm(_Arm):
         self.starts[node] = time.time()
         self.procs[node] = subprocess.Popen(
             [sys.executable, str(HERE / "_torchft_worker.py"), "--replica-id", node, "--lighthouse", self.address,
-             "--steps", str(self.steps), "--metrics", str(self.metrics), *self.spec.worker_args(),
+             "--steps", str(self.steps), "--metrics", str(self.metrics), "--pg-timeout", str(self.pg_timeout_s),
+             *self.spec.worker_args(),
              *(["--start-when", str(start_when)] if start_when else [])],
             stdout=log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
 
     def kill(self, node: str) -> float:
         t = time.time()
-        os.killpg(self.procs[node].pid, signal.SIGKILL)
+        try:
+            os.killpg(self.procs[node].pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass    # the group had died already
         self.procs[node].wait(10)
         return t
 
@@ -229,9 +245,14 @@ class CkptRestartArm(_Arm):
 
     name = "checkpoint-restart"
 
-    def __init__(self, work: Path, spec: ModelSpec, steps: int, mtbf_steps: float) -> None:
+    def __init__(self, work: Path, spec: ModelSpec, steps: int, mtbf_steps: float | None,
+                 mtbf_s: float | None = None, max_restarts: int = 20) -> None:
         super().__init__(work, spec, steps)
+        if (mtbf_steps is None) == (mtbf_s is None):
+            raise ValueError("CkptRestartArm: give exactly one of mtbf_steps or mtbf_s")
         self.mtbf_steps = mtbf_steps
+        self.mtbf_s = mtbf_s
+        self.max_restarts = max_restarts
         self.nodes: list[str] = []
         self.procs: dict[str, subprocess.Popen] = {}
         self.run = -1
@@ -254,7 +275,8 @@ class CkptRestartArm(_Arm):
             self.starts[node] = time.time()
             self.procs[node] = subprocess.Popen(
                 [sys.executable, str(HERE / "_ckpt_worker.py"), "--ckpt", str(ckpt), "--steps", str(self.steps),
-                 "--metrics", str(self.metrics), "--run", str(self.run), "--mtbf-steps", str(self.mtbf_steps),
+                 "--metrics", str(self.metrics), "--run", str(self.run),
+                 *(["--mtbf-steps", str(self.mtbf_steps)] if self.mtbf_s is None else ["--mtbf-s", str(self.mtbf_s)]),
                  *self.spec.worker_args()], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def _stop_all(self) -> None:
@@ -293,11 +315,15 @@ class CkptRestartArm(_Arm):
                 failed = [n for n, rc in exited.items() if rc != 0]
                 if not failed:
                     continue      # some finished, the others are finishing
-                if len(self.restarts) > 20:
+                if len(self.restarts) > self.max_restarts:
                     self._error = f"{len(self.restarts)} restarts; last failure of {failed}"
                     self._done.set()
                     return
-                self._restart(f"worker of {failed} exited {[exited[n] for n in failed]}", drop=failed)
+                # the nodes that went away (killed, or stopped by a spot notice) leave the job;
+                # a worker that failed because its peer vanished (a broken collective) is
+                # restarted on its node, as torchrun's agent on that node would
+                gone = [n for n in failed if exited[n] in (-signal.SIGKILL, -signal.SIGTERM, 143)]
+                self._restart(f"worker of {failed} exited {[exited[n] for n in failed]}", drop=gone)
 
     def start(self, nodes: Sequence[str]) -> None:
         self.nodes = list(nodes)
@@ -308,7 +334,10 @@ class CkptRestartArm(_Arm):
     def kill(self, node: str) -> float:
         with self._lock:
             t = time.time()
-            os.killpg(self.procs[node].pid, signal.SIGKILL)
+            try:
+                os.killpg(self.procs[node].pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass    # its worker had exited already (the watcher restarts without it)
             return t
 
     def join(self, node: str) -> float:
@@ -319,7 +348,10 @@ class CkptRestartArm(_Arm):
     def term(self, node: str) -> float:
         with self._lock:
             t = time.time()
-            os.killpg(self.procs[node].pid, signal.SIGTERM)
+            try:
+                os.killpg(self.procs[node].pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
             return t
 
     def finish(self, timeout: float) -> None:

@@ -5,7 +5,7 @@ AdamW state) every N steps and resuming from the newest one when started again.
 
 N is Young/Daly's: the first run saves at step 0 (timing the save), times ``--calibrate``
 steps, and every rank takes ``N = sqrt(2 * save * MTBF) / step`` with the
-slowest rank's figures (``MTBF = --mtbf-steps`` steps); rank 0 writes N to
+slowest rank's figures (``MTBF = --mtbf-steps`` steps, or ``--mtbf-s`` seconds); rank 0 writes N to
 ``<ckpt>/interval.json`` and later runs read it.
 
 Run by ``benchmarks/peers/main.py``; not a public entry point.
@@ -42,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--metrics", required=True)
     p.add_argument("--run", type=int, required=True, help="launch number (0 first, +1 per restart)")
-    p.add_argument("--mtbf-steps", type=float, required=True)
+    mtbf = p.add_mutually_exclusive_group(required=True)
+    mtbf.add_argument("--mtbf-steps", type=float, default=None, help="mean steps between failures")
+    mtbf.add_argument("--mtbf-s", type=float, default=None,
+                      help="mean seconds between failures (a trace's removals; the steps follow from the step time)")
     p.add_argument("--calibrate", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
@@ -109,14 +112,16 @@ def main(argv: list[str] | None = None) -> int:
         if every is None and step == first + args.calibrate + 1 and save_s is not None and t_calib is not None:
             figures = torch.tensor([save_s, (time.time() - t_calib) / args.calibrate], dtype=torch.float64)
             dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-            every = young_daly_interval(float(figures[0]), float(figures[1]), args.mtbf_steps * float(figures[1]))
+            mtbf_s = args.mtbf_s if args.mtbf_s is not None else args.mtbf_steps * float(figures[1])
+            every = young_daly_interval(float(figures[0]), float(figures[1]), mtbf_s)
+            mtbf_steps = mtbf_s / float(figures[1])
             if rank == 0:
                 with open(interval_file + ".tmp", "w") as f:
                     json.dump({"every": every, "save_s": float(figures[0]), "step_s": float(figures[1]),
-                               "mtbf_steps": args.mtbf_steps}, f)
+                               "mtbf_steps": mtbf_steps}, f)
                 os.replace(interval_file + ".tmp", interval_file)
             out.write("interval", every=every, save_s=float(figures[0]), step_s=float(figures[1]),
-                      mtbf_steps=args.mtbf_steps)
+                      mtbf_steps=mtbf_steps)
         if every is not None and step % every == 0 and step < args.steps:
             s = save(step)
             out.write("saved", step=step, seconds=s, run=args.run)

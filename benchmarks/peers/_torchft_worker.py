@@ -2,7 +2,9 @@
 
 torchft's documented DDP integration: a ``Manager`` (its own ``TCPStore``, which torchrun
 would otherwise provide; ``ProcessGroupGloo(timeout=5 s)`` as torchft's ``train_ddp.py``),
-``torchft.DistributedDataParallel`` and ``torchft.Optimizer``. One change, for a pitfall:
+``torchft.DistributedDataParallel`` and ``torchft.Optimizer``; ``--pg-timeout`` sets that
+timeout (what a killed peer costs the survivors: the tuned setting uses the shortest one
+its steps allow). One change, for a pitfall:
 torchft's DDP comm hook asserts on the managed future (``torchft/ddp.py``, ``assert
 fut._fut``), which fails on the *survivors* when a peer dies inside the gradient allreduce
 (``wait()`` returns False before that future exists). Our hook returns the bucket when the
@@ -59,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--metrics", required=True)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--pg-timeout", type=float, default=5.0,
+                   help="seconds a collective may wait for a peer (ProcessGroupGloo's timeout; torchft's "
+                        "train_ddp.py: 5 s): what a killed peer costs the survivors")
     p.add_argument("--start-when", default=None, metavar="FILE",
                    help="after building, wait for FILE before joining (the job's first groups start together)")
     args = p.parse_args(argv)
@@ -87,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     # The Manager expects the replica group's TCPStore to exist (torchrun's); one process
     # per group, so this process hosts it, on loopback.
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=5)), min_replica_size=1,
+    if not args.pg_timeout > 0:
+        raise ValueError(f"--pg-timeout must be > 0 seconds, got {args.pg_timeout}")
+    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=args.pg_timeout)), min_replica_size=1,
                       load_state_dict=load_state_dict, state_dict=state_dict, replica_id=args.replica_id,
                       timeout=timedelta(seconds=30), store_addr="127.0.0.1", store_port=store.port, rank=0,
                       world_size=1, lighthouse_addr=args.lighthouse, hostname="127.0.0.1")

@@ -3,6 +3,10 @@ Manager, README settings and tuned) and torchrun-style checkpoint-restart (DCP e
 steps, N from Young/Daly), on the same MoE model, the same seeded data and the same
 failures.
 
+torchft's groups wait ``TORCHFT_PG_TIMEOUT_S`` for a dead peer inside a collective: 5 s
+with its README's settings (torchft's ``train_ddp.py``), 1 s tuned (the shortest this
+model's steps allow; what a SIGKILL costs the survivors).
+
 Every system runs 4 local nodes on gloo and gets the same schedule: SIGKILL of node n3 at
 20% of the steps, a replacement node n4 joining at 35% (the next fault waits until it
 trains), SIGTERM of node n1 (a spot notice) at 85%. Lazarus's n4 is a hot spare

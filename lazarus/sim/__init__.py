@@ -47,7 +47,7 @@ from ._api import SimResult, apply_overrides, load_overrides, parse_duration, si
 from ._config import CHECKPOINT_MODES, SYSTEMS, ModelSpec, PerfParams, SimConfig, SkewSpec
 from ._engine import BUCKETS, SystemRun
 from ._params import DEFAULT_PERF, PRESETS, preset
-from ._traces import Event, Scenario, bamboo, fail_every, load_trace, segment
+from ._traces import Event, Scenario, bamboo, compress, fail_every, load_trace, segment, spot_kills
 
 __all__ = [
     "BUCKETS",
@@ -65,6 +65,7 @@ __all__ = [
     "SystemRun",
     "apply_overrides",
     "bamboo",
+    "compress",
     "fail_every",
     "load_overrides",
     "load_trace",
@@ -72,4 +73,5 @@ __all__ = [
     "preset",
     "segment",
     "simulate",
+    "spot_kills",
 ]

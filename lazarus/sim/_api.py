@@ -56,17 +56,21 @@ def load_overrides(path: str | Path) -> dict[str, dict[str, Any]]:
             raise ValueError(f"--config: invalid JSON in {p}: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"--config: {p} must hold an object / table")
-    sections = {"perf", "model", "skew"}
+    sections = {"perf", "model", "skew", "systems"}
     if set(data) & sections:
         bad = sorted(set(data) - sections)
         if bad:
             raise ValueError(f"--config: unknown section(s) {bad}; allowed: {sorted(sections)}")
         out = {k: data.get(k, {}) for k in sections}
     else:
-        out = {"perf": data, "model": {}, "skew": {}}
+        out = {"perf": data, "model": {}, "skew": {}, "systems": {}}
     for k, v in out.items():
         if not isinstance(v, dict):
             raise ValueError(f"--config: section {k!r} must be a table of name = value")
+    for name, v in out["systems"].items():
+        if not isinstance(v, dict) or not all(isinstance(x, (dict, str)) for x in v.values()):
+            raise ValueError(f"--config: systems.{name} must be a table with perf / model tables "
+                             f"and a checkpoint mode, got {v!r}")
     return out
 
 
@@ -107,10 +111,11 @@ def simulate(cfg: SimConfig, scenario: Scenario, *, routing_trace: str | Path | 
     """Run every system in ``cfg.systems`` over ``scenario`` (same events for all)."""
     m = cfg.model
 
-    def routing() -> Routing:
+    def routing(c: SimConfig) -> Routing:
+        mm, epoch = c.model, c.perf.skew_epoch_steps
         if routing_trace is not None:
-            return TraceRouting(routing_trace, m.num_experts, m.layers_simulated, cfg.perf.skew_epoch_steps)
-        return ZipfRouting(m.num_experts, m.layers_simulated, cfg.perf.skew_epoch_steps, cfg.skew, cfg.seed)
+            return TraceRouting(routing_trace, mm.num_experts, mm.layers_simulated, epoch)
+        return ZipfRouting(mm.num_experts, mm.layers_simulated, epoch, c.skew, c.seed)
 
     if scenario.max_nodes() * m.slots_per_node < m.num_experts:
         raise ValueError(
@@ -119,7 +124,8 @@ def simulate(cfg: SimConfig, scenario: Scenario, *, routing_trace: str | Path | 
         )
     result = SimResult(cfg, scenario)
     for name in cfg.systems:
-        run = SystemRun(cfg, make_system(name, m, cfg.perf, routing()), scenario)
+        sc = cfg.for_system(name)
+        run = SystemRun(sc, make_system(name, sc.model, sc.perf, routing(sc)), scenario)
         run.run()
         result.runs[name] = run
     return result

@@ -10,7 +10,7 @@ from typing import Any
 from ._api import apply_overrides, load_overrides, parse_duration, simulate
 from ._config import CHECKPOINT_MODES, SYSTEMS, SimConfig, SkewSpec
 from ._params import PRESETS, preset
-from ._traces import Scenario, bamboo, fail_every, load_trace, segment
+from ._traces import Scenario, bamboo, compress, fail_every, load_trace, segment, spot_kills
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -47,6 +47,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace-minutes", type=float, default=None,
                    help="trace segment length in minutes (default: to the end)")
     p.add_argument("--trace-cap", type=int, default=None, help="use at most this many of the trace's nodes")
+    p.add_argument("--trace-compress", type=float, default=None,
+                   help="divide the trace segment's times by this (60: an hour of the trace in a minute; "
+                        "to compare with a live replay, benchmarks/trace)")
+    p.add_argument("--kill-share", type=float, default=None,
+                   help="with --trace: split removals per node; this share (seeded) vanish without notice "
+                        "(detect_s), the rest are spot notices (notice_detect_s). Default: all without notice")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of ds,dsft,lazarus (default all)")
     p.add_argument("--checkpoint", default="full", choices=CHECKPOINT_MODES,
                    help="full checkpoints, MoC partial (pec), MoC two-level, or MoC exact mode (a scheduled "
@@ -75,8 +81,11 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Scenario]:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
     model, perf = preset(args.model)
     skew = SkewSpec(zipf_s=args.zipf, drift=args.drift)
+    per_system: dict[str, dict[str, Any]] = {}
     if args.config:
-        model, perf, skew = apply_overrides(model, perf, skew, load_overrides(args.config))
+        over = load_overrides(args.config)
+        model, perf, skew = apply_overrides(model, perf, skew, over)
+        per_system = over.get("systems", {})
     if args.slots is not None:
         if args.slots < 1:
             raise ValueError(f"--slots must be >= 1, got {args.slots}")
@@ -85,6 +94,8 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Scenario]:
         raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
     if args.alloc_prob is not None and args.preempt_prob is None:
         raise ValueError("--alloc-prob needs --preempt-prob")
+    if (args.trace_compress is not None or args.kill_share is not None) and not args.trace:
+        raise ValueError("--trace-compress and --kill-share need --trace")
     if args.replace and not args.fail_every:
         raise ValueError("--replace needs --fail-every")
     systems = _systems(args.systems)
@@ -104,6 +115,10 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Scenario]:
         if minutes is not None and minutes <= 0:
             raise ValueError(f"--trace-minutes must be > 0, got {args.trace_minutes}")
         scenario = segment(load_trace(args.trace, seed=args.seed), start, minutes, args.trace_cap)
+        if args.trace_compress is not None:
+            scenario = compress(scenario, args.trace_compress)
+        if args.kill_share is not None:
+            scenario = spot_kills(scenario, args.kill_share, seed=args.seed)
         nodes = args.nodes or max(1, scenario.max_nodes())
     elif args.fail_every:
         every = parse_duration(args.fail_every, "--fail-every")
@@ -116,7 +131,8 @@ def build(args: argparse.Namespace) -> tuple[SimConfig, Scenario]:
     perf = perf.with_overrides({"min_replicas": min(perf.min_replicas, nodes)})
     cfg = SimConfig(model=model, nodes=nodes, perf=perf, systems=systems, checkpoint=args.checkpoint,
                     duration_s=duration, target_samples=target,
-                    horizon_s=horizon if target is not None else None, seed=args.seed, skew=skew)
+                    horizon_s=horizon if target is not None else None, seed=args.seed, skew=skew,
+                    system_overrides=per_system)
     return cfg, scenario
 
 

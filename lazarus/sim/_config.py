@@ -55,6 +55,12 @@ class ModelSpec:
     comm_per_doubling: float = 0.0  # extra step time per doubling of nodes over ref_nodes
     top_k: int = 1
     sim_layers: int = 0  # MoE layers simulated for placement/skew (0 = all)
+    # True: the global batch is samples_per_node_step * ref_nodes whatever the nodes in use
+    # (strong scaling, as a job with a fixed global batch); False: each node adds its share
+    fixed_batch: bool = False
+    # measured step time (seconds, balanced experts) at these node counts, as [[nodes, s], ...]:
+    # used instead of step_s scaled by comm_per_doubling where the node count is listed
+    step_s_by_nodes: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name, lo in (("num_experts", 1), ("moe_layers", 1), ("gpus_per_node", 1),
@@ -64,6 +70,17 @@ class ModelSpec:
         _positive(self, "non_expert_params", "comm_per_doubling", allow_zero=True)
         if not 0.0 <= self.expert_fraction <= 1.0:
             raise ValueError(f"ModelSpec.expert_fraction must be in [0, 1], got {self.expert_fraction!r}")
+        if not isinstance(self.fixed_batch, bool):
+            raise ValueError(f"ModelSpec.fixed_batch must be true or false, got {self.fixed_batch!r}")
+        try:
+            table = tuple((int(n), float(t)) for n, t in self.step_s_by_nodes)
+        except (TypeError, ValueError):
+            raise ValueError(f"ModelSpec.step_s_by_nodes must be a list of [nodes, seconds] pairs, "
+                             f"got {self.step_s_by_nodes!r}") from None
+        for n, t in table:
+            if n < 1 or not math.isfinite(t) or t <= 0:
+                raise ValueError(f"ModelSpec.step_s_by_nodes: nodes must be >= 1 and seconds > 0, got [{n}, {t}]")
+        object.__setattr__(self, "step_s_by_nodes", table)
 
     @property
     def layers_simulated(self) -> int:
@@ -120,20 +137,30 @@ class PerfParams:
     dynamic_k: bool = True
     exact_window_steps: int = 8
     exact_weight_bytes: float = 4.0
+    notice_detect_s: float = 0.0
+    save_before_scale: bool = True
+    # what a join costs the members (None: reconfig_s, the paper's single regroup cost); apart
+    # from reconfig_s, which a failure's recovery pays after its detection
+    join_reconfig_s: float | None = None
+    notice_period_s: float = 120.0  # AWS spot: the interruption notice comes 2 minutes ahead
 
     def __post_init__(self) -> None:
         _positive(self, "transfer_gbps", "storage_write_gbps", "storage_read_gbps",
                   "memory_read_gbps", "snapshot_gbps", "exact_weight_bytes")
         _positive(self, "detect_s", "restart_s", "reconfig_s", "rebalance_s", "ckpt_call_s",
-                  "dispatch_overhead", "join_window_s", "plt_threshold", allow_zero=True)
+                  "dispatch_overhead", "join_window_s", "plt_threshold", "notice_detect_s",
+                  "notice_period_s", allow_zero=True)
         for name in ("ds_interval_steps", "ft_interval_steps", "lazarus_interval_steps",
                      "moc_interval_divisor", "rebalance_every_steps", "skew_epoch_steps",
                      "min_replicas", "k_persist", "persist_every", "exact_window_steps"):
             _integer(self, name, 1)
         if not 0.0 <= self.fb_fraction <= 1.0:
             raise ValueError(f"PerfParams.fb_fraction must be in [0, 1], got {self.fb_fraction!r}")
-        if not isinstance(self.dynamic_k, bool):
-            raise ValueError(f"PerfParams.dynamic_k must be true or false, got {self.dynamic_k!r}")
+        if self.join_reconfig_s is not None:
+            _positive(self, "join_reconfig_s", allow_zero=True)
+        for name in ("dynamic_k", "save_before_scale"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"PerfParams.{name} must be true or false, got {getattr(self, name)!r}")
 
     def with_overrides(self, values: dict[str, Any]) -> PerfParams:
         """A copy with ``values`` applied; unknown keys raise ``ValueError`` naming them."""
@@ -173,9 +200,19 @@ class SimConfig:
     horizon_s: float | None = None
     seed: int = 0
     skew: SkewSpec = field(default_factory=SkewSpec)
+    # per system: {"perf": {...}, "model": {...}, "checkpoint": mode} applied over the shared
+    # settings for that system only (its own detection, restart, step time, checkpoints)
+    system_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _integer(self, "nodes", 1)
+        for name, over in self.system_overrides.items():
+            if name not in SYSTEMS:
+                raise ValueError(f"SimConfig.system_overrides: system must be one of {list(SYSTEMS)}, got {name!r}")
+            bad = sorted(set(over) - {"perf", "model", "checkpoint"})
+            if bad:
+                raise ValueError(f"SimConfig.system_overrides[{name!r}]: unknown key(s) {bad}; "
+                                 f"allowed: ['checkpoint', 'model', 'perf']")
         _integer(self, "seed", 0)
         if not self.systems or any(s not in SYSTEMS for s in self.systems):
             raise ValueError(f"SimConfig.systems must be a non-empty subset of {list(SYSTEMS)}, "
@@ -196,6 +233,26 @@ class SimConfig:
         if self.perf.k_persist > self.model.num_experts:
             raise ValueError(f"PerfParams.k_persist must be in [1, {self.model.num_experts}] (num_experts), "
                              f"got {self.perf.k_persist}")
+
+    def for_system(self, name: str) -> SimConfig:
+        """This config as system ``name`` runs it: its ``system_overrides`` applied (and
+        validated: a bad value raises ``ValueError`` naming the system and the field)."""
+        over = self.system_overrides.get(name)
+        if not over:
+            return self
+        try:
+            model = self.model
+            if over.get("model"):
+                known = set(ModelSpec.__dataclass_fields__)
+                bad = sorted(set(over["model"]) - known)
+                if bad:
+                    raise ValueError(f"unknown model parameter(s) {bad}; allowed: {sorted(known)}")
+                model = replace(model, **over["model"])
+            perf = self.perf.with_overrides(over.get("perf", {}))
+            return replace(self, model=model, perf=perf, checkpoint=over.get("checkpoint", self.checkpoint),
+                           systems=(name,), system_overrides={})
+        except ValueError as exc:
+            raise ValueError(f"system {name!r}: {exc}") from None
 
     @property
     def end_s(self) -> float:

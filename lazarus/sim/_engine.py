@@ -220,7 +220,10 @@ class SystemRun:
         return self.plt_steps / max(self.step, 1.0)
 
     # ------------------------------------------------------------------ membership
-    def on_remove(self, gone: set[str], alive: list[str]) -> None:
+    def on_remove(self, gone: set[str], alive: list[str], notice: bool = False) -> None:
+        """``gone`` left; ``notice``: every one of them announced it (a spot notice), so the
+        job pays ``notice_detect_s`` instead of ``detect_s`` to learn of it."""
+        detect = self.p.notice_detect_s if notice else self.p.detect_s
         old = list(self.sys.active)
         restarting = any(q[0] == "restart" for q in self.queue)
         d = self.sys.on_remove(gone, alive, math.floor(self.step + 1e-7))
@@ -239,7 +242,7 @@ class SystemRun:
             self.counts["fallbacks"] += 1
             to, secs = self._restore(failed)
             self._rollback(to)
-            self.queue += [["reconfiguration", self.p.detect_s + d.seconds, None], ["restart", secs, None]]
+            self.queue += [["reconfiguration", detect + d.seconds, None], ["restart", secs, None]]
             return
         if d.kind in ("restart", "idle"):
             to, secs = self._restore(failed)
@@ -249,9 +252,9 @@ class SystemRun:
                 self.pending_restore = secs
                 return
             self.counts["restarts"] += 1
-            self.queue.append(["restart", self.p.detect_s + self.p.restart_s + secs, None])
+            self.queue.append(["restart", detect + self.p.restart_s + secs, None])
             return
-        self.queue.append(["reconfiguration", self.p.detect_s + d.seconds, None])
+        self.queue.append(["reconfiguration", detect + d.seconds, None])
         if d.kind == "fallback":
             self.counts["fallbacks"] += 1
             self._plt(d.missing_share, int(self.step))
@@ -265,6 +268,13 @@ class SystemRun:
             return
         s = self._floor()
         if any(q[0] == "restart" for q in self.queue):
+            if d.kind == "scale" and not self.p.save_before_scale:
+                # torchrun: the workers being started are stopped and started again with the
+                # new member; the restart begins anew (its roll back is already booked)
+                self.counts["restarts"] += 1
+                for q in self.queue:
+                    if q[0] == "restart":
+                        q[1] = max(q[1], self.p.restart_s)
             return  # the restart in progress starts on the new nodes as well
         if d.kind == "resume":
             self.counts["restarts"] += 1
@@ -279,6 +289,13 @@ class SystemRun:
                 save = self.p.ckpt_call_s + full / (self.p.storage_write_gbps * 1e9)
                 load = full / (self.p.storage_read_gbps * 1e9)
             self.counts["restarts"] += 1
+            if not self.p.save_before_scale:
+                # torchrun's elastic agent: a new member restarts the job from the newest
+                # durable checkpoint; the steps since it are trained again
+                to, secs = self._restore(0.0)
+                self._rollback(to)
+                self.queue.append(["restart", self.p.restart_s + secs, None])
+                return
 
             def saved() -> None:
                 self.snap_step = s
@@ -309,7 +326,7 @@ class SystemRun:
                 self._add("idle", until - self.t)
                 continue
             tau = self._tau()
-            per_step = len(self.sys.active) * self.m.samples_per_node_step
+            per_step = (self.m.ref_nodes if self.m.fixed_batch else len(self.sys.active)) * self.m.samples_per_node_step
             cur = self.step
             marks = [self.interval, self.p.skew_epoch_steps]
             if self.sys.dispatcher:
@@ -347,6 +364,8 @@ class SystemRun:
             groups.setdefault(ev.time_s, []).append(ev)
         times = sorted(groups)
         join_at = math.inf
+        # nodes that gave notice and stay until the joiners arrive, to hand their state over
+        deferred: set[str] = set()
         i = 0
         while self.t < end and self.jct is None:
             nxt = min(times[i] if i < len(times) else math.inf, join_at)
@@ -355,22 +374,33 @@ class SystemRun:
                 break  # done, out of time, or idle with no event left to wake it
             if join_at <= nxt and (i >= len(times) or join_at <= times[i]):
                 join_at = math.inf
-                self.on_join(alive)
+                self.on_join(alive + sorted(deferred))
+                if deferred:
+                    left, deferred = deferred, set()
+                    self.on_remove(left, alive, True)
                 continue
             gone: set[str] = set()
             added = False
+            notice = True
             for ev in groups[times[i]]:
                 if ev.kind == "remove":
                     gone |= set(ev.nodes)
+                    notice = notice and ev.notice
                     alive = [n for n in alive if n not in ev.nodes]
                 else:
                     alive += [n for n in ev.nodes if n not in alive]
                     added = True
             i += 1
-            if gone:
-                self.on_remove(gone, alive)
             if added and join_at == math.inf:
                 join_at = self.t + self.p.join_window_s
+            if (gone and notice and self.sys.hands_over and join_at - self.t <= self.p.notice_period_s
+                    and not set(self.sys.active) - gone - deferred):
+                # the last members got a spot notice while nodes are joining: they train on and
+                # hand their state to the joiners (Lazarus's SIGTERM), no roll back
+                deferred |= gone & set(self.sys.active)
+                gone -= deferred
+            if gone:
+                self.on_remove(gone, alive, notice)
 
     # ------------------------------------------------------------------ output
     def totals(self) -> dict[str, float]:

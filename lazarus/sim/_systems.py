@@ -55,6 +55,9 @@ class System(ABC):
 
     name = ""
     dispatcher = False
+    # a node that gets a spot notice hands its state over before it leaves (waiting, within
+    # the notice, for a joiner when it is the last member) instead of dying with it
+    hands_over = False
 
     def __init__(self, model: ModelSpec, perf: PerfParams, routing: Routing) -> None:
         self.model, self.perf, self.routing = model, perf, routing
@@ -84,6 +87,11 @@ class System(ABC):
 
     def rebalance(self, step: int) -> float:
         return 0.0
+
+    def _join_s(self) -> float:
+        """The members' stall when nodes join (``join_reconfig_s``, else ``reconfig_s``)."""
+        j = self.perf.join_reconfig_s
+        return self.perf.reconfig_s if j is None else j
 
     def _transfer_s(self, expert_states: float) -> float:
         return expert_states * self.model.expert_bytes / (self.perf.transfer_gbps * 1e9)
@@ -181,7 +189,7 @@ class DSFT(DS):
             return Decision("none")
         self.active = self.active + extra[:add]
         self.version += 1
-        secs = self.perf.reconfig_s + self._transfer_s(add * self._node_experts())
+        secs = self._join_s() + self._transfer_s(add * self._node_experts())
         return Decision("reconfig", secs)
 
 
@@ -190,6 +198,7 @@ class Lazarus(System):
 
     name = "lazarus"
     dispatcher = True
+    hands_over = True
 
     def __init__(self, model: ModelSpec, perf: PerfParams, routing: Routing) -> None:
         super().__init__(model, perf, routing)
@@ -283,7 +292,7 @@ class Lazarus(System):
         if not extra:
             return Decision("none")
         fetched = self._plan(self.active + extra, step, migrate=True)
-        return Decision("reconfig", self.perf.reconfig_s + self._transfer_s(fetched))
+        return Decision("reconfig", self._join_s() + self._transfer_s(fetched))
 
     def rebalance(self, step: int) -> float:
         if not self.active or step <= 0 or step % self.perf.rebalance_every_steps:
@@ -298,10 +307,13 @@ def make_system(name: str, model: ModelSpec, perf: PerfParams, routing: Routing)
 
 def step_seconds(model: ModelSpec, perf: PerfParams, nodes: int, imbalance: float,
                  dispatcher: bool) -> float:
-    """One step: ``step_s`` scaled by cluster size, expert-load imbalance and dispatcher."""
-    scale = max(0.5, 1.0 + model.comm_per_doubling * math.log2(nodes / model.ref_nodes))
+    """One step: ``step_s`` scaled by cluster size (or the measured ``step_s_by_nodes`` at
+    this node count), expert-load imbalance and dispatcher."""
+    base = dict(model.step_s_by_nodes).get(nodes)
+    if base is None:
+        base = model.step_s * max(0.5, 1.0 + model.comm_per_doubling * math.log2(nodes / model.ref_nodes))
     phi = model.expert_fraction
-    t = model.step_s * scale * ((1.0 - phi) + phi * imbalance)
+    t = base * ((1.0 - phi) + phi * imbalance)
     return t * (1.0 + perf.dispatch_overhead) if dispatcher else t
 
 

@@ -23,15 +23,22 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Event:
-    """``nodes`` were added or removed at ``time_s`` seconds of simulated time."""
+    """``nodes`` were added or removed at ``time_s`` seconds of simulated time.
+
+    ``notice``: a removal announced beforehand (a spot interruption notice, SIGTERM): the
+    job learns of it without waiting for a timeout (``PerfParams.notice_detect_s``); False:
+    the nodes vanished (SIGKILL, a crash) and the job pays ``PerfParams.detect_s``."""
 
     time_s: float
     kind: str  # "add" | "remove"
     nodes: tuple[str, ...]
+    notice: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("add", "remove"):
             raise ValueError(f"Event.kind must be 'add' or 'remove', got {self.kind!r}")
+        if self.notice and self.kind != "remove":
+            raise ValueError(f"Event.notice applies to removals only, got kind {self.kind!r}")
         if not math.isfinite(self.time_s) or self.time_s < 0:
             raise ValueError(f"Event.time_s must be a finite number >= 0, got {self.time_s!r}")
 
@@ -103,11 +110,15 @@ def _load_jsonl(path: Path, text: str) -> list[Event]:
             nodes = body["nodes"]
             if not isinstance(nodes, list) or not all(isinstance(n, (str, int)) for n in nodes):
                 raise TypeError
-            ev = Event(float(ms) / 1000.0, kind, tuple(str(n) for n in nodes))
+            notice = body.get("notice", False)
+            if not isinstance(notice, bool):
+                raise TypeError
+            ev = Event(float(ms) / 1000.0, kind, tuple(str(n) for n in nodes), notice)
         except (json.JSONDecodeError, ValueError, TypeError, KeyError) as exc:
             why = exc if isinstance(exc, ValueError) and "Event" in str(exc) else "expected"
             raise ValueError(
-                f"{path}:{i}: {why}: [ms, \"add\"|\"remove\", {{\"nodes\": [...]}}], got {line.strip()[:80]!r}"
+                f"{path}:{i}: {why}: [ms, \"add\"|\"remove\", {{\"nodes\": [...], \"notice\": bool}}], "
+                f"got {line.strip()[:80]!r}"
             ) from None
         if out and ev.time_s < out[-1].time_s:
             raise ValueError(f"{path}:{i}: event times must be non-decreasing")
@@ -163,10 +174,38 @@ def segment(trace: Scenario, start_s: float = 0.0, duration_s: float | None = No
             gone = [n for n in ev.nodes if n in members]
             members = [n for n in members if n not in ev.nodes]
             if started and gone:
-                out.append(Event(ev.time_s - start_s, "remove", tuple(gone)))
+                out.append(Event(ev.time_s - start_s, "remove", tuple(gone), ev.notice))
     if not started:
         initial = tuple(members)
     return Scenario(initial, out, name=trace.name)
+
+
+def compress(trace: Scenario, factor: float) -> Scenario:
+    """``trace`` with every time divided by ``factor`` (60: an hour of the trace in a minute),
+    to replay a real trace on a live job in minutes."""
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) \
+            or factor <= 0:
+        raise ValueError(f"--trace-compress must be a number > 0, got {factor!r}")
+    return Scenario(trace.initial, [Event(ev.time_s / factor, ev.kind, ev.nodes, ev.notice) for ev in trace.events],
+                    name=trace.name if factor == 1 else f"{trace.name} /{factor:g}")
+
+
+def spot_kills(trace: Scenario, kill_share: float, *, seed: int = 0) -> Scenario:
+    """Split every removal into one event per node and draw, seeded, which are SIGKILLs
+    (``kill_share`` of them, rounded; a crash or a lost notice) and which are spot notices
+    (the rest, ``notice=True``). The same seed gives the same split; additions are kept."""
+    if isinstance(kill_share, bool) or not isinstance(kill_share, (int, float)) or not 0.0 <= kill_share <= 1.0:
+        raise ValueError(f"--kill-share must be in [0, 1], got {kill_share!r}")
+    out: list[Event] = []
+    for ev in trace.events:
+        if ev.kind == "add":
+            out.append(ev)
+        else:
+            out.extend(Event(ev.time_s, "remove", (n,)) for n in ev.nodes)
+    removes = [i for i, ev in enumerate(out) if ev.kind == "remove"]
+    kills = set(random.Random(seed).sample(removes, round(kill_share * len(removes))))
+    out = [Event(ev.time_s, ev.kind, ev.nodes, ev.kind == "remove" and i not in kills) for i, ev in enumerate(out)]
+    return Scenario(trace.initial, out, name=trace.name)
 
 
 def fail_every(nodes: int, every_s: float, duration_s: float, *, min_alive: int | None = None,
