@@ -541,7 +541,7 @@ def render(rows: list[dict[str, Any]], store_rows: list[dict[str, Any]], meta: d
            f"{meta['when']}; {meta['machine']}. N simulated agents (asyncio, one process) against the real "
            f"controller process, real wire protocol with HMAC; heartbeats every {HEARTBEAT_S * 1000:.0f} ms and a "
            f"progress report every {PROGRESS_S:.0f} s per node; model {meta['layers']} MoE layers x "
-           f"min({meta["experts"]}, N) experts, 2 slots per node. Targets (N = 1,024) from issue 43.", "",
+           f"min({meta['experts']}, N) experts, 2 slots per node. Targets (N = 1,024) from issue 43.", "",
            "| cost | " + " | ".join(f"N = {n:,}" for n in ns) + " | growth | target at 1,024 |",
            "|---|" + "---:|" * len(ns) + "---|---|"]
     for key, label, fmt, target in ROWS:
