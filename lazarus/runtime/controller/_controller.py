@@ -62,6 +62,10 @@ _WRITE_BUFFER_LIMIT = 16 << 20
 #: resets the connection, which can destroy the refusal before the peer read it).
 _REFUSAL_LINGER_S = 1.0
 _REFUSAL_DISCARD_BYTES = 1 << 16
+#: Connections the kernel queues before the controller accepts them (capped by the OS's
+#: net.core.somaxconn): a thousand agents registering at once must not find it full
+#: (asyncio's default of 100 makes the others' SYNs wait for retransmission, 1 s and more).
+_LISTEN_BACKLOG = 4096
 
 
 @dataclass(eq=False)
@@ -113,6 +117,9 @@ class Controller:
         self._repeats = RepeatLimiter(config.protocol_error_interval)
         self._repeat_kinds: dict[str, Counter[str]] = {}
         self._repeat_timer: asyncio.TimerHandle | None = None
+        # the newest message sent and its frame: a plan goes to every member as the same
+        # object, encoded (JSON + HMAC) once, not once per member
+        self._last_sent: tuple[dict[str, Any], bytes] | None = None
         port = Port(send=self._send, event=self._event, save_state=self._save_state, call_later=self._call_later,
                     call_soon=self._call_soon, time=self._time, connected=self._connected,
                     own_store=self._own_store, end_job=self._end_job,
@@ -160,7 +167,7 @@ class Controller:
             self._store = self._host_store(store_port, fallback=state is not None and not cfg.store_port)
             self.store_port = int(self._store.port)
             try:
-                server = await asyncio.start_server(self._handle_conn, cfg.host, port)
+                server = await asyncio.start_server(self._handle_conn, cfg.host, port, backlog=_LISTEN_BACKLOG)
             except OSError as exc:
                 if port != cfg.port:
                     raise OSError(exc.errno, f"cannot listen again on port {port} of the job being resumed "
@@ -377,7 +384,13 @@ class Controller:
             self._event("send_buffer_full", level=logging.WARNING, peer=conn.peer, node=conn.node_id)
             self._close(conn)
             return False
-        conn.writer.write(encode_frame(self.config.secret, msg))
+        last = self._last_sent
+        if last is not None and last[0] is msg:
+            frame = last[1]
+        else:
+            frame = encode_frame(self.config.secret, msg)
+            self._last_sent = (msg, frame)
+        conn.writer.write(frame)
         return True
 
     def _close(self, conn: _Conn) -> None:
@@ -491,11 +504,32 @@ class Controller:
         self._membership.node_gone(node_id, conn.peer)
 
     async def _watch_heartbeats(self) -> None:
+        """Every ``period``: nodes silent for longer than the heartbeat timeout are dead.
+
+        A round that wakes up late (by more than ``period``) is skipped: the event loop was
+        blocked meanwhile (a large plan being computed, a slow disk), so what the nodes sent
+        in that time is still unread in the sockets, and this round would run before it is
+        read and take everyone for silent. Skipping stops once the rounds have been late
+        for a whole ``heartbeat_timeout`` (a controller that never catches up still detects
+        silent nodes, a timeout later)."""
         timeout = self.config.heartbeat_timeout.total_seconds()
         period = min(0.25, timeout / 4)
+        late_since: float | None = None
         while True:
+            due = time.monotonic() + period
             await asyncio.sleep(period)
-            self._membership.check_heartbeats(time.monotonic(), timeout)
+            now = time.monotonic()
+            if now - due > period:
+                if late_since is None:
+                    late_since = now
+                    self._event("controller_blocked", level=logging.WARNING, blocked_s=round(now - due, 3),
+                                message=f"the event loop was blocked for {now - due:.2f} s; heartbeats that "
+                                        f"came meanwhile are read before any node is taken for silent")
+                if now - late_since < timeout:
+                    continue
+            else:
+                late_since = None
+            self._membership.check_heartbeats(now, timeout)
 
     # ------------------------------------------------------------------ messages
     def _on_register(self, conn: _Conn, msg: dict[str, Any]) -> bool:
