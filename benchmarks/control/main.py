@@ -416,6 +416,8 @@ class Bench:
         row["failure_detect_s"] = detected - t_fail_wall
         row["failure_plan_s"] = max(wall) - detected
         row["failure_plan_p50_s"] = statistics.median(wall) - detected
+        row["failure_issued_s"] = plan["issued_at"] - detected      # failure_grace + planning
+        row["failure_sent_s"] = max(wall) - plan["issued_at"]       # sending, reading, parsing
         row["failure_from_fault_s"] = max(got) - t_fail
         row["failure_plan_lost_ok"] = set(plan["lost"]) == failed_ids and \
             set(plan["members"]) == {a.node_id for a in survivors}
@@ -529,6 +531,8 @@ ROWS = [
     ("failure_plan_s", "5% fail: every survivor holds the new plan, after detection (s)", "{:.2f}",
      "failure_plan_s"),
     ("failure_plan_p50_s", "5% fail: median survivor holds it, after detection (s)", "{:.2f}", None),
+    ("failure_issued_s", "  of which: plan issued, after detection (failure_grace 0.2 s + planning)", "{:.2f}", None),
+    ("failure_sent_s", "  of which: last survivor holds it, after the issue (s)", "{:.2f}", None),
     ("join_plan_s", "10% join storm: every node holds the plan with the joiners (s)", "{:.2f}", None),
     ("plan_bytes", "plan message (bytes)", "{:,}", None),
     ("errors", "connections refused / reset / closed", "{}", "errors"),
