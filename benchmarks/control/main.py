@@ -11,10 +11,13 @@ reports), so every cost measured is the controller's own code on real sockets. P
 * **registration**: from the first connect to the last ``registered``, and to the last
   agent holding the first plan (which includes everyone: ``--expected-nodes N``);
 * **steady state**: the controller's CPU over a window of heartbeats and progress reports
-  (``/proc/<pid>/stat`` utime+stime, % of one core); then the handling latency of a
-  heartbeat: a ``ping`` written in the same ``write`` right behind a heartbeat, on a
-  quarter of the beats; its ``pong`` comes back once the controller handled both
-  (round trip, p50/p99; it includes this process's own event-loop delay, reported beside);
+  (``/proc/<pid>/stat`` utime+stime, % of one core), and over the same window its own
+  view of a heartbeat's handling latency: its event loop's lag (what a message arriving
+  meanwhile waits) and the time it takes to handle one message, p99 of each, from its
+  ``stats`` answer (the target's row: their sum); then the round trip the agents see: a
+  ``ping`` written in the same ``write`` right behind a heartbeat, on a quarter of the
+  beats, whose ``pong`` comes back once the controller handled both (p50/p99; it includes
+  this process's own event-loop delay, reported beside);
 * **failure**: 5% of the nodes close their connections at once (a dead host); time until
   every survivor holds the plan that drops them, from the controller's detection (the
   plan's ``detected_at``), and from the failure;
@@ -187,6 +190,8 @@ class SimAgent:
                                            "t_resumed": time.time(), "detected_at": msg["detected_at"],
                                            "t_plan": msg["issued_at"], "timings": {}, "moved": 0,
                                            "sources": {}, "lost_experts": [], "plt": 0.0}})
+                elif kind == "stats":
+                    b.stats.append(msg)
                 elif kind == "pong":
                     sent = self.pongs.pop(msg.get("nonce"), None)
                     if sent is not None:
@@ -261,6 +266,7 @@ class Bench:
         self.world = 0
         self.pinging = False
         self._next_pid = 100_000
+        self.stats: list[dict[str, Any]] = []
 
     # -- the controller process
     def start_controller(self) -> None:
@@ -372,9 +378,19 @@ class Bench:
         row["plan_bytes"] = len(encode_frame(self.secret, plan))
         # 2. steady state: CPU of heartbeats + progress, then heartbeat round trips
         await asyncio.sleep(3.0)
+        agents[0].send({"type": "stats", "node": agents[0].node_id, "reset": True})
         c0, w0 = self.cpu_seconds(), time.monotonic()
         await asyncio.sleep(self.steady_s)
         c1, w1 = self.cpu_seconds(), time.monotonic()
+        agents[0].send({"type": "stats", "node": agents[0].node_id, "reset": True})
+        await asyncio.sleep(0.5)
+        if len(self.stats) < 2:
+            raise RuntimeError(f"N={n}: the controller answered {len(self.stats)} of 2 stats requests")
+        st = self.stats[-1]
+        row["ctl_handle_p99_ms"] = st["handle_ms_p99"]
+        row["ctl_lag_p99_ms"] = st["loop_lag_ms_p99"]
+        row["ctl_lag_max_ms"] = st["loop_lag_ms_max"]
+        row["hb_ctl_p99_ms"] = (st["handle_ms_p99"] or 0.0) + (st["loop_lag_ms_p99"] or 0.0)
         row["cpu_pct"] = 100.0 * (c1 - c0) / (w1 - w0)
         row["msgs_per_s"] = n * (1 / HEARTBEAT_S + 1 / PROGRESS_S)
         lags: list[float] = []
@@ -463,6 +479,8 @@ def store_bench(n: int) -> dict[str, Any]:
     import torch.distributed as dist
     from datetime import timedelta
 
+    if n > 1:   # a warm-up: the first stores of a process can pay a reverse-DNS timeout
+        store_bench(1)
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
     port = master.port
     errors: list[str] = []
@@ -523,8 +541,12 @@ def _growth(rows: list[dict[str, Any]], key: str) -> str:
 ROWS = [
     ("register_s", "registration of all N (s): first connect -> last `registered`", "{:.2f}", "register_s"),
     ("first_plan_s", "first plan held by all N (s)", "{:.2f}", None),
-    ("hb_p50_ms", "heartbeat handling, round trip p50 (ms)", "{:.1f}", None),
-    ("hb_p99_ms", "heartbeat handling, round trip p99 (ms)", "{:.1f}", "hb_p99_ms"),
+    ("hb_ctl_p99_ms", "heartbeat handling in the controller p99 (ms): loop lag p99 + handling p99", "{:.1f}",
+     "hb_p99_ms"),
+    ("ctl_lag_p99_ms", "  controller's loop lag p99 (ms): what a message waits before it is read", "{:.1f}", None),
+    ("ctl_handle_p99_ms", "  controller's handling of one message p99 (ms)", "{:.3f}", None),
+    ("hb_p50_ms", "heartbeat + ping round trip seen by the agents p50 (ms)", "{:.1f}", None),
+    ("hb_p99_ms", "heartbeat + ping round trip seen by the agents p99 (ms)", "{:.1f}", None),
     ("client_lag_p99_ms", "  of which: load generator's own loop lag p99 (ms)", "{:.1f}", None),
     ("cpu_pct", "controller CPU at steady state (% of one core)", "{:.1f}", "cpu_pct"),
     ("failure_detect_s", "5% fail: detection after the failure (s)", "{:.3f}", None),
@@ -588,6 +610,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax1.axhline(TARGETS["failure_plan_s"], color="grey", ls=":", lw=1)
     ax1.set(xscale="log", yscale="log", xlabel="nodes N", ylabel="seconds", title="time to converge")
     ax1.legend(fontsize=8)
+    ax2.plot(ns, [r.get("hb_ctl_p99_ms") for r in rows], "^-", label="heartbeat in the controller p99 (ms)")
     ax2.plot(ns, [r.get("hb_p99_ms") for r in rows], "o-", label="heartbeat round trip p99 (ms)")
     ax2.plot(ns, [r.get("hb_p50_ms") for r in rows], "o--", label="heartbeat round trip p50 (ms)")
     ax2.plot(ns, [r.get("cpu_pct") for r in rows], "s-", label="controller CPU, steady (% core)")

@@ -38,7 +38,7 @@ import json
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -66,6 +66,34 @@ _REFUSAL_DISCARD_BYTES = 1 << 16
 #: net.core.somaxconn): a thousand agents registering at once must not find it full
 #: (asyncio's default of 100 makes the others' SYNs wait for retransmission, 1 s and more).
 _LISTEN_BACKLOG = 4096
+
+
+class _Timings:
+    """How long the controller takes to handle the agents' messages, and how late its loop
+    runs (what a message that arrives meanwhile waits): the newest samples, for a
+    ``stats`` request (``make bench-control``). Two clock reads per message."""
+
+    def __init__(self) -> None:
+        self.messages = 0
+        self.handle: deque[float] = deque(maxlen=8192)
+        self.lag: deque[float] = deque(maxlen=1024)
+
+    def reset(self) -> None:
+        self.messages = 0
+        self.handle.clear()
+        self.lag.clear()
+
+    def snapshot(self) -> dict[str, Any]:
+        def pct(values: deque[float], q: float) -> float | None:
+            if not values:
+                return None
+            s = sorted(values)
+            return round(1000 * s[min(len(s) - 1, int(q / 100 * len(s)))], 3)
+
+        return {"messages": self.messages, "handle_ms_p50": pct(self.handle, 50),
+                "handle_ms_p99": pct(self.handle, 99), "handle_ms_max": pct(self.handle, 100),
+                "loop_lag_ms_p50": pct(self.lag, 50), "loop_lag_ms_p99": pct(self.lag, 99),
+                "loop_lag_ms_max": pct(self.lag, 100), "lag_samples": len(self.lag)}
 
 
 @dataclass(eq=False)
@@ -120,6 +148,7 @@ class Controller:
         # the newest message sent and its frame: a plan goes to every member as the same
         # object, encoded (JSON + HMAC) once, not once per member
         self._last_sent: tuple[dict[str, Any], bytes] | None = None
+        self._timings = _Timings()
         port = Port(send=self._send, event=self._event, save_state=self._save_state, call_later=self._call_later,
                     call_soon=self._call_soon, time=self._time, connected=self._connected,
                     own_store=self._own_store, end_job=self._end_job,
@@ -475,9 +504,13 @@ class Controller:
                 raise MalformedMessageError(f"first message must be 'register', got {msg['type']!r}")
             if not self._on_register(conn, msg):
                 return
+            timings = self._timings
             while not conn.closed:
                 msg = await read_frame(reader, secret, limit)
+                t0 = time.perf_counter()
                 self._dispatch(conn, msg)
+                timings.messages += 1
+                timings.handle.append(time.perf_counter() - t0)
         except ProtocolError as exc:
             self._peer_error(conn, "protocol_error", error=type(exc).__name__, reason=str(exc))
         except ConnectionClosed as exc:
@@ -519,6 +552,7 @@ class Controller:
             due = time.monotonic() + period
             await asyncio.sleep(period)
             now = time.monotonic()
+            self._timings.lag.append(max(0.0, now - due))
             if now - due > period:
                 if late_since is None:
                     late_since = now
@@ -600,4 +634,9 @@ class Controller:
                 self._on_register(conn, msg)
                 return
             raise MalformedMessageError("register: already registered (evicted nodes re-register)")
+        if kind == "stats":   # diagnostics (make bench-control): message handling times, loop lag
+            self._send_conn(conn, {"type": "stats", **self._timings.snapshot()})
+            if msg.get("reset") is True:
+                self._timings.reset()
+            return
         self._membership.on_message(node.node_id, msg)

@@ -156,3 +156,20 @@ def test_a_plan_is_encoded_once_for_all_members(controller: tuple[Controller, Pa
         s.close()
     assert len(set(frames)) == 1
     assert encoded.count("plan") == 1, encoded
+
+
+def test_stats_request_reports_handling_times_and_loop_lag(controller: tuple[Controller, Path]) -> None:
+    ctl, _ = controller
+    sock = _register(ctl.port or 0, "n0")
+    for _ in range(5):
+        send_frame(sock, SECRET, {"type": "heartbeat", "node": "n0", "worker_alive": True, "step": None})
+    time.sleep(0.6)   # two rounds of the heartbeat watchdog: loop lag samples
+    send_frame(sock, SECRET, {"type": "stats", "node": "n0", "reset": True})
+    st = recv_frame(sock, SECRET)
+    assert st["type"] == "stats" and st["messages"] == 5
+    assert 0 <= st["handle_ms_p50"] <= st["handle_ms_p99"] <= st["handle_ms_max"] < 1000
+    assert st["lag_samples"] >= 2 and 0 <= st["loop_lag_ms_p99"] < 1000
+    send_frame(sock, SECRET, {"type": "stats", "node": "n0"})
+    again = recv_frame(sock, SECRET)
+    assert again["messages"] == 1 and again["lag_samples"] <= 1   # since the reset: the first request
+    sock.close()
