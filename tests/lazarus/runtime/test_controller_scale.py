@@ -173,3 +173,40 @@ def test_stats_request_reports_handling_times_and_loop_lag(controller: tuple[Con
     again = recv_frame(sock, SECRET)
     assert again["messages"] == 1 and again["lag_samples"] <= 1   # since the reset: the first request
     sock.close()
+
+
+def test_coalesced_state_writes_leave_the_loop_and_stay_ordered(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A coalesced state write (routing, steps) is fsynced by a thread: a slow disk does not
+    hold the event loop (every agent's messages) for it. A write due at once (a plan) after
+    it waits for it and wins: the file never goes back to an older state."""
+    from lazarus.runtime.controller import _state
+    from lazarus.runtime.controller._resume import StateSaver
+
+    real_fsync = _state.os.fsync
+
+    def slow_fsync(fd: int) -> None:   # a busy disk
+        time.sleep(0.5)
+        real_fsync(fd)
+
+    monkeypatch.setattr(_state.os, "fsync", slow_fsync)
+    due: list[Any] = []
+    state = {"generation": 1}
+    saver = StateSaver(tmp_path, lambda: dict(state), call_later=lambda d, cb, *a: due.append((cb, a)) or _Timer(),
+                       on_error=lambda exc: pytest.fail(f"state write failed: {exc}"))
+    saver.save()                    # coalesced: a timer
+    assert saver.pending and len(due) == 1
+    cb, args = due.pop()
+    t0 = time.monotonic()
+    cb(*args)                       # the timer fires on the loop
+    assert time.monotonic() - t0 < 0.3, "the loop waited for the coalesced write's fsync"
+    state["generation"] = 2
+    saver.save(now=True)            # a plan: written before it returns, after the older write
+    assert json.loads((tmp_path / _state.STATE_FILE).read_text())["generation"] == 2
+    time.sleep(1.2)                 # nothing older lands later
+    assert json.loads((tmp_path / _state.STATE_FILE).read_text())["generation"] == 2
+
+
+class _Timer:
+    def cancel(self) -> None:
+        pass
