@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import threading
@@ -93,7 +94,8 @@ class _Timings:
         return {"messages": self.messages, "handle_ms_p50": pct(self.handle, 50),
                 "handle_ms_p99": pct(self.handle, 99), "handle_ms_max": pct(self.handle, 100),
                 "loop_lag_ms_p50": pct(self.lag, 50), "loop_lag_ms_p99": pct(self.lag, 99),
-                "loop_lag_ms_max": pct(self.lag, 100), "lag_samples": len(self.lag)}
+                "loop_lag_ms_max": pct(self.lag, 100), "lag_samples": len(self.lag),
+                "gc_frozen": gc.get_freeze_count()}
 
 
 @dataclass(eq=False)
@@ -149,6 +151,7 @@ class Controller:
         # object, encoded (JSON + HMAC) once, not once per member
         self._last_sent: tuple[dict[str, Any], bytes] | None = None
         self._timings = _Timings()
+        self._freeze_gc = False    # run(): the process is the controller's own
         port = Port(send=self._send, event=self._event, save_state=self._save_state, call_later=self._call_later,
                     call_soon=self._call_soon, time=self._time, connected=self._connected,
                     own_store=self._own_store, end_job=self._end_job,
@@ -212,6 +215,11 @@ class Controller:
                     state_dir=str(cfg.state_dir) if cfg.state_dir is not None else None)
         self._save_state(now=True)
         self._resume.start(self.epoch)
+        if self._freeze_gc:
+            # What exists now (torch's modules above all: hundreds of thousands of objects)
+            # lives as long as the process: out of the cyclic GC's sight. Each full collection
+            # walked them all, 100-240 ms with the loop blocked, every agent's messages waiting.
+            gc.freeze()
         self._ready.set()
         if self._on_ready is not None:
             self._on_ready(self)
@@ -310,6 +318,8 @@ class Controller:
     def run(self) -> int:
         """Blocking: serve until stopped (SIGINT/SIGTERM stop it too). Returns 0."""
         import signal
+
+        self._freeze_gc = True
 
         async def main() -> None:
             loop = asyncio.get_running_loop()
