@@ -570,9 +570,10 @@ NOTES = """\
   the loop's fixed costs dominate at small N), 5% of a core at 1,024 nodes (2,560 messages/s). The
   latency row is the controller's own view: its event loop's lag (how late its 4-per-second timer
   wakes: what a message arriving meanwhile waits) plus the handling p99. The loop lag is not
-  handling; it comes from work that is not per message (the coalesced state write: a 1,024-node
-  state is 275 KB, its fsync 30-60 ms here, now in a thread; its encoding, a few ms, stays on the
-  loop) and, on this machine, from waiting for a core: the load average was far above the 2
+  handling; it comes from work that is not per message: the cyclic GC's full collections walked
+  torch's ~170,000 objects, 100-240 ms each (now frozen out of it: 8-20 ms), the coalesced state
+  write (a 1,024-node state is 275 KB, its fsync 30-60 ms here, now in a thread; its encoding, a
+  few ms, stays on the loop), and, on this machine, waiting for a core: the load average was far above the 2
   cores (see the header) and the load generator's own loop shows a lag of the same order; the two
   were not separated here. The agents' round trip adds the generator's lag on top.
 - **5% failing**: detection is the kernel's FIN (milliseconds, any N); then `failure_grace`
