@@ -84,7 +84,7 @@ bench-simulate: $(STAMP)
 	$(VPY) benchmarks/simulate/main.py
 
 # The control plane at 64, 256 and 1,024 simulated agents against the real controller process
-# (not part of `make test` or `make bench`: ~4 min; QUICK=1: 64 and 256 only, < 2 min).
+# (not part of `make test` or `make bench`: ~3 min; QUICK=1: 64 and 256 only, < 2 min).
 bench-control: $(STAMP) bytecode
 	$(VPY) benchmarks/control/main.py --store $(if $(QUICK),--quick)
 

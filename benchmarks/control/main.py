@@ -595,8 +595,8 @@ NOTES = """\
   40 lag samples, i.e. about the worst wake-up in the window) varied 100-320 ms across runs with
   handling at 0.01 ms and 5-6% of a core: the loop's remaining pauses are GC (8-20 ms), state
   encoding, the load generator's and other processes' competition for 2 cores; not separated here
-  (py-spy is not installed). The failure plan varied 0.74-1.6 s after detection (met in one run of
-  four): 0.2 s `failure_grace` + planning + delivery, and delivery is O(N^2) bytes (a 119 KB plan
+  (py-spy is not installed). The failure plan varied 0.49-1.63 s after detection over 7 runs (met in
+  3): 0.2 s `failure_grace` + planning + delivery, and delivery is O(N^2) bytes (a 119 KB plan
   to 973 survivors: on a 1 GbE controller NIC alone that is ~0.9 s). What would fix it: a compact
   plan (per-class expert rows plus an index instead of 8 x 1,024 rows; `incarnations` and `ranks`
   implied by `members`) or deltas against the plan a member holds."""
