@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 # `titan` extra brings what its modules do import (einops, tyro, torchdata, spmd_types, triton...).
 TORCHTITAN_PIN ?= torchtitan==0.3.0
 
-.PHONY: test lint netns-deps test-gpu demo demo-moc docs-heatmap bench bench-store bench-placement bench-node-gpus bench-dispatch bench-hf bench-moc bench-simulate bench-runtime bench-peers bench-trace bench-exact bench-gpu gpu-check gpu-wheels soak soak-matrix install bytecode check-install clean
+.PHONY: test lint netns-deps test-gpu demo demo-moc docs-heatmap bench bench-store bench-placement bench-node-gpus bench-dispatch bench-hf bench-moc bench-simulate bench-runtime bench-peers bench-trace bench-control bench-exact bench-gpu gpu-check gpu-wheels soak soak-matrix install bytecode check-install clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -91,6 +91,11 @@ bench-runtime: $(STAMP) bytecode
 
 bench-simulate: $(STAMP)
 	$(VPY) benchmarks/simulate/main.py
+
+# The control plane at 64, 256 and 1,024 simulated agents against the real controller process
+# (not part of `make test` or `make bench`: ~3 min; QUICK=1: 64 and 256 only, < 2 min).
+bench-control: $(STAMP) bytecode
+	$(VPY) benchmarks/control/main.py --store $(if $(QUICK),--quick)
 
 # Lazarus vs torchft (README settings and tuned) vs checkpoint-restart, same model and faults
 # (not part of `make bench`: about 6 minutes; QUICK=1 for the under-3-minutes form).

@@ -23,6 +23,7 @@ checkpoint (moc), not from a peer.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -94,64 +95,139 @@ def _check_old(old_nodes: Mapping[_Node, Sequence[int]], n: int) -> list[_Node]:
     return list(old_nodes.keys())
 
 
+def _classes(rows: Sequence[frozenset[int]]) -> tuple[list[frozenset[int]], np.ndarray]:
+    """The distinct sets of ``rows`` and each row's index among them (a large cluster's
+    nodes hold a few dozen distinct expert sets)."""
+    index: dict[frozenset[int], int] = {}
+    of = np.fromiter((index.setdefault(r, len(index)) for r in rows), dtype=np.int64, count=len(rows))
+    return list(index), of
+
+
+def _class_costs(old: list[set[int]], new: Placement) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(small, old_of, new_of)``: ``small[a, b]``, experts of the ``b``-th distinct new
+    row that the ``a``-th distinct old set lacks; ``old_of[p]`` / ``new_of[q]``: the
+    classes of physical node ``p`` and plan node ``q``."""
+    e_count = new.num_experts
+    old_sets, old_of = _classes([frozenset(x for x in s if x < e_count) for s in old])
+    new_sets, new_of = _classes([frozenset(row) for row in new.nodes])
+    small = np.array([[len(w - h) for w in new_sets] for h in old_sets], dtype=np.int64)
+    return small, old_of, new_of
+
+
 def _cost_matrix(old: list[set[int]], new: Placement) -> np.ndarray:
-    """``cost[p, q]``: experts of plan node ``q`` that physical node ``p`` lacks."""
-    n, e_count = new.num_nodes, new.num_experts
-    have = np.zeros((n, e_count), dtype=np.float32)
-    for p, s in enumerate(old):
-        ids = [x for x in s if x < e_count]
-        have[p, ids] = 1
-    want = np.zeros((n, e_count), dtype=np.float32)
-    for q, row in enumerate(new.nodes):
-        want[q, sorted(set(row))] = 1
-    # float32 matmul goes through BLAS; the entries are small integers, so exact.
-    overlap = np.rint(have @ want.T).astype(np.int64)
-    return want.sum(axis=1).astype(np.int64)[None, :] - overlap
+    """``cost[p, q]``: experts of plan node ``q`` that physical node ``p`` lacks.
+
+    Computed between the distinct old and new expert sets, then spread over the nodes
+    (the same values as node by node, in O(N^2) array work instead of O(N^2 E))."""
+    small, old_of, new_of = _class_costs(old, new)
+    return small[old_of[:, None], new_of[None, :]]
 
 
-def _greedy(cost: np.ndarray) -> np.ndarray:
-    """Greedy assignment: repeatedly take the cheapest pair whose ends are both free."""
-    n = cost.shape[0]
-    key: np.ndarray = (2 * cost + 1).astype(np.int16 if cost.max(initial=0) < 16000 else np.int64)
-    key[np.arange(n), np.arange(n)] -= 1  # ties: keep a node at its old position
-    order = np.argsort(key.ravel(), kind="stable")
+def _greedy_classes(small: np.ndarray, old_of: np.ndarray, new_of: np.ndarray) -> np.ndarray:
+    """Greedy assignment of ``cost = small[old_of][:, new_of]``: repeatedly take the
+    cheapest pair whose ends are both free (ties: a node keeps its old position, then the
+    lowest ``p``, then the lowest ``q``), without sorting the N^2 pairs (it did, and took
+    most of a 1,024-node plan's time): O(N * classes) per cost value.
+
+    The pairs go by key ``2 * cost + 1`` (minus 1 on the diagonal), then by ``p``, then by
+    ``q``. So for each cost value ``c``: first every free ``p`` whose
+    own plan node ``q = p`` costs ``c`` and is free keeps it; then, ``p`` ascending, each
+    free ``p`` takes the lowest free ``q`` that costs it ``c`` (the lowest free plan node
+    of each class, kept with a pointer: plan nodes are only ever taken)."""
+    n = old_of.size
     assign = np.full(n, -1, dtype=np.int64)
-    used_p = np.zeros(n, dtype=bool)
     used_q = np.zeros(n, dtype=bool)
-    left = n
-    start = 0
-    block = max(n, 1024)
-    while left and start < order.size:
-        chunk = order[start : start + block]
-        start += block
-        ps, qs = np.divmod(chunk, n)
-        keep = ~used_p[ps] & ~used_q[qs]
-        for p, q in zip(ps[keep].tolist(), qs[keep].tolist()):
-            if not used_p[p] and not used_q[q]:
-                used_p[p] = used_q[q] = True
-                assign[p] = q
-                left -= 1
-                if not left:
-                    break
+    members = [np.flatnonzero(new_of == b) for b in range(small.shape[1])]
+    ptr = [0] * len(members)
+    diag_cost = small[old_of, new_of]
+    for c in np.unique(small).tolist():
+        keep = (diag_cost == c) & (assign < 0) & ~used_q
+        idx = np.flatnonzero(keep)
+        assign[idx] = idx
+        used_q[idx] = True
+        targets = [np.flatnonzero(small[a] == c).tolist() for a in range(small.shape[0])]
+        used = used_q.tolist()
+        for p in np.flatnonzero(assign < 0).tolist():
+            best = -1
+            for b in targets[int(old_of[p])]:
+                arr, i = members[b], ptr[b]
+                while i < arr.size and used[arr[i]]:
+                    i += 1
+                ptr[b] = i
+                if i < arr.size and (best < 0 or arr[i] < best):
+                    best = int(arr[i])
+            if best >= 0:
+                assign[p] = best
+                used[best] = True
+        used_q[:] = used
     return assign
 
 
-def _two_opt(cost: np.ndarray, assign: np.ndarray, max_passes: int = 4) -> np.ndarray:
-    """Swap the plan nodes of two physical nodes while that lowers the total cost."""
-    n = cost.shape[0]
+def _two_opt_classes(small: np.ndarray, old_of: np.ndarray, new_of: np.ndarray, assign: np.ndarray,
+                     max_passes: int = 4) -> np.ndarray:
+    """Swap the plan nodes of two physical nodes while that lowers the total cost.
+
+    For each ``p`` in turn, the swap with the lowest gain (the lowest ``q`` among equal
+    ones) is made when it lowers the cost; up to ``max_passes`` passes while one does.
+    A swap's gain depends only on the *types* of ``p`` and ``q`` (the class of the set a
+    node holds, the class of the plan node it has now), of which a large cluster has a
+    few dozen: each step looks at the types, and at the lowest node of each, instead of
+    at all N nodes (O(N^2) per pass before: most of a 1,024-node plan's time)."""
+    n = old_of.size
     assign = assign.copy()
-    m = np.ascontiguousarray(cost[:, assign])  # m[i, j]: node i taking node j's plan node
-    diag = m.diagonal().copy()
+    ko, ka = small.shape
+    types = ko * ka
+    t_old = np.repeat(np.arange(ko), ka)
+    t_new = np.tile(np.arange(ka), ko)
+    diag_t = small[t_old, t_new]
+    cur = new_of[assign]                   # class of the plan node each physical node has now
+    of_type = (old_of * ka + cur).tolist()
+    members: list[list[int]] = [[] for _ in range(types)]
+    for i, t in enumerate(of_type):
+        members[t].append(i)               # ascending: i goes up
+    none = n + 1
+    first = np.array([m[0] if m else none for m in members], dtype=np.int64)
+    old_list = old_of.tolist()
+    cur_list = cur.tolist()
+    # whether a type has an improving swap depends only on which types are present:
+    # a type found without one is skipped until that set changes (its version)
+    version = 0
+    no_gain: dict[int, int] = {}
+
+    def move(i: int, src: int, dst: int) -> None:
+        nonlocal version
+        lst = members[src]
+        del lst[bisect.bisect_left(lst, i)]
+        first[src] = lst[0] if lst else none
+        if not lst:
+            version += 1
+        lst = members[dst]
+        if not lst:
+            version += 1
+        bisect.insort(lst, i)
+        first[dst] = lst[0]
+        of_type[i] = dst
+
     for _ in range(max_passes):
         improved = False
         for p in range(n):
-            gain = m[p, :] + m[:, p] - diag[p] - diag
-            q = int(np.argmin(gain))
-            if gain[q] < 0:
-                assign[[p, q]] = assign[[q, p]]
-                m[:, [p, q]] = m[:, [q, p]]
-                diag[p], diag[q] = m[p, p], m[q, q]
-                improved = True
+            if no_gain.get(of_type[p]) == version:
+                continue
+            op, ap = old_list[p], cur_list[p]
+            gain = small[op, t_new] + small[t_old, ap] - small[op, ap] - diag_t
+            gain[first == none] = 0
+            g = int(gain.min())
+            if g >= 0:
+                no_gain[of_type[p]] = version
+                continue
+            q = int(first[gain == g].min())
+            tp, tq = of_type[p], of_type[q]
+            oq, aq = old_list[q], cur_list[q]
+            assign[[p, q]] = assign[[q, p]]
+            cur_list[p], cur_list[q] = aq, ap
+            move(p, tp, op * ka + aq)
+            move(q, tq, oq * ka + ap)
+            improved = True
         if not improved:
             break
     return assign
@@ -174,11 +250,12 @@ def plan_migration(
     n = new.num_nodes
     phys = _check_old(old_nodes, n)
     old = [set(int(x) for x in old_nodes[p]) for p in phys]
-    cost = _cost_matrix(old, new)
-    assign = _greedy(cost)
+    small, old_of, new_of = _class_costs(old, new)
+    cost = small[old_of[:, None], new_of[None, :]]
+    assign = _greedy_classes(small, old_of, new_of)
     identity = int(np.trace(cost))
     if improve:
-        assign = _two_opt(cost, assign)
+        assign = _two_opt_classes(small, old_of, new_of, assign)
         if int(cost[np.arange(n), assign].sum()) > identity:
             assign = np.arange(n)
     mapping: dict[NodeId, int] = {p: int(assign[i]) for i, p in enumerate(phys)}

@@ -9,7 +9,8 @@ the *minimal* owner sets. Three exact methods, cheapest first, then sampling:
    plans, ...): inclusion-exclusion over the sets. Of the ``C(N, R)`` alive sets, those
    that hit every set are counted by the coefficient of ``x^R`` in
    ``prod_g ((1 + x)^{|g|} - 1) * (1 + x)^{N - sum |g|}``; expanding the product is the
-   inclusion-exclusion sum, done here with exact integers in ``O(G * N^2)``.
+   inclusion-exclusion sum, done here with exact integers in ``O(G * N)`` additions (as a polynomial
+   in ``1 + x``, see :func:`_group_count`).
 2. ``N <= 16``: one pass over all ``2^N`` alive sets gives the count for every ``R``.
 3. ``C(N, F)`` small: enumerate the failed sets.
 4. Otherwise Monte Carlo (seeded), reporting a binomial standard error.
@@ -86,6 +87,23 @@ def _mul(a: list[int], b: list[int]) -> list[int]:
             for j, y in enumerate(b):
                 out[i + j] += x * y
     return out
+
+
+def _group_count(sizes: list[int], n: int, alive: int) -> int:
+    """``_group_counts(sizes, n)[alive]`` in ``O(N * G)`` big-integer additions instead of
+    ``O(N^2)`` products (4,096 nodes x 256 groups: 0.04 s instead of 5 s).
+
+    The product is kept as a polynomial in ``y = 1 + x``: ``(1 + x)^s - 1 = y^s - 1``, so
+    ``prod_g (y^{s_g} - 1) * y^rest`` has at most ``N + 1`` terms ``c_M y^M``, and the
+    coefficient of ``x^alive`` in ``y^M`` is ``C(M, alive)``."""
+    poly: dict[int, int] = {n - sum(sizes): 1}
+    for s in sizes:
+        nxt: dict[int, int] = {}
+        for m, c in poly.items():
+            nxt[m + s] = nxt.get(m + s, 0) + c
+            nxt[m] = nxt.get(m, 0) - c
+        poly = {m: c for m, c in nxt.items() if c}
+    return sum(c * math.comb(m, alive) for m, c in poly.items() if m >= alive)
 
 
 def _table_counts(sets: list[frozenset[int]], n: int) -> np.ndarray:
@@ -177,7 +195,7 @@ def recovery_estimate(
         if f == 0 or f == n:
             return RecoveryEstimate(1.0 if f == 0 else 0.0, 0.0, "enumeration", f)
         if _disjoint(sets):
-            good = _group_counts([len(x) for x in sets], n)[alive]
+            good = _group_count([len(x) for x in sets], n, alive)
             return RecoveryEstimate(good / math.comb(n, alive), 0.0, "groups", f)
         if n <= TABLE_MAX_NODES:
             good = int(_table_counts(sets, n)[alive])

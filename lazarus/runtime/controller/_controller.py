@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -62,6 +63,39 @@ _WRITE_BUFFER_LIMIT = 16 << 20
 #: resets the connection, which can destroy the refusal before the peer read it).
 _REFUSAL_LINGER_S = 1.0
 _REFUSAL_DISCARD_BYTES = 1 << 16
+#: Connections the kernel queues before the controller accepts them (capped by the OS's
+#: net.core.somaxconn): a thousand agents registering at once must not find it full
+#: (asyncio's default of 100 makes the others' SYNs wait for retransmission, 1 s and more).
+_LISTEN_BACKLOG = 4096
+
+
+class _Timings:
+    """How long the controller takes to handle the agents' messages, and how late its loop
+    runs (what a message that arrives meanwhile waits): the newest samples, for a
+    ``stats`` request (``make bench-control``). Two clock reads per message."""
+
+    def __init__(self) -> None:
+        self.messages = 0
+        self.handle: deque[float] = deque(maxlen=8192)
+        self.lag: deque[float] = deque(maxlen=1024)
+
+    def reset(self) -> None:
+        self.messages = 0
+        self.handle.clear()
+        self.lag.clear()
+
+    def snapshot(self) -> dict[str, Any]:
+        def pct(values: deque[float], q: float) -> float | None:
+            if not values:
+                return None
+            s = sorted(values)
+            return round(1000 * s[min(len(s) - 1, int(q / 100 * len(s)))], 3)
+
+        return {"messages": self.messages, "handle_ms_p50": pct(self.handle, 50),
+                "handle_ms_p99": pct(self.handle, 99), "handle_ms_max": pct(self.handle, 100),
+                "loop_lag_ms_p50": pct(self.lag, 50), "loop_lag_ms_p99": pct(self.lag, 99),
+                "loop_lag_ms_max": pct(self.lag, 100), "lag_samples": len(self.lag),
+                "gc_frozen": gc.get_freeze_count()}
 
 
 @dataclass(eq=False)
@@ -113,6 +147,11 @@ class Controller:
         self._repeats = RepeatLimiter(config.protocol_error_interval)
         self._repeat_kinds: dict[str, Counter[str]] = {}
         self._repeat_timer: asyncio.TimerHandle | None = None
+        # the newest message sent and its frame: a plan goes to every member as the same
+        # object, encoded (JSON + HMAC) once, not once per member
+        self._last_sent: tuple[dict[str, Any], bytes] | None = None
+        self._timings = _Timings()
+        self._freeze_gc = False    # run(): the process is the controller's own
         port = Port(send=self._send, event=self._event, save_state=self._save_state, call_later=self._call_later,
                     call_soon=self._call_soon, time=self._time, connected=self._connected,
                     own_store=self._own_store, end_job=self._end_job,
@@ -160,7 +199,7 @@ class Controller:
             self._store = self._host_store(store_port, fallback=state is not None and not cfg.store_port)
             self.store_port = int(self._store.port)
             try:
-                server = await asyncio.start_server(self._handle_conn, cfg.host, port)
+                server = await asyncio.start_server(self._handle_conn, cfg.host, port, backlog=_LISTEN_BACKLOG)
             except OSError as exc:
                 if port != cfg.port:
                     raise OSError(exc.errno, f"cannot listen again on port {port} of the job being resumed "
@@ -176,6 +215,11 @@ class Controller:
                     state_dir=str(cfg.state_dir) if cfg.state_dir is not None else None)
         self._save_state(now=True)
         self._resume.start(self.epoch)
+        if self._freeze_gc:
+            # What exists now (torch's modules above all: hundreds of thousands of objects)
+            # lives as long as the process: out of the cyclic GC's sight. Each full collection
+            # walked them all, 100-240 ms with the loop blocked, every agent's messages waiting.
+            gc.freeze()
         self._ready.set()
         if self._on_ready is not None:
             self._on_ready(self)
@@ -274,6 +318,8 @@ class Controller:
     def run(self) -> int:
         """Blocking: serve until stopped (SIGINT/SIGTERM stop it too). Returns 0."""
         import signal
+
+        self._freeze_gc = True
 
         async def main() -> None:
             loop = asyncio.get_running_loop()
@@ -377,7 +423,13 @@ class Controller:
             self._event("send_buffer_full", level=logging.WARNING, peer=conn.peer, node=conn.node_id)
             self._close(conn)
             return False
-        conn.writer.write(encode_frame(self.config.secret, msg))
+        last = self._last_sent
+        if last is not None and last[0] is msg:
+            frame = last[1]
+        else:
+            frame = encode_frame(self.config.secret, msg)
+            self._last_sent = (msg, frame)
+        conn.writer.write(frame)
         return True
 
     def _close(self, conn: _Conn) -> None:
@@ -462,9 +514,13 @@ class Controller:
                 raise MalformedMessageError(f"first message must be 'register', got {msg['type']!r}")
             if not self._on_register(conn, msg):
                 return
+            timings = self._timings
             while not conn.closed:
                 msg = await read_frame(reader, secret, limit)
+                t0 = time.perf_counter()
                 self._dispatch(conn, msg)
+                timings.messages += 1
+                timings.handle.append(time.perf_counter() - t0)
         except ProtocolError as exc:
             self._peer_error(conn, "protocol_error", error=type(exc).__name__, reason=str(exc))
         except ConnectionClosed as exc:
@@ -491,11 +547,33 @@ class Controller:
         self._membership.node_gone(node_id, conn.peer)
 
     async def _watch_heartbeats(self) -> None:
+        """Every ``period``: nodes silent for longer than the heartbeat timeout are dead.
+
+        A round that wakes up late (by more than ``period``) is skipped: the event loop was
+        blocked meanwhile (a large plan being computed, a slow disk), so what the nodes sent
+        in that time is still unread in the sockets, and this round would run before it is
+        read and take everyone for silent. Skipping stops once the rounds have been late
+        for a whole ``heartbeat_timeout`` (a controller that never catches up still detects
+        silent nodes, a timeout later)."""
         timeout = self.config.heartbeat_timeout.total_seconds()
         period = min(0.25, timeout / 4)
+        late_since: float | None = None
         while True:
+            due = time.monotonic() + period
             await asyncio.sleep(period)
-            self._membership.check_heartbeats(time.monotonic(), timeout)
+            now = time.monotonic()
+            self._timings.lag.append(max(0.0, now - due))
+            if now - due > period:
+                if late_since is None:
+                    late_since = now
+                    self._event("controller_blocked", level=logging.WARNING, blocked_s=round(now - due, 3),
+                                message=f"the event loop was blocked for {now - due:.2f} s; heartbeats that "
+                                        f"came meanwhile are read before any node is taken for silent")
+                if now - late_since < timeout:
+                    continue
+            else:
+                late_since = None
+            self._membership.check_heartbeats(now, timeout)
 
     # ------------------------------------------------------------------ messages
     def _on_register(self, conn: _Conn, msg: dict[str, Any]) -> bool:
@@ -566,4 +644,9 @@ class Controller:
                 self._on_register(conn, msg)
                 return
             raise MalformedMessageError("register: already registered (evicted nodes re-register)")
+        if kind == "stats":   # diagnostics (make bench-control): message handling times, loop lag
+            self._send_conn(conn, {"type": "stats", **self._timings.snapshot()})
+            if msg.get("reset") is True:
+                self._timings.reset()
+            return
         self._membership.on_message(node.node_id, msg)

@@ -42,11 +42,17 @@ _FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
 }
 
 
-def write_state(directory: str | os.PathLike[str], state: dict[str, Any]) -> Path:
-    """Atomically replace ``directory/state.json`` with ``state`` (temp + fsync + rename)."""
+def encode_state(state: dict[str, Any]) -> bytes:
+    """The state file's bytes for ``state``."""
+    return json.dumps(dict(state, version=STATE_VERSION), separators=(",", ":")).encode("utf-8")
+
+
+def write_state(directory: str | os.PathLike[str], state: dict[str, Any] | bytes) -> Path:
+    """Atomically replace ``directory/state.json`` with ``state`` (temp + fsync + rename);
+    ``state`` may be :func:`encode_state`'s bytes already."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    data = json.dumps(dict(state, version=STATE_VERSION), separators=(",", ":")).encode("utf-8")
+    data = state if isinstance(state, bytes) else encode_state(state)
     fd, tmp = tempfile.mkstemp(prefix=".state-", suffix=".tmp", dir=d)
     try:
         with os.fdopen(fd, "wb") as fh:
