@@ -141,7 +141,14 @@ def test_what_a_replay_measures() -> None:
 
 @pytest.mark.timeout(120)
 def test_the_analysis_path_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from main import main
+    # by path, under a name of its own: benchmarks/peers has a main.py too, and whichever
+    # test imported `main` first would otherwise win (sys.modules)
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_trace_main", ROOT / "benchmarks" / "trace" / "main.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    main = module.main
 
     raw = tmp_path / "raw.json"
     raw.write_text(json.dumps(_raw()))

@@ -117,7 +117,7 @@ def _train(rank: int, world: int, arch: str, slots: list[list[int]], tmp: Path,
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=momentum)
     ckpt = None
     if move_to is None:
-        ckpt = CheckpointManager(MoCConfig(storage=str(tmp / f"ckpt-{arch}"), interval=1, top_k=1,
+        ckpt = CheckpointManager(MoCConfig(storage=str(tmp / f"ckpt-{arch}"), interval=1,
                                            snapshot_dir=str(tmp / f"shm-{arch}-{rank}")), model=model, optimizer=opt)
     for step in range(STEPS):
         if move_to is not None and step == 1:
