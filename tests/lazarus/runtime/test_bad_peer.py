@@ -328,7 +328,8 @@ def test_no_controller_agent_says_it_is_trying_never_starts_the_worker_and_exits
 def test_worker_starts_only_once_the_controller_accepted_the_node(job: Job) -> None:
     port = free_port()
     agent = job.agent("a", "--connect-timeout", "60s", port=port)
-    time.sleep(3)
+    # the controller comes only once the agent has said it is still trying (every 5 s)
+    wait_for(lambda: "still trying to reach" in job.log("agent-a.log"), 30, "the agent's progress line")
     assert agent.poll() is None and job.worker_starts("a") == []
     t_ctl = time.time()
     job.controller(port=port)
