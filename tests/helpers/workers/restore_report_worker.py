@@ -33,6 +33,11 @@ def main() -> None:
     start = ckpt.restore()
     for step in range(start, a.steps):
         train_step(model, opt, task, step, ckpt)
+        # Each persist ends before the next step, so which buffer a snapshot refills is the
+        # same on every machine: a buffer still being persisted is never refilled, and on a
+        # quiet machine step 0's persist outlived steps 1-15 (the snapshot at 15 then took
+        # step 5's buffer, and no expert had to come from storage).
+        ckpt.wait(flush=False)
     ckpt.close(keep_snapshots=True, flush=False)   # as a crash leaves it: the newest snapshot in memory only
     report = ckpt.last_restore_report
     plan = ckpt.last_restore if start else None
