@@ -283,3 +283,27 @@ def test_one_node_elastic_job_on_cuda_survives_a_killed_worker(tmp_path: Path) -
     assert digest["step"] == 40
     losses = [loss for _, loss in digest["losses"]]
     assert losses[-1] < losses[0]
+
+
+def test_the_step_reduction_reads_the_device_once() -> None:
+    """The step's own machinery (``all_reduce_step``: the experts' squared norm, the plan
+    agreement and the loss) syncs the host exactly once per step on the GPU: one
+    synchronizing operation reported by sync debug mode "warn"."""
+    from lazarus.runtime.worker._step_reduce import all_reduce_step
+
+    p = torch.nn.Parameter(torch.zeros(64, device="cuda"))
+    p.grad = torch.ones(64, device="cuda")
+    expert_sq = p.grad.double().pow(2).sum()          # a device scalar, as the layer's expert_grad_sq()
+    loss = (p.grad * 3).sum()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            totals = all_reduce_step([(p, lambda g: g)], sums=[expert_sq], maxima=[3], local=[loss],
+                                     rank=0, world=1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    assert totals.sums == [64.0] and totals.maxima == [3] and totals.local == [192.0]

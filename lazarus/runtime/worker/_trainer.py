@@ -135,6 +135,10 @@ class ElasticTrainer:
         self._state = WorkerState()
         self.losses: list[tuple[int, float]] = []
         self._routing: dict[str, torch.Tensor] = {}
+        # a routing report on its way to the host: (step, {layer: experts}, the counts on the
+        # device) rides on the next step's one copy; then (step, {layer: counts}) to send
+        self._routing_out: tuple[int, dict[str, int], torch.Tensor] | None = None
+        self._routing_ready: tuple[int, dict[str, list[int]]] | None = None
         self._agreed: int | None = None   # the plan agreement of the step just applied (its all-reduce)
         self._metrics: IO[str] | None = None
         self._step_s: deque[float] = deque(maxlen=21)   # this rank's recent steps, end to end
@@ -352,7 +356,7 @@ class ElasticTrainer:
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model, step, self.rank, self.world)
         loss.backward()
-        expert_sq, target = self._sync_gradients()
+        expert_sq, target, loss_value = self._sync_gradients(loss)
         if self.config.grad_clip is not None:
             self._clip_gradients(self.config.grad_clip, expert_sq)
         if self.backend.backend == "nccl":
@@ -369,7 +373,7 @@ class ElasticTrainer:
                     + layer.routing_counts
         if self.ckpt is not None:
             self.ckpt.step(step)
-        return float(loss.detach())
+        return loss_value
 
     def _pending_generation(self) -> int:
         """The newest between-steps plan this rank may switch to after the step (0: none).
@@ -385,7 +389,7 @@ class ElasticTrainer:
             pending = 0
         return pending
 
-    def _sync_gradients(self) -> tuple[float, int]:
+    def _sync_gradients(self, loss: torch.Tensor) -> tuple[float, int, float]:
         """Replica gradients of every expert summed over its holders (all layers in one
         reduce-scatter / all-gather pair, :func:`lazarus.moe.sync_moe_gradients`), then the
         dense gradients averaged over ranks together with the MoE layers' replicated ones
@@ -394,9 +398,13 @@ class ElasticTrainer:
         sum) and the plan agreement (a maximum; :func:`._step_reduce.all_reduce_step`):
         three collectives per step whatever the number of layers.
 
+        The step's one device-to-host copy brings those two and this rank's ``loss`` to
+        the host (no other read of the device in the step's own machinery).
+
         Returns:
             (the squared norm of the expert gradients, each expert counted once; the
-            newest plan generation any rank will switch to after this step, 0: none).
+            newest plan generation any rank will switch to after this step, 0: none;
+            this rank's loss).
         """
         from lazarus.moe import sync_moe_gradients
 
@@ -417,9 +425,17 @@ class ElasticTrainer:
             for layer in layers:
                 scale = 1.0 / layer.world_size if layer.grad_reduction == "mean" else 1.0
                 params += [(p, _times(scale)) for p in layer.replicated_parameters()]
-        summed, (target,) = all_reduce_step(params, sums=sums, maxima=[self._pending_generation()],
-                                            rank=self.rank, world=self.world)
-        return (summed[0] if summed else 0.0), target
+        out, self._routing_out = self._routing_out, None
+        local = [loss.detach()] + ([out[2]] if out is not None else [])
+        totals = all_reduce_step(params, sums=sums, maxima=[self._pending_generation()], local=local,
+                                 rank=self.rank, world=self.world)
+        if out is not None:
+            counts, pos = {}, 1
+            for name, n in out[1].items():
+                counts[name] = [int(round(x)) for x in totals.local[pos: pos + n]]
+                pos += n
+            self._routing_ready = (out[0], counts)
+        return (totals.sums[0] if totals.sums else 0.0), totals.maxima[0], totals.local[0]
 
     def _clip_gradients(self, max_norm: float, expert_sq: float) -> None:
         """Clip by the norm of the whole model's gradient, each expert counted once (not
@@ -461,12 +477,17 @@ class ElasticTrainer:
         if self.rank == 0:
             self._metric({"kind": "step", "t": time.time(), "step": step, "loss": loss, "world": self.world,
                           "generation": self.generation})
+        ready, self._routing_ready = self._routing_ready, None
+        if ready is not None:   # the counts of the report before, come with this step's one copy
+            self.channel.send({"type": "routing", "step": ready[0], "layers": ready[1]})
         if self.step % self.config.report_every == 0:
             self.channel.send({"type": "progress", "step": self.step, "generation": self.generation,
                                "loss": loss, "world_size": self.world, "t": time.time()})
             if self.rank == 0 and self._routing:
-                self.channel.send({"type": "routing", "step": self.step,
-                                   "layers": {k: [int(x) for x in v.tolist()] for k, v in self._routing.items()}})
+                # not read here (a second wait for the device this step): they ride on the
+                # next step's copy to the host (_sync_gradients) and are sent after it
+                self._routing_out = (self.step, {k: v.numel() for k, v in self._routing.items()},
+                                     torch.cat([v.reshape(-1) for v in self._routing.values()]))
             self._routing = {}
             self._report_storage()
         # Plan agreement: the newest generation any rank has heard of (between-steps plans),

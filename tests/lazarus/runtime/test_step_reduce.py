@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lazarus.runtime.worker._step_reduce import all_reduce_step
+from lazarus.runtime.worker._step_reduce import StepTotals, all_reduce_step
 from tests.helpers.rank_harness import run_ranks
+from tests.helpers.sync_audit import SyncAudit
 
 
 def _params(rank: int, dtype: torch.dtype) -> list[torch.nn.Parameter]:
@@ -40,14 +41,21 @@ def prog_rides(rank: int, world: int, dtype_name: str, big_max: bool) -> None:
     values = [0.1 * (rank + 1), 2.0 ** -30 * rank]
     sums = [values[0], torch.tensor(values[1], dtype=torch.float64)]   # a number and a 0-dim tensor alike
     maxima = [(1 << 25) + rank if big_max else 7 * (rank % 2), 3 - rank]
+    loss = torch.tensor(1.5 + rank, dtype=dtype)            # this rank's own value, not reduced
     calls: list[int] = []
     real = dist.all_reduce
     dist.all_reduce = _counting(real, calls)   # (the module's `dist` is this module object)
     try:
-        got_sums, got_max = all_reduce_step(list(zip(params, posts)), sums=sums, maxima=maxima, rank=rank,
-                                            world=world)
+        with SyncAudit() as audit:
+            totals = all_reduce_step(list(zip(params, posts)), sums=sums, maxima=maxima, local=[loss, 0.25],
+                                     rank=rank, world=world)
     finally:
         dist.all_reduce = real
+    got_sums, got_max = totals.sums, totals.maxima
+    assert totals.local == [float(loss), 0.25]
+    # ONE copy to the host for everything the host needs, riding or not (the audit also sees
+    # the copy's own tolist(): on the CPU `.cpu()` returns the tensor itself)
+    assert audit.device_reads == ["cpu", "tolist"] and not audit.sync_ops, (audit.device_reads, audit.sync_ops)
     # The same through separate collectives: the gradients' flat, a float64 sum, an int64 max.
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)) for p in reference])
     dist.all_reduce(flat)
@@ -84,11 +92,16 @@ def test_scalars_ride_on_the_gradients_all_reduce(tmp_path: Path, dtype_name: st
 def test_one_rank_sends_nothing_and_bad_maxima_are_refused() -> None:
     p = torch.nn.Parameter(torch.zeros(3))
     p.grad = torch.ones(3)
-    assert all_reduce_step([(p, lambda g: g * 2)], sums=[1.5], maxima=[4], rank=0, world=1) == ([1.5], [4])
-    assert all_reduce_step([], sums=[torch.tensor(0.25), 1], rank=0, world=1) == ([0.25, 1.0], [])
+    with SyncAudit() as audit:
+        totals = all_reduce_step([(p, lambda g: g * 2)], sums=[1.5], maxima=[4], local=[torch.tensor(3.0)],
+                                 rank=0, world=1)
+    assert totals == StepTotals([1.5], [4], [3.0])
+    assert audit.device_reads == ["cpu", "tolist"], audit.device_reads     # sums and local values in one copy
+    assert all_reduce_step([], sums=[torch.tensor(0.25), 1], rank=0, world=1) == StepTotals([0.25, 1.0], [], [])
     assert torch.equal(p.grad, torch.full((3,), 2.0))
-    with pytest.raises(ValueError, match="maxima"):
-        all_reduce_step([], maxima=[-1], rank=0, world=1)
+    for bad in (-1, 2**53 + 1):
+        with pytest.raises(ValueError, match=r"maxima must be integers in \[0, 2\*\*53\]"):
+            all_reduce_step([], maxima=[bad], rank=0, world=1)
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 1e6])
