@@ -294,14 +294,15 @@ def finish_copies(devices: Iterable[torch.device]) -> None:
             runtime().synchronize_stream(dev)
 
 
-def to_host_later(t: torch.Tensor) -> tuple[Any, torch.Tensor]:
+def to_host_later(t: torch.Tensor, out: torch.Tensor | None = None) -> tuple[Any, torch.Tensor]:
     """``(event, host)``: ``t`` copied to the host without waiting when it lives on a GPU
-    (into page-locked memory, a CUDA event recorded behind the copy: read ``host`` once
-    ``event.query()`` is True or after ``event.synchronize()``); a host copy and no event
-    otherwise. Small tensors only (routing counts, check flags): the memory is fresh."""
+    (into page-locked memory: ``out`` when given, of ``t``'s shape and dtype, else fresh;
+    a CUDA event recorded behind the copy: read ``host`` once ``event.query()`` is True or
+    after ``event.synchronize()``); a host copy and no event otherwise. Small tensors only
+    (routing counts, check flags)."""
     if t.device.type != "cuda":
         return None, t.cpu()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host = out if out is not None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     with torch.cuda.device(t.device):
         host.copy_(t, non_blocking=True)
         event = torch.cuda.Event()
@@ -309,16 +310,52 @@ def to_host_later(t: torch.Tensor) -> tuple[Any, torch.Tensor]:
     return event, host
 
 
+def _device_side(t: torch.Tensor) -> bool:
+    """True when :func:`to_host_later` copies ``t`` into page-locked memory (a GPU tensor)."""
+    return t.device.type == "cuda"
+
+
 class LateCopies(Generic[M]):
     """Small device tensors on their way to the host without waiting (routing counts, check
     flags), each with a label: :meth:`send` joins them per device (``join``: ``torch.cat``
     or ``torch.stack``) into one :func:`to_host_later` copy; :meth:`arrived` hands over the
     copies whose bytes have reached the host, with their labels in the order sent, and keeps
-    the rest for a later call."""
+    the rest for a later call.
+
+    The page-locked host tensors are reused: one handed over by :meth:`arrived` is valid
+    until the next :meth:`send` or :meth:`arrived` call (read it, or copy from it, before),
+    then it takes a later copy of the same shape and dtype. A step's copies are the same
+    shapes every step, so after the first ones no page-locked memory is allocated."""
+
+    #: Spare host tensors kept per (dtype, shape).
+    SPARES = 4
 
     def __init__(self, join: Callable[[list[torch.Tensor]], torch.Tensor]) -> None:
         self._join = join
         self._pending: list[tuple[Any, torch.Tensor, list[M]]] = []
+        self._spare: dict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = {}
+        self._handed: list[torch.Tensor] = []    # handed over by the last arrived(): spare from the next call
+        self._ours: set[int] = set()             # ids of the page-locked host tensors of copies in flight
+        self.allocations = 0                     # page-locked host tensors allocated (a test reads it)
+
+    def _recycle(self) -> None:
+        for host in self._handed:
+            if id(host) in self._ours:
+                self._ours.discard(id(host))
+                spares = self._spare.setdefault((host.dtype, tuple(host.shape)), [])
+                if len(spares) < self.SPARES:
+                    spares.append(host)
+        self._handed = []
+
+    def _host_for(self, t: torch.Tensor) -> torch.Tensor | None:
+        """A spare page-locked tensor for ``t``'s copy (None: let the copy allocate one)."""
+        if not _device_side(t):
+            return None
+        spares = self._spare.get((t.dtype, tuple(t.shape)))
+        if spares:
+            return spares.pop()
+        self.allocations += 1
+        return None
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -327,12 +364,18 @@ class LateCopies(Generic[M]):
         by_device: dict[torch.device, list[tuple[torch.Tensor, M]]] = {}
         for t, label in items:
             by_device.setdefault(t.device, []).append((t, label))
+        self._recycle()
         for group in by_device.values():
-            event, host = to_host_later(self._join([t for t, _ in group]))
+            joined = self._join([t for t, _ in group])
+            event, host = to_host_later(joined, self._host_for(joined))
+            if _device_side(joined):
+                self._ours.add(id(host))
             self._pending.append((event, host, [label for _, label in group]))
 
     def arrived(self, *, wait: bool) -> list[tuple[torch.Tensor, list[M]]]:
-        """The copies on the host (``wait``: all of them, waiting for the device)."""
+        """The copies on the host (``wait``: all of them, waiting for the device); valid
+        until the next call of :meth:`send` or :meth:`arrived`."""
+        self._recycle()
         done, waiting = [], []
         for event, host, labels in self._pending:
             if event is not None and not wait and not event.query():
@@ -342,4 +385,5 @@ class LateCopies(Generic[M]):
                 event.synchronize()
             done.append((host, labels))
         self._pending = waiting
+        self._handed = [host for host, _ in done]
         return done

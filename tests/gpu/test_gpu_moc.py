@@ -366,3 +366,18 @@ def test_router_taps_read_cuda_routing_without_waiting_for_the_device(tmp_path, 
         ckpt.policy.sync_routing(ckpt._drain)
         for layer, total in given.items():
             assert ckpt.policy.tracker.cum[layer] == total.tolist(), layer
+
+
+def test_late_copies_allocate_page_locked_memory_once() -> None:
+    """Routing counts and check flags go to the host through LateCopies: on the GPU the
+    same shapes every step reuse one page-locked tensor (no pinned allocation per copy),
+    and the values that arrive are the device's."""
+    from moc._cuda.copies import LateCopies
+
+    copies: LateCopies[str] = LateCopies(torch.cat)
+    for step in range(20):
+        counts = torch.arange(8, device="cuda") * step
+        copies.send([(counts, "layer")])
+        [(host, labels)] = copies.arrived(wait=True)
+        assert host.is_pinned() and host.tolist() == (torch.arange(8) * step).tolist() and labels == ["layer"]
+    assert copies.allocations == 1

@@ -145,7 +145,7 @@ def test_late_copies_hand_over_only_what_arrived_with_their_labels(monkeypatch) 
 
     events: list[_Event] = []
 
-    def later(t: torch.Tensor):
+    def later(t: torch.Tensor, out: torch.Tensor | None = None):
         events.append(_Event())
         return events[-1], t.clone()
 
@@ -170,3 +170,38 @@ def test_late_copies_of_host_tensors_arrive_at_once() -> None:
     assert flags.tolist() == [True, False] and labels == [1, 2]
     copies.send([])
     assert copies.arrived(wait=False) == [] and len(copies) == 0
+
+
+def test_late_copies_reuse_their_page_locked_host_tensors(monkeypatch) -> None:
+    """A step's late copies have the same shapes every step: after the first ones, no
+    page-locked memory is allocated (a spare of the same shape and dtype takes the copy),
+    and a host tensor handed over is not written again before the next call."""
+    import moc._cuda.copies as dc
+
+    given: list[torch.Tensor | None] = []
+
+    def later(t: torch.Tensor, out: torch.Tensor | None = None):
+        given.append(out)
+        host = out if out is not None else torch.empty_like(t)   # the "page-locked" tensor
+        host.copy_(t)
+        return None, host
+
+    monkeypatch.setattr(dc, "to_host_later", later)
+    monkeypatch.setattr(dc, "_device_side", lambda t: True)      # as if the counts lived on a GPU
+    copies: LateCopies[str] = LateCopies(torch.cat)
+    seen = []
+    for step in range(5):
+        copies.send([(torch.tensor([step, step + 1]), "a"), (torch.tensor([10 * step]), "b")])
+        [(host, labels)] = copies.arrived(wait=True)
+        assert host.tolist() == [step, step + 1, 10 * step] and labels == ["a", "b"]
+        seen.append(host)
+    assert copies.allocations == 1 and given[0] is None and all(g is seen[0] for g in given[1:])
+    # two copies in flight at once: the second needs a host tensor of its own
+    copies.send([(torch.tensor([1, 2, 3]), "x")])
+    copies.send([(torch.tensor([4, 5, 6]), "y")])
+    out = copies.arrived(wait=True)
+    assert [(h.tolist(), labels) for h, labels in out] == [([1, 2, 3], ["x"]), ([4, 5, 6], ["y"])]
+    assert out[0][0] is not out[1][0] and copies.allocations == 2
+    # another shape: a fresh one; the handed-over ones became spares only now
+    copies.send([(torch.tensor([7]), "z")])
+    assert copies.allocations == 3 and copies.arrived(wait=True)[0][0].tolist() == [7]
