@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import json
 import socket
 import struct
+import zlib
 from datetime import timedelta
 
 import pytest
 
 from lazarus.runtime import AgentConfig, ControllerConfig, parse_duration
 from lazarus.runtime._wire import (
+    COMPRESS_OVER,
     MAC_BYTES,
     BadMacError,
     ConnectionClosed,
@@ -191,3 +194,51 @@ def test_config_validation_names_fields() -> None:
     assert parse_duration("2m") == timedelta(minutes=2)
     with pytest.raises(ValueError, match="--join-window"):
         parse_duration("soon", "--join-window")
+
+
+def _plan(nodes: int) -> dict:
+    return {"type": "plan", "generation": 7, "members": [f"node-{i:04d}" for i in range(nodes)],
+            "placement": {f"layer{l}": [[(i + j) % 64 for j in range(2)] for i in range(nodes)] for l in range(8)}}
+
+
+def compressed_frame(body: bytes, secret: bytes = SECRET) -> bytes:
+    mac = hmac.new(secret, body, hashlib.sha256).digest()
+    return struct.pack(">I", (1 << 31) | (len(mac) + len(body))) + mac + body
+
+
+def test_a_large_body_goes_compressed_and_round_trips() -> None:
+    """A plan of a thousand nodes: zlib on the wire (the length word's top bit), a tenth of
+    its JSON or less, the same message back on both readers; small messages stay plain."""
+    msg = _plan(1024)
+    plain = len(json.dumps(msg, separators=(",", ":")).encode())
+    frame = encode_frame(SECRET, msg)
+    (word,) = struct.unpack(">I", frame[:4])
+    assert plain > COMPRESS_OVER and word >> 31 == 1 and (word & ~(1 << 31)) == len(frame) - 4
+    assert len(frame) < plain / 8, (len(frame), plain)
+    assert read_async(frame, max_bytes=1 << 24) == msg
+    a, b = socket.socketpair()
+    with a, b:
+        send_frame(a, SECRET, msg)
+        assert recv_frame(b, SECRET, 1 << 24) == msg
+    small = encode_frame(SECRET, {"type": "heartbeat", "node": "n0"})
+    assert struct.unpack(">I", small[:4])[0] >> 31 == 0
+
+
+def test_a_compressed_body_is_authenticated_before_it_is_inflated_and_inflates_only_to_the_limit() -> None:
+    # a zip bomb with a good MAC: 64 MiB of zeros in ~64 KB, against a 1 MiB limit
+    bomb = zlib.compress(b"0" * (64 << 20), 9)
+    with pytest.raises(FrameTooLargeError, match="inflates past the limit of 1048576"):
+        read_async(compressed_frame(bomb))
+    # tampered: refused by the MAC, nothing inflated
+    body = bytearray(zlib.compress(json.dumps(_plan(64)).encode()))
+    body[len(body) // 2] ^= 0xFF
+    frame = compressed_frame(b"x")[:4] + hmac.new(SECRET, b"other", hashlib.sha256).digest() + bytes(body)
+    frame = struct.pack(">I", (1 << 31) | (MAC_BYTES + len(body))) + frame[4:]
+    with pytest.raises(BadMacError):
+        read_async(frame)
+    # authenticated but not zlib, or cut short
+    with pytest.raises(MalformedMessageError, match="does not inflate"):
+        read_async(compressed_frame(b"not zlib at all"))
+    whole = zlib.compress(json.dumps(_plan(64)).encode())
+    with pytest.raises(MalformedMessageError, match="truncated"):
+        read_async(compressed_frame(whole[: len(whole) // 2]))
