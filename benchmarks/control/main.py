@@ -584,9 +584,10 @@ NOTES = """\
   Planning at 1,024 nodes took 5.5 s before this bench (an O(N^2) big-integer product in the
   recovery probability, an N x N cost matrix and a sort of its N^2 pairs, and an O(N^2) 2-opt
   pass per layer); over classes of identical expert sets (a few dozen at any N) it takes 0.15-0.65 s
-  here (varying with the machine's load) for the same mapping. Delivery is N x plan size:
-  973 x 119 KB = 115 MB here, read and parsed by one generator process; real agents each read
-  one copy, in parallel.
+  here (varying with the machine's load) for the same mapping. Delivery is N x plan size: the
+  plan's 119 KB of JSON go zlib-compressed on the wire (bodies over 16 KiB; 15 KB, 8x smaller),
+  973 x 15 KB = 15 MB here (it was 115 MB uncompressed), read, inflated and parsed by one
+  generator process; real agents each read one copy, in parallel.
 - **Join storm**: registration of 10% more nodes, the join window (it closes once nobody else is
   warming up), the first member's report that the previous plan was applied, and one plan.
 - **Rendezvous store** (torch TCPStore, threads in one process): connect, set, add and get are
@@ -595,14 +596,16 @@ NOTES = """\
   out in this sandbox, logged as "hostname of the client socket cannot be retrieved err=-3");
   workers form their first group on such a store.
 - **What misses at 1,024, and what would fix it.** Heartbeat latency (the controller's view, p99 over
-  40 lag samples, i.e. about the worst wake-up in the window) varied 100-320 ms across runs with
-  handling at 0.01 ms and 5-6% of a core: the loop's remaining pauses are GC (8-20 ms), state
-  encoding, the load generator's and other processes' competition for 2 cores; not separated here
-  (py-spy is not installed). The failure plan varied 0.49-1.63 s after detection over 7 runs (met in
-  3): 0.2 s `failure_grace` + planning + delivery, and delivery is O(N^2) bytes (a 119 KB plan
-  to 973 survivors: on a 1 GbE controller NIC alone that is ~0.9 s). What would fix it: a compact
-  plan (per-class expert rows plus an index instead of 8 x 1,024 rows; `incarnations` and `ranks`
-  implied by `members`) or deltas against the plan a member holds."""
+  40 lag samples, i.e. about the worst wake-up in the window) varied 37-406 ms across runs with
+  handling at 0.01 ms and 5-8% of a core: the loop's remaining pauses are GC (8-20 ms), state
+  encoding, the load generator's and other processes' competition for 2 cores (the worst runs had
+  a load average of 6-14 on the 2 cores); not separated here (py-spy is not installed). Before
+  compression the failure plan varied 0.49-1.63 s after detection over 7 runs (met in 3), its
+  delivery alone up to 0.8 s (a 119 KB plan to 973 survivors: on a 1 GbE controller NIC alone
+  that is ~0.9 s); compressed, 0.70 s at load 5 (met) and 0.84-1.74 s at load 6-14, where
+  delivery is 0.3-0.9 s and planning (`compute_ms`) doubles. What would fix the rest: planning
+  off the event loop's critical path (a process), and a compact plan (per-class expert rows
+  plus an index instead of 8 x 1,024 rows) or deltas against the plan a member holds."""
 
 
 def render(rows: list[dict[str, Any]], store_rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
