@@ -135,3 +135,16 @@ def test_no_import_circles() -> None:
     found = circles(graph)
     assert not found, "import circles: " + "; ".join(
         ", ".join(f"{a} -> {b} (line {graph[a][b]})" for a in c for b in graph[a] if b in c) for c in found)
+
+
+#: the most lines a module of the installed packages may have: past it, split it into
+#: cohesive modules (docs/architecture.md says where things live)
+MAX_LINES = 800
+
+
+@pytest.mark.parametrize("package", ["moc", "lazarus"])
+def test_no_module_is_too_long(package: str) -> None:
+    long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / package).rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them): {long}"
+

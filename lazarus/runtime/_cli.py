@@ -56,6 +56,45 @@ def _positive_int(name: str):
     return parse
 
 
+def _add_duration(p: argparse.ArgumentParser, flag: str, default: str, help: str) -> None:
+    """Add ``flag``: a duration (500ms, 3s, 2m; a bad one is refused naming ``flag``)."""
+    p.add_argument(flag, type=_duration(flag), default=default, help=help)
+
+
+def _add_duration_or_off(p: argparse.ArgumentParser, flag: str, default: str, help: str) -> None:
+    """Add ``flag``: a duration, or ``off`` (None)."""
+    p.add_argument(flag, type=_duration_or_off(flag), default=default, help=help)
+
+
+#: the help of the options both processes take, as each process reads them
+_SHARED_HELP = {
+    "controller": {
+        "secret": "file holding the shared secret (>= 16 bytes); default: env LAZARUS_SECRET",
+        "advertise": "store address written into plans (default: --host, or the hostname for 0.0.0.0)",
+        "exit_grace": "once the job is done, wait this long for the agents to leave (default 5m)",
+        "verbose": "log every event to stderr",
+    },
+    "agent": {
+        "secret": "file holding the shared secret; default: env LAZARUS_SECRET",
+        "advertise": ("address other nodes reach this one at (the rendezvous store its worker hosts); "
+                      "default: this machine's address on the route to the controller"),
+        "exit_grace": ("a worker that reported done is never killed: wait this long for it to exit, "
+                       "then exit with its status (default 5m)"),
+        "verbose": "log to stderr",
+    },
+}
+
+
+def _add_shared(p: argparse.ArgumentParser, process: str) -> None:
+    """The options of both ``lazarus controller`` and ``lazarus agent``: the shared secret,
+    the address the others reach this process at, the wait at the job's end, logging."""
+    text = _SHARED_HELP[process]
+    p.add_argument("--secret-file", metavar="PATH", default=None, help=text["secret"])
+    p.add_argument("--advertise-host", default=None, help=text["advertise"])
+    _add_duration(p, "--exit-grace", "5m", text["exit_grace"])
+    p.add_argument("-v", "--verbose", action="store_true", help=text["verbose"])
+
+
 def _read_secret(path: str | None, option: str = "--secret-file") -> tuple[bytes, str]:
     """The secret from ``path`` (surrounding whitespace stripped) or env LAZARUS_SECRET,
     and where it came from (for the message when a peer's secret does not match)."""
@@ -108,20 +147,16 @@ def register_controller(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=29400, help="control port (default 29400; 0 = any)")
     p.add_argument("--store-port", type=int, default=29401, help="TCPStore port (default 29401; 0 = any)")
-    p.add_argument("--advertise-host", default=None,
-                   help="store address written into plans (default: --host, or the hostname for 0.0.0.0)")
-    p.add_argument("--secret-file", metavar="PATH", default=None,
-                   help="file holding the shared secret (>= 16 bytes); default: env LAZARUS_SECRET")
     p.add_argument("--slots", type=int, default=2, help="expert replica slots per node c (default 2)")
     p.add_argument("--min-replicas", type=int, default=2, help="fault-tolerance threshold f (default 2)")
-    p.add_argument("--heartbeat-timeout", type=_duration("--heartbeat-timeout"), default="3s",
-                   help="silence before a node is declared dead (default 3s)")
-    p.add_argument("--failure-grace", type=_duration("--failure-grace"), default="200ms",
-                   help="window coalescing simultaneous failures (default 200ms)")
-    p.add_argument("--join-window", type=_duration("--join-window"), default="2s",
-                   help="joins are batched this long (default 2s)")
-    p.add_argument("--handshake-timeout", type=_duration("--handshake-timeout"), default="5s",
-                   help="first frame must arrive within this (default 5s)")
+    _add_duration(p, "--heartbeat-timeout", "3s",
+                  help="silence before a node is declared dead (default 3s)")
+    _add_duration(p, "--failure-grace", "200ms",
+                  help="window coalescing simultaneous failures (default 200ms)")
+    _add_duration(p, "--join-window", "2s",
+                  help="joins are batched this long (default 2s)")
+    _add_duration(p, "--handshake-timeout", "5s",
+                  help="first frame must arrive within this (default 5s)")
     p.add_argument("--max-message-bytes", type=int, default=1 << 20, help="largest message body (default 1 MiB)")
     p.add_argument("--expected-nodes", type=int, default=None,
                    help="wait for this many ready nodes before the first plan")
@@ -133,20 +168,18 @@ def register_controller(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--state-dir", metavar="DIR", default=None,
                    help="keep the controller's state here (atomically replaced), so that the same command "
                         "run again resumes the job (default: beside --events, events.jsonl -> events.state)")
-    p.add_argument("--resume-grace", type=_duration("--resume-grace"), default="10s",
-                   help="after a restart, members not reconnected within this are handled as failed "
-                        "(default 10s)")
-    p.add_argument("--resume-broken-grace", type=_duration("--resume-broken-grace"), default="3s",
-                   help="after a restart, once a member that is back reports a broken collective, members "
-                        "still missing this long after the controller serves again are handled as failed "
-                        "(default 3s; at most --resume-grace)")
+    _add_duration(p, "--resume-grace", "10s",
+                  help="after a restart, members not reconnected within this are handled as failed "
+                       "(default 10s)")
+    _add_duration(p, "--resume-broken-grace", "3s",
+                  help="after a restart, once a member that is back reports a broken collective, members "
+                       "still missing this long after the controller serves again are handled as failed "
+                       "(default 3s; at most --resume-grace)")
     p.add_argument("--keep-running", action="store_true", help="do not exit when the job is done")
-    p.add_argument("--exit-grace", type=_duration("--exit-grace"), default="5m",
-                   help="once the job is done, wait this long for the agents to leave (default 5m)")
-    p.add_argument("--protocol-error-interval", type=_duration("--protocol-error-interval"), default="10s",
-                   help="repeated protocol errors from one address (a wrong secret, garbage) are logged once per "
-                        "this interval, then as one line with a count (default 10s; 0 = every one)")
-    p.add_argument("-v", "--verbose", action="store_true", help="log every event to stderr")
+    _add_duration(p, "--protocol-error-interval", "10s",
+                  help="repeated protocol errors from one address (a wrong secret, garbage) are logged once per "
+                       "this interval, then as one line with a count (default 10s; 0 = every one)")
+    _add_shared(p, "controller")
     p.set_defaults(handler=_run_controller)
 
 
@@ -220,8 +253,6 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("--controller", required=True, metavar="HOST:PORT", help="controller address")
-    p.add_argument("--secret-file", metavar="PATH", default=None,
-                   help="file holding the shared secret; default: env LAZARUS_SECRET")
     p.add_argument("--node-id", default=None, help="unique node name (default hostname-pid)")
     p.add_argument("--slots", type=int, default=None,
                    help="replica slots of this node, all its workers together (default: controller's)")
@@ -230,52 +261,48 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
                         "device cuda:LOCAL_RANK with ElasticConfig(device='auto')); the node's slots are spread "
                         "over them and its failure removes all G ranks; one worker failing restarts all G "
                         "(default 1)")
-    p.add_argument("--heartbeat-interval", type=_duration("--heartbeat-interval"), default="500ms",
-                   help="time between heartbeats (default 500ms)")
+    _add_duration(p, "--heartbeat-interval", "500ms",
+                  help="time between heartbeats (default 500ms)")
     p.add_argument("--snapshot-dir", default=None,
                    help="node-memory directory (default /dev/shm/lazarus-<job>/<node-id>)")
     p.add_argument("--job", default="job", help="job name used in the default snapshot dir")
     p.add_argument("--no-respawn", action="store_true", help="do not restart a crashed worker")
-    p.add_argument("--respawn-delay", type=_duration("--respawn-delay"), default="1s",
-                   help="pause before restarting a crashed worker (default 1s)")
+    _add_duration(p, "--respawn-delay", "1s",
+                  help="pause before restarting a crashed worker (default 1s)")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="restarts of a crashing worker allowed within --restart-window; past that the node "
                         "leaves the job and the agent exits 5 naming the worker's last error (default 5)")
-    p.add_argument("--restart-window", type=_duration("--restart-window"), default="10m",
-                   help="the sliding window --max-restarts counts in (default 10m); the pause before a "
-                        "restart doubles from --respawn-delay with every restart in it (at most 60s)")
-    p.add_argument("--connect-timeout", type=_duration("--connect-timeout"), default="30s",
-                   help="give up reaching the controller after this and exit 1 (default 30s); the worker starts "
-                        "only once the controller accepted the node, and the agent says every 5s that it is "
-                        "still trying")
-    p.add_argument("--reconnect-timeout", type=_duration("--reconnect-timeout"), default="5m",
-                   help="when the controller goes away, the worker keeps training while the agent "
-                        "reconnects for this long; then it stops the worker and exits 4 (default 5m)")
-    p.add_argument("--leave-timeout", type=_duration("--leave-timeout"), default="60s",
-                   help="after SIGTERM, wait this long for the hand-over (default 60s)")
-    p.add_argument("--stop-timeout", type=_duration("--stop-timeout"), default="10s",
-                   help="a stopped worker, or one that left the job, may take this long to exit before it "
-                        "is killed (default 10s)")
-    p.add_argument("--exit-grace", type=_duration("--exit-grace"), default="5m",
-                   help="a worker that reported done is never killed: wait this long for it to exit, "
-                        "then exit with its status (default 5m)")
+    _add_duration(p, "--restart-window", "10m",
+                  help="the sliding window --max-restarts counts in (default 10m); the pause before a "
+                       "restart doubles from --respawn-delay with every restart in it (at most 60s)")
+    _add_duration(p, "--connect-timeout", "30s",
+                  help="give up reaching the controller after this and exit 1 (default 30s); the worker starts "
+                       "only once the controller accepted the node, and the agent says every 5s that it is "
+                       "still trying")
+    _add_duration(p, "--reconnect-timeout", "5m",
+                  help="when the controller goes away, the worker keeps training while the agent "
+                       "reconnects for this long; then it stops the worker and exits 4 (default 5m)")
+    _add_duration(p, "--leave-timeout", "60s",
+                  help="after SIGTERM, wait this long for the hand-over (default 60s)")
+    _add_duration(p, "--stop-timeout", "10s",
+                  help="a stopped worker, or one that left the job, may take this long to exit before it "
+                       "is killed (default 10s)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment variable for the worker (repeatable)")
     p.add_argument("--standby", action="store_true",
                    help="hot spare: start the worker now (imports, model code, warm-up) but register with the "
                         "controller only on SIGUSR1, so that the node joins with nothing left to load")
-    p.add_argument("--advertise-host", default=None,
-                   help="address other nodes reach this one at (the rendezvous store its worker hosts); "
-                        "default: this machine's address on the route to the controller")
-    p.add_argument("--stopped-timeout", type=_duration_or_off("--stopped-timeout"), default="500ms",
-                   help="a worker stopped this long (process state T: SIGSTOP) is killed and handled as crashed, "
-                        "so its peers need not wait out their collective timeout (default 500ms; off: never)")
-    p.add_argument("--hang-timeout", type=_duration_or_off("--hang-timeout"), default="5s",
-                   help="a worker whose training thread is blocked in a step of an older generation this long "
-                        "after a newer plan reached it is killed and handled as crashed (default 5s; off: never)")
-    p.add_argument("--watch-interval", type=_duration("--watch-interval"), default="100ms",
-                   help="how often the hang watchdog looks at the workers (default 100ms)")
-    p.add_argument("-v", "--verbose", action="store_true", help="log to stderr")
+    _add_duration_or_off(p, "--stopped-timeout", "500ms",
+                         help="a worker stopped this long (process state T: SIGSTOP) is killed and handled as "
+                              "crashed, so its peers need not wait out their collective timeout (default 500ms; "
+                              "off: never)")
+    _add_duration_or_off(p, "--hang-timeout", "5s",
+                         help="a worker whose training thread is blocked in a step of an older generation this "
+                              "long after a newer plan reached it is killed and handled as crashed (default 5s; "
+                              "off: never)")
+    _add_duration(p, "--watch-interval", "100ms",
+                  help="how often the hang watchdog looks at the workers (default 100ms)")
+    _add_shared(p, "agent")
     p.add_argument("worker_command", nargs=argparse.REMAINDER, metavar="-- WORKER_COMMAND ...",
                    help="the training command to run")
     p.set_defaults(handler=_run_agent)

@@ -46,7 +46,6 @@ and resharded read.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
@@ -59,15 +58,16 @@ from .._daemon import DaemonExecutor
 from .._dist import Comm
 from .._errors import CheckpointError
 from .._run_state import RunState
-from .._snapshot import FREE, PERSIST, READY, BufferPool, SnapshotBuffer, read_headers
-from .._store import CheckpointStore, TensorMeta, TreePlan, UnitRecord, decode_tree, plan_tree
+from .._snapshot import FREE, PERSIST, READY, BufferPool, SnapshotBuffer
+from .._store import CheckpointStore, TreePlan, UnitRecord, plan_tree
 from .._together import tick_seconds, wait_together
 from .._units import UnitLayout, UnitPlans
 from .._units.capture import _clone_all, apply_partial, apply_units, restore_rng
 from .elastic import ExactHandover, read_window_resharded
+from .loading import WindowLoader
 from .schedule import ExactSchedule, plan_schedule
 from .state import Replay as _Replay, Round as _Round, Window as _Window, grad_digest, window_steps
-from .store import extra_name, rank_meta, read_part, weights_name, window_meta, write_part
+from .store import extra_name, rank_meta, weights_name, window_meta, write_part
 
 __all__ = ["ExactCheckpointer", "grad_digest", "weights_name", "extra_name"]
 
@@ -114,6 +114,8 @@ class ExactCheckpointer:
         self.shared = set(shared or ())
         self.extra_tree = extra_tree
         self.extra_state = extra_state
+        self._load = WindowLoader(layout=layout, pool=pool, store=store, run=run, comm=self.comm,
+                                  shared=self.shared)   # the windows a restore can read
         self._capture = ThreadPoolExecutor(1, thread_name_prefix=f"moc-exact-r{run.rank}")
         # Daemon threads: a persist stuck on storage never holds up the process's exit.
         self._persist = DaemonExecutor(f"moc-exact-persist-r{run.rank}")
@@ -559,39 +561,6 @@ class ExactCheckpointer:
             self.pool.release(r.lease)
 
     # -- recovery --------------------------------------------------------------------------
-    def _memory_candidates(self) -> list[dict[str, Any]]:
-        units = set(self.layout.units)
-        out = [h for h in read_headers(self.pool.directory)
-               if isinstance(h.get("exact"), dict) and set(h["exact"].get("slots", {})) == units
-               and h.get("world", 1) == self.comm.world]
-        return sorted(out, key=lambda h: h["step"])
-
-    def _storage_manifest(self):
-        for step in reversed(self.store.steps()):
-            try:
-                m = self.store.read_manifest(step)
-            except Exception as exc:  # noqa: BLE001 - a corrupt manifest: an older one may do
-                log.warning("rank %d: skipping manifest of step %d: %s", self.run.rank, step, exc)
-                continue
-            if not m.meta.get("exact"):
-                raise CheckpointError(
-                    f"{self.store.store.url}: the newest checkpoint (step {step}) was not written in exact mode "
-                    "(MoCConfig(exact=True)); it has no window to replay. Open it with exact=False, or use new storage")
-            return m
-        return None
-
-    def _agree_memory(self, memory: list[dict[str, Any]]) -> dict[str, Any] | None:
-        """The newest window every rank holds in memory (same run, same steps), or None."""
-        keys = [[h["run"], int(h["exact"]["start"]), int(h["step"])] for h in memory]
-        common = {tuple(k) for k in keys}
-        for other in self.comm.gather_json(keys):
-            common &= {tuple(k) for k in other}
-        if not common:
-            return None
-        run, start, end = max(common, key=lambda k: k[2])
-        return next(h for h in memory if h["run"] == run and int(h["step"]) == end
-                    and int(h["exact"]["start"]) == start)
-
     def restore(self, *, reshard: bool = False) -> int:
         """Load the newest window complete on every rank and start its replay; return the
         next step to run (the window's first step + 1), 0 when nothing is stored.
@@ -602,7 +571,7 @@ class ExactCheckpointer:
         if self.persist_in_flight is not None:
             self.persist_in_flight.exception()
             self._reap_persist()
-        manifest = self._storage_manifest()
+        manifest = self._load.storage_manifest()
         # every rank reads the manifest rank 0 found (a listing is never trusted to agree)
         step = self.comm.broadcast_json(None if manifest is None else manifest.step)
         if step is None:
@@ -611,33 +580,33 @@ class ExactCheckpointer:
             manifest = self.store.read_manifest(step)
         if reshard:
             return 0 if manifest is None else self._restore_resharded(manifest)
-        memory = self._memory_candidates()
+        memory = self._load.memory_candidates()
         if manifest is not None:
             memory = [h for h in memory if h.get("run") == manifest.meta.get("run_id")]
-        chosen = self._agree_memory(memory)
+        chosen = self._load.agree_memory(memory)
         replay, problem = None, None
         if chosen is not None and (manifest is None or chosen["step"] >= manifest.step):
             try:
-                replay = self._from_memory(chosen)
+                replay = self._load.from_memory(chosen)
             except (OSError, ValueError, KeyError) as exc:
                 problem = exc
                 log.warning("rank %d: the exact window in memory (step %d) is unusable (%s)", self.run.rank,
                             chosen["step"], exc)
             if self.comm.any_true(replay is None):
                 if replay is not None:
-                    self._drop(replay)
+                    self._load.drop(replay)
                     replay = None
                 log.warning("rank %d: the exact window in memory (step %d) is not usable on every rank%s; "
                             "reading storage", self.run.rank, chosen["step"], f" ({problem})" if problem else "")
         if replay is None and manifest is not None:
             error = None
             try:
-                replay = self._from_storage(manifest)
+                replay = self._load.from_storage(manifest)
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 error = exc
             if self.comm.any_true(error is not None):
                 if replay is not None:
-                    self._drop(replay)
+                    self._load.drop(replay)
                 if error is not None:
                     raise error
                 raise CheckpointError(f"{self.run.where()}: another rank could not read its part of the exact "
@@ -682,7 +651,7 @@ class ExactCheckpointer:
         self._io.shutdown(wait=False)
         r, self.replay = self.replay, None
         if r is not None:
-            self._drop(r)
+            self._load.drop(r)
         return state.to_wire()
 
     def join(self, timeout: float) -> bool:
@@ -718,45 +687,6 @@ class ExactCheckpointer:
         log.info("rank %d step %d: restored the exact window %d-%d from %s; replaying steps %d-%d", self.run.rank,
                  replay.start, replay.start, replay.end, replay.source, replay.start + 1, replay.end)
         return replay.start + 1
-
-    def _drop(self, r: _Replay) -> None:
-        r.steps.clear()
-        if r.lease is not None:
-            self.pool.release(r.lease)
-
-    def _from_memory(self, header: dict[str, Any]) -> _Replay:
-        buf = self.pool.buffers[int(header["buffer"])]
-        size = os.path.getsize(buf.path)
-        with self.run.lock:
-            if buf.users:
-                raise ValueError(f"buffer {buf.index} is in use")
-            buf.ensure(max(size, buf.capacity))
-            buf.users += 1
-        try:
-            trees = {}
-            for p in header["pieces"]:
-                view = buf.view(p["offset"], p["nbytes"])
-                if "xxh3:" + xxhash.xxh3_64_hexdigest(view) != p["checksum"]:
-                    raise ValueError(f"piece {p['unit']} of step {p['step']} failed its checksum")
-                data = buf.data[p["offset"]: p["offset"] + p["nbytes"]]
-                trees[(p["what"], int(p["step"]), p["unit"])] = decode_tree(
-                    p["skeleton"], [TensorMeta.from_json(m) for m in p["tensors"]], data)
-            ex = header["exact"]
-            steps = window_steps(ex, ex["slots"], trees)
-        except BaseException:
-            self.pool.release(buf)
-            raise
-        with self.run.lock:
-            buf.step, buf.header, buf.state, buf.persisted = header["step"], header, READY, False
-        return _Replay(start=int(ex["start"]), end=int(header["step"]), steps=steps, grad=ex.get("grad"),
-                       source="memory", lease=buf)
-
-    def _from_storage(self, manifest) -> _Replay:
-        mine, trees = read_part(self.store, manifest, self.run.rank, self.comm.world, self.layout.units, self.shared)
-        ex = manifest.meta["exact"]
-        slots = {u: int(s) for u, s in mine["slots"].items() if u in self.layout.units}
-        return _Replay(start=int(ex["start"]), end=manifest.step, steps=window_steps(ex, slots, trees),
-                       grad=mine.get("grad"), source="storage")
 
     def _restore_extra(self, tree: Mapping[str, Any], *, user: bool) -> None:
         extra = tree["extra"]
@@ -801,7 +731,7 @@ class ExactCheckpointer:
 
     def _end_replay(self, r: _Replay) -> None:
         self.replay = None
-        self._drop(r)
+        self._load.drop(r)
         if (self.last_replay or {}).get("checked", True):
             log.info("rank %d step %d: exact replay done: the state equals the uninterrupted run's", self.run.rank,
                      r.end)

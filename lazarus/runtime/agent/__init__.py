@@ -5,6 +5,8 @@ controller, heartbeats, starting and watching the node's workers, relaying plans
 reports up.
 
 * ``_agent`` — :class:`Agent`;
+* ``_dial`` — reaching the controller: one registration attempt, the retries and their pacing;
+* ``_exit_codes`` — what the agent exits with;
 * ``_agent_worker`` — the agent's side of its worker processes (spawn, stderr relay,
   exit status, the restart policy);
 * ``_watchdog`` — the hang watchdog: a worker stopped (SIGSTOP) or whose training thread

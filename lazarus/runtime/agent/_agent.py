@@ -30,6 +30,9 @@ cap counts group restarts. The agent
 * keeps the node-memory directory (``snapshot_dir``) across worker crashes and removes it
   when it exits normally.
 
+Reaching the controller (one attempt, its pacing, the first registration's retries) is
+:class:`~._dial.Dialer`'s; the exit codes are in :mod:`._exit_codes`.
+
 Controller loss: the worker keeps training (its process group does not need the
 controller between reconfigurations) while the agent reconnects for up to
 ``reconnect_timeout``, with exponential backoff and jitter (:class:`~.._backoff.Backoff`,
@@ -75,10 +78,8 @@ import shutil
 import signal
 import time
 from collections import OrderedDict
-from datetime import timedelta
 from typing import Any
 
-from .._backoff import Backoff
 from .._config import AgentConfig
 from .._netif import socket_env
 from .._plan import Plan
@@ -87,49 +88,19 @@ from .._wire import (PLAN_MAX_MESSAGE_BYTES, AuthRefusedError, ConnectionClosed,
 from ._probe import parse_targets, unreachable
 from ._agent_worker import (RestartPolicy, WorkerGroup, WorkerProcess, describe_exit, exit_status, spawn_worker,
                             worker_env)
+from ._dial import RECONNECT_PROGRESS_EVERY, Dialer, Unreachable
+from ._exit_codes import (EXIT_CONTROLLER_LOST, EXIT_CRASH_LOOP, EXIT_FAILED, EXIT_GRACE_EXPIRED, EXIT_INTERRUPTED,
+                          EXIT_LEAVE_TIMEOUT, EXIT_OK)
 from ._watchdog import Watchdog, WatchSettings
 
 __all__ = ["Agent"]
 
 log = logging.getLogger("lazarus.agent")
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_LEAVE_TIMEOUT = 3
-EXIT_CONTROLLER_LOST = 4
-EXIT_CRASH_LOOP = 5
-EXIT_GRACE_EXPIRED = 6
-EXIT_INTERRUPTED = 130
-
 #: Worker reports of which only the newest matters while the controller is away.
 _LATEST_ONLY = ("progress", "routing")
 #: Most messages queued while the controller is away (the oldest are dropped beyond).
 _MAX_QUEUED = 4096
-#: Pauses between connection attempts: before the first registration, and after a loss
-#: (at most a second: a restarted controller gets its members back within about one).
-_CONNECT_BACKOFF = (timedelta(milliseconds=100), timedelta(seconds=2))
-_RECONNECT_BACKOFF = (timedelta(milliseconds=100), timedelta(seconds=1))
-#: Longest wait for a TCP connection, and for the controller's answer to a registration.
-_ATTEMPT_TIMEOUT = timedelta(seconds=10)
-#: How often an agent that cannot reach the controller says it is still trying.
-_CONNECT_PROGRESS_EVERY = timedelta(seconds=5)
-_RECONNECT_PROGRESS_EVERY = timedelta(seconds=30)
-
-
-class _Unreachable(Exception):
-    """One attempt to reach the controller failed (the reason is the message)."""
-
-
-def _describe(exc: BaseException) -> str:
-    """An attempt's failure in words."""
-    if isinstance(exc, asyncio.TimeoutError):
-        return "no answer within the attempt's timeout"
-    if isinstance(exc, ConnectionClosed):
-        return ("the controller closed the connection without answering the registration (a controller older "
-                "than this agent does so on a wrong secret)")
-    if isinstance(exc, ProtocolError):
-        return f"the peer does not speak the Lazarus protocol with our secret ({exc})"
-    return str(exc) or type(exc).__name__
 
 
 class Agent:
@@ -156,10 +127,8 @@ class Agent:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._activated: asyncio.Event | None = None   # standby: set by activate()
         self._store_host = config.store_host   # where the worker's rendezvous store is reached
-        # reconnection pacing; reset each time the controller accepts the node
-        self._backoff = Backoff(*_RECONNECT_BACKOFF)
-        self._attempts = 0                     # connection attempts since the node was last accepted
-        self._last_failure = ""                # why the latest of them failed
+        # reaching the controller; its reconnection pacing is reset each time the controller accepts the node
+        self._dial = Dialer(config, node_id=self.node_id, register_msg=self._register_msg)
         # gloo / NCCL bind to the interface of that address (unless the user chose one)
         self._socket_env = socket_env(self._store_host, {**os.environ, **config.env}, where=self.node_id)
         if self._socket_env:
@@ -237,7 +206,7 @@ class Agent:
             self._queued_latest.clear()
         # No worker before the controller accepted the node: one that cannot be reached, or
         # that refuses us, must not leave a worker training on its own.
-        reached = await self._reach_controller()
+        reached = await self._dial.reach(exit_future)
         if reached is None:   # gave up, refused, or interrupted meanwhile
             for t in list(self._tasks):
                 t.cancel()
@@ -321,127 +290,6 @@ class Agent:
         for wk in grp.workers:
             if wk.alive and not wk.writer.transport.is_closing():
                 wk.writer.write(frame)
-
-    # ------------------------------------------------------------------ reaching the controller
-    @property
-    def _address(self) -> str:
-        return f"{self.config.controller_host}:{self.config.controller_port}"
-
-    def _secret_refused(self) -> str:
-        """What to do about a secret the controller refused."""
-        src = self.config.secret_source
-        return (f"the controller at {self._address} refused this agent's secret (HMAC mismatch): it is not the "
-                f"controller's. Give the controller and every agent the same secret (at least 16 bytes, "
-                f"surrounding whitespace ignored): --secret-file PATH, or the environment variable LAZARUS_SECRET "
-                f"when --secret-file is not given" + (f"; this agent's came from {src}" if src else ""))
-
-    async def _unless_exiting(self, coro: Any) -> Any:
-        """Await ``coro``, or cancel it when the agent is told to exit meanwhile (then None)."""
-        task = asyncio.ensure_future(coro)
-        assert self._exit is not None
-        await asyncio.wait([task, self._exit], return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-            return None
-        return task.result()
-
-    async def _handshake(self, resume: bool, deadline: float
-                         ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, dict[str, Any]]:
-        """One attempt: connect, register, read the controller's answer ("registered" or
-        "error"). Raises what went wrong (:class:`AuthRefusedError`: a wrong secret)."""
-        cfg = self.config
-        limit = _ATTEMPT_TIMEOUT.total_seconds()
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(cfg.controller_host, cfg.controller_port),
-            min(limit, max(0.1, deadline - time.monotonic())))
-        try:
-            writer.write(encode_frame(cfg.secret, self._register_msg(resume)))
-            first = await asyncio.wait_for(
-                read_frame(reader, cfg.secret, max(cfg.max_message_bytes, PLAN_MAX_MESSAGE_BYTES)),
-                min(limit, max(0.5, deadline - time.monotonic())))
-            if first["type"] not in ("registered", "error"):
-                raise MalformedMessageError(f"the controller answered the registration with {first['type']!r}")
-        except BaseException:
-            writer.close()
-            raise
-        return reader, writer, first
-
-    async def _attempt(self, resume: bool, deadline: float
-                       ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, dict[str, Any]]:
-        """:meth:`_handshake`, counted; a failure other than a refused secret is raised as
-        :class:`_Unreachable` and kept for the progress lines."""
-        self._attempts += 1
-        try:
-            return await self._handshake(resume, deadline)
-        except AuthRefusedError:
-            self._last_failure = "the controller refused our secret (HMAC mismatch)"
-            raise
-        except (OSError, asyncio.TimeoutError, ProtocolError) as exc:
-            self._last_failure = _describe(exc)
-            raise _Unreachable(self._last_failure) from None
-
-    async def _say_still_trying(self, deadline: float, what: str, option: str, every: timedelta) -> None:
-        """Every ``every``, while reaching the controller: where, how often, for how long."""
-        while True:
-            await asyncio.sleep(every.total_seconds())
-            left = max(0.0, deadline - time.monotonic())
-            log.warning("agent %s: %s the controller at %s: %d attempt%s so far, last error: %s; %.0f s left of "
-                        "%s", self.node_id, what, self._address, self._attempts, "" if self._attempts == 1 else "s",
-                        self._last_failure or "none yet", left, option)
-
-    async def _reach_controller(
-            self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, dict[str, Any]] | None:
-        """Connect and register, retrying with backoff for up to ``connect_timeout``.
-        None when the agent exits instead (gave up, the secret refused, a signal): its exit
-        code is set."""
-        cfg = self.config
-        timeout = cfg.connect_timeout.total_seconds()
-        deadline = time.monotonic() + timeout
-        backoff = Backoff(*_CONNECT_BACKOFF)
-        self._attempts, self._last_failure = 0, ""
-        ticker = self._spawn_task(self._say_still_trying(deadline, "still trying to reach", "--connect-timeout",
-                                                         _CONNECT_PROGRESS_EVERY))
-        try:
-            while not self._exiting:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                await self._unless_exiting(asyncio.sleep(min(backoff.next_delay().total_seconds(), left)))
-                if self._exiting:
-                    return None
-                try:
-                    got = await self._unless_exiting(self._attempt(False, deadline))
-                except AuthRefusedError:
-                    log.error("agent %s: %s. No worker was started; exiting %d.", self.node_id,
-                              self._secret_refused(), EXIT_FAILED)
-                    self._finish(EXIT_FAILED)
-                    return None
-                except _Unreachable as exc:
-                    if self._attempts == 1:
-                        log.warning("agent %s: cannot reach the controller at %s yet (%s); retrying for up to %.0f s "
-                                    "(--connect-timeout); the worker starts once the controller accepts this node",
-                                    self.node_id, self._address, exc, timeout)
-                    continue
-                if got is not None:
-                    return got
-            if self._exiting:
-                return None
-            if self._last_failure.startswith("the controller closed the connection"):
-                hint = ("Does it have this agent's secret (--secret-file PATH or LAZARUS_SECRET on both "
-                        "sides)?")
-            else:
-                hint = ("Is the controller running, listening on that address (its --host and --port), and "
-                        "reachable from this host?")
-            log.error("agent %s: gave up reaching the controller at %s after %.0f s (--connect-timeout) and %d "
-                      "attempt%s; last error: %s. %s No worker was started; exiting %d.",
-                      self.node_id, self._address, timeout, self._attempts, "" if self._attempts == 1 else "s",
-                      self._last_failure or "none", hint, EXIT_FAILED)
-            self._finish(EXIT_FAILED)
-            return None
-        finally:
-            ticker.cancel()
 
     def _register(self, resume: bool = False) -> None:
         self._to_controller(self._register_msg(resume))
@@ -528,9 +376,9 @@ class Agent:
         that open but are refused or closed, until the controller accepts the node."""
         assert self._lost_since is not None
         deadline = self._lost_since + self.config.reconnect_timeout.total_seconds()
-        ticker = self._spawn_task(self._say_still_trying(
+        ticker = self._spawn_task(self._dial.say_still_trying(
             deadline, "the worker keeps running; still reconnecting to", "--reconnect-timeout",
-            _RECONNECT_PROGRESS_EVERY))
+            RECONNECT_PROGRESS_EVERY))
         refused = False
         try:
             while True:
@@ -538,13 +386,13 @@ class Agent:
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self._controller_gone(self._last_failure or "no attempt answered")
+                    self._controller_gone(self._dial.last_failure or "no attempt answered")
                     return
-                await asyncio.sleep(min(self._backoff.next_delay().total_seconds(), left))
+                await asyncio.sleep(min(self._dial.backoff.next_delay().total_seconds(), left))
                 if self._exiting:
                     return
                 try:
-                    reader, writer, first = await self._attempt(True, deadline)
+                    reader, writer, first = await self._dial.attempt(True, deadline)
                     break
                 except AuthRefusedError:
                     # A controller restarted with another secret: say so once; keep trying in
@@ -552,8 +400,8 @@ class Agent:
                     if not refused:
                         refused = True
                         log.error("agent %s: %s. The worker keeps running; still reconnecting until "
-                                  "--reconnect-timeout.", self.node_id, self._secret_refused())
-                except _Unreachable:
+                                  "--reconnect-timeout.", self.node_id, self._dial.secret_refused())
+                except Unreachable:
                     pass
         finally:
             ticker.cancel()
@@ -595,8 +443,7 @@ class Agent:
         if kind == "plan":
             self._on_plan(msg)
         elif kind == "registered":
-            self._backoff.reset()
-            self._attempts, self._last_failure = 0, ""
+            self._dial.accepted()
             if self._lost_since is not None:
                 log.info("agent %s: controller back after %.1f s", self.node_id,
                          time.monotonic() - self._lost_since)

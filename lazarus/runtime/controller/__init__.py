@@ -8,6 +8,9 @@ or a training worker:
   ``Port`` (send to a node, record an event, save, timers) to act through;
 * ``_membership`` — ``Membership``: the view of the cluster and when to plan (joins,
   failures, rebalances), without sockets (testable alone with a fake ``Port``);
+* ``_probes`` — ``Probes``: the membership's reachability probes after a collective
+  error and the admission probes of a node cut off for a broken link (no sockets either);
+* ``_reachability`` — whom to cut off, from the probes' reports (pure);
 * ``_port`` — the ``Port`` the membership acts through, its per-node record (``Node``)
   and the check of a message's fields;
 * ``_resume`` — ``StateSaver`` (the state saved to the state directory) and ``Resume``

@@ -5,7 +5,8 @@ those), the model, what every member holds, the routing history, the newest plan
 timers. It never touches a socket: it talks to the outside only through the
 :class:`Port` given to it (send a message to a node, record an event, save the state,
 call back later on the event loop), so a test drives it alone with fake timers and a
-list of sent messages.
+list of sent messages. Its reachability probes (after a collective error, and before a
+node cut off for a broken link joins again) are :class:`~._probes.Probes`', which it owns.
 
 Everything here runs on the controller's event loop thread and never blocks: message
 handlers update the view of the cluster, timers coalesce failures (``failure_grace``) and
@@ -34,9 +35,9 @@ from .._config import ControllerConfig
 from .._plan import Plan
 from .._wire import MalformedMessageError, store_address
 from ._port import Node, Port, Timer, msg_field
-from ._reachability import ADMIT as _ADMIT
-from ._reachability import PROBE_SLACK_S, PROBE_TIMEOUT_S, cut_off, probe_targets
+from ._reachability import cut_off
 from ._planner import InsufficientSlots, LayerSpec, PlanResult, applied_holdings, compute_plan, max_replica_load
+from ._probes import Probes
 
 __all__ = ["Membership"]
 
@@ -67,14 +68,8 @@ class Membership:
         self._collective_at: float | None = None
         self._failure_timer: Timer | None = None
         self._collective_timer: Timer | None = None
-        # after a collective error: who each member's agent could not reach (_reachability)
-        self._probe_gen: int | None = None
-        self._probe_asked: set[str] = set()
-        self._probe_reports: dict[str, list[str]] = {}
-        self._probe_deadline = 0.0
-        # nodes dropped for a broken link: node -> the wait before its next admission probe
-        self._cut_nodes: dict[str, float] = {}
-        self._admission: dict[str, dict[str, Any]] = {}   # node -> its admission probe under way
+        # after a collective error: who each member's agent could not reach; nodes cut off (_probes)
+        self._probes = Probes(port, view=self, rejoin=self._add_join)
         self._start_timer: Timer | None = None
         self._pending_joins: set[str] = set()
         self._join_timer: Timer | None = None
@@ -245,7 +240,7 @@ class Membership:
         elif kind == "leaving":
             self._on_leaving(node, msg)
         elif kind == "probe_result":
-            self._on_probe_result(node, msg)
+            self._probes.on_result(node, msg)
         elif kind == "worker":
             inner = msg.get("msg")
             if not isinstance(inner, dict) or not isinstance(inner.get("type"), str):
@@ -399,95 +394,28 @@ class Membership:
         self._collective_at = time.time()
         self._collective_timer = self.port.call_later(
             self.config.failure_grace.total_seconds(), self._collective_replan, gen)
-        self._send_probes(gen)
-
-    def _send_probes(self, gen: int) -> None:
-        """Ask every member's agent which other members it cannot reach (their published
-        addresses): a broken link between two members fails every rank's collective, and
-        only these reports say whom to drop (:mod:`._reachability`)."""
-        targets = probe_targets({m: self.nodes[m].store for m in self._members if m in self.nodes})
-        asked = [m for m in self._members if self.eligible(m)] if len(targets) > 1 else []
-        self._probe_gen, self._probe_asked, self._probe_reports = gen, set(asked), {}
-        self._probe_deadline = self.port.time() + PROBE_TIMEOUT_S + PROBE_SLACK_S
-        for m in asked:
-            self.port.send(m, {"type": "probe", "generation": gen, "targets": targets, "timeout_s": PROBE_TIMEOUT_S})
-
-    def _on_probe_result(self, node: Node, msg: dict[str, Any]) -> None:
-        lost = msg_field(msg, "unreachable", list)
-        if not all(isinstance(n, str) for n in lost):
-            raise MalformedMessageError("probe_result: field 'unreachable' must be a list of node names")
-        tag = msg.get("generation")
-        if tag == self._probe_gen and node.node_id in self._probe_asked:
-            self._probe_reports[node.node_id] = lost
-        elif isinstance(tag, str) and tag.startswith(_ADMIT):
-            probe = self._admission.get(tag[len(_ADMIT):])
-            if probe is not None and node.node_id in probe["asked"]:
-                probe["reports"][node.node_id] = lost
-                if probe["asked"] <= set(probe["reports"]):
-                    self._admission_done(tag[len(_ADMIT):])
-
-    def _admit_probe(self, node_id: str) -> None:
-        """``node_id`` was dropped for a broken link and wants to join: first every member's
-        agent tries to reach it and it tries to reach every member; it joins only when none
-        fails (else again after a wait that doubles up to 30 s: a link that stays broken
-        costs the members nothing, a flapping one a bounded number of plans)."""
-        node = self.nodes.get(node_id)
-        if node_id in self._admission or not self.eligible(node_id) or node is None or not node.store:
-            return
-        members = [m for m in self._members if self.eligible(m) and m != node_id]
-        stores = probe_targets({m: self.nodes[m].store for m in members})
-        mine = probe_targets({node_id: node.store})
-        tag = _ADMIT + node_id
-        self._admission[node_id] = {"asked": {node_id, *stores}, "reports": {}}
-        self.port.send(node_id, {"type": "probe", "generation": tag, "targets": stores, "timeout_s": PROBE_TIMEOUT_S})
-        for m in stores:
-            self.port.send(m, {"type": "probe", "generation": tag, "targets": mine, "timeout_s": PROBE_TIMEOUT_S})
-        self.port.call_later(PROBE_TIMEOUT_S + PROBE_SLACK_S, self._admission_done, node_id)
-
-    def _admission_done(self, node_id: str) -> None:
-        probe = self._admission.pop(node_id, None)
-        if probe is None or node_id not in self._cut_nodes:
-            return
-        reports: dict[str, list[str]] = probe["reports"]
-        missing = sorted(probe["asked"] - set(reports))
-        broken = sorted({m for m in reports.get(node_id, [])} | {m for m, lost in reports.items() if node_id in lost})
-        if broken or missing:
-            wait = self._cut_nodes[node_id] = min(30.0, max(2.0, 2 * self._cut_nodes[node_id]))
-            self.port.event("join_deferred", level=logging.WARNING, node=node_id, unreachable=broken,
-                            no_answer=missing, retry_s=wait)
-            self.port.call_later(wait, self._admit_probe, node_id)
-            return
-        del self._cut_nodes[node_id]
-        self.port.event("reachable_again", node=node_id)
-        if node_id not in self._members and self.eligible(node_id):
-            self._add_join(node_id)
-
-    def _probes_pending(self, gen: int) -> bool:
-        """Are members' probe reports of ``gen`` still on their way (and time left)?"""
-        if self._probe_gen != gen or self.port.time() >= self._probe_deadline:
-            return False
-        return any(m not in self._probe_reports and self.eligible(m) for m in self._probe_asked)
+        self._probes.send(gen)
 
     def _collective_replan(self, gen: int) -> None:
         self._collective_timer = None
         if self.resuming:   # handled once the members are back (Resume.end)
             self.port.collective_while_resuming(gen == self.generation)
             return
-        if gen == self.generation and self._failure_timer is None and self._probes_pending(gen):
+        if gen == self.generation and self._failure_timer is None and self._probes.pending(gen):
             self._collective_timer = self.port.call_later(0.05, self._collective_replan, gen)
             return
         detected_at, self._collective_at = self._collective_at, None
         if gen != self.generation or self._failure_timer is not None:
             return
         members = [m for m in self._members if self.eligible(m)]
-        reports = self._probe_reports if self._probe_gen == gen else {}
+        reports = self._probes.reports(gen)
         cut = cut_off(members, reports)
         if cut:   # a broken link: the fewest nodes whose loss leaves everyone reaching everyone
             self.port.event("peers_unreachable", level=logging.WARNING, generation=gen, dropped=cut,
                             reports={k: v for k, v in reports.items() if v})
             for n in cut:
                 self.evict(n)   # its worker restarts and joins again once it reaches the others
-                self._cut_nodes[n] = 0.0
+                self._probes.cut_nodes[n] = 0.0
             members = [m for m in members if m not in cut]
         lost = [m for m in self._members if m not in members]
         self.issue("collective_error", "immediate", members, lost=lost, detected_at=detected_at)
@@ -635,8 +563,8 @@ class Membership:
     def _add_join(self, node_id: str) -> None:
         if node_id in self._pending_joins:
             return
-        if node_id in self._cut_nodes:   # dropped for a broken link: it joins once it reaches everyone
-            self._admit_probe(node_id)
+        if node_id in self._probes.cut_nodes:   # dropped for a broken link: it joins once it reaches everyone
+            self._probes.admit(node_id)
             return
         self._pending_joins.add(node_id)
         warming = self._warming_up()

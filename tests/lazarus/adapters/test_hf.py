@@ -30,6 +30,7 @@ from tests.helpers import layout_models as lm
 from lazarus.adapters.hf import ElasticHFBlock, elastic_layout, make_elastic, moe_blocks
 from lazarus.moe import moe_layers, sync_moe_gradients
 from lazarus.planning import Placement
+from tests.helpers.dense_sync import sync_dense
 from tests.helpers.rank_harness import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -119,19 +120,6 @@ def test_bad_input() -> None:
 
 
 # ----- 2 and 4 gloo ranks ---------------------------------------------------------------------------
-def _sync_dense(model: torch.nn.Module, world: int) -> None:
-    """Average the gradients of everything outside the MoE layers (what DDP does)."""
-    moe = {id(p) for _, layer in moe_layers(model) for p in layer.parameters()}
-    params = [p for p in model.parameters() if id(p) not in moe]
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-    dist.all_reduce(flat)
-    flat /= world
-    offset = 0
-    for p in params:
-        p.grad = flat[offset: offset + p.numel()].view_as(p).clone()
-        offset += p.numel()
-
-
 def _train(rank: int, world: int, kind: str, slots: list[list[int]], tmp: Path | None) -> None:
     from moc import CheckpointManager, MoCConfig
 
@@ -157,7 +145,7 @@ def _train(rank: int, world: int, kind: str, slots: list[list[int]], tmp: Path |
         loss = lm.loss_of(model, ids[rank * PER_RANK:(rank + 1) * PER_RANK])
         loss.backward()
         sync_moe_gradients(model)                        # experts over replicas, routers/shared averaged
-        _sync_dense(model, world)
+        sync_dense(model, world)
         opt.step()
         if ckpt is not None:
             ckpt.step(step)

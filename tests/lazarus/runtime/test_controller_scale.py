@@ -203,7 +203,9 @@ def test_coalesced_state_writes_leave_the_loop_and_stay_ordered(tmp_path: Path,
     state["generation"] = 2
     saver.save(now=True)            # a plan: written before it returns, after the older write
     assert json.loads((tmp_path / _state.STATE_FILE).read_text())["generation"] == 2
-    time.sleep(1.2)                 # nothing older lands later
+    for writer in [t for t in threading.enumerate() if t.name == "lazarus-state"]:
+        writer.join(10)             # the coalesced write has ended: nothing older lands later
+        assert not writer.is_alive()
     assert json.loads((tmp_path / _state.STATE_FILE).read_text())["generation"] == 2
 
 

@@ -47,6 +47,16 @@ class Job:
         self.c = LocalCluster(tmp_path / "job", worker_args=worker, controller_args=controller,
                               agent_args=["--heartbeat-interval", "250ms"], env=s3.env, network=net)
 
+    def start_slowed(self) -> Path:
+        """Start the four nodes, wait for step 15, then slow training down until the returned
+        file is removed: the survivors train slowly until the fault is healed, so that the job
+        is not over before."""
+        self.c.start(NODES)
+        self.c.wait_step(15, timeout=180)
+        slow = self.tmp / "slow"
+        slow.touch()
+        return slow
+
     def failure_reconfigs(self) -> list[dict]:
         return [r for r in self.c.reconfigurations() if r["reason"] in ("failure", "collective_error")]
 
@@ -134,10 +144,7 @@ def _no_stale_steps(job: Job, rec: dict) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("job", [150], indirect=True)
 def test_a_partitioned_host_is_dropped_and_comes_back_as_a_joiner(job: Job) -> None:
-    c, slow = job.c, job.tmp / "slow"
-    c.start(NODES)
-    c.wait_step(15, timeout=180)
-    slow.touch()   # the survivors train slowly until n2 is back, so that the job is not over before
+    c, slow = job.c, job.start_slowed()
     t_cut = job.net.partition("n2")
     rec = c.wait_for(lambda: job.failure_reconfigs(), 60, "reconfiguration without the partitioned host")[0]
     assert rec["world_size"] == 3 and "n2" not in rec["members"]
@@ -155,10 +162,7 @@ def test_a_partitioned_host_is_dropped_and_comes_back_as_a_joiner(job: Job) -> N
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("job", [150], indirect=True)
 def test_a_host_cut_from_the_controller_only(job: Job) -> None:
-    c, slow = job.c, job.tmp / "slow"
-    c.start(NODES)
-    c.wait_step(15, timeout=180)
-    slow.touch()
+    c, slow = job.c, job.start_slowed()
     t_cut = job.net.cut("n1", "controller")
     rec = c.wait_for(lambda: job.failure_reconfigs(), 60, "reconfiguration without the host cut off")[0]
     assert rec["world_size"] == 3 and "n1" not in rec["members"]
@@ -176,10 +180,7 @@ def test_a_host_cut_from_storage_only_trains_on(job: Job) -> None:
     # The persist in flight fails, and is reported, after the storage layer's 5 attempts
     # (each waits out the connect timeout, 1 s here: ~55 s with the default 5 s); training
     # never waits for it.
-    c, slow = job.c, job.tmp / "slow"
-    c.start(NODES)
-    c.wait_step(15, timeout=180)
-    slow.touch()
+    c, slow = job.c, job.start_slowed()
     t_cut = job.net.cut("n3", "storage")
     degraded = c.wait_for(lambda: [e for e in c.events() if e.get("event") == "storage_degraded"
                                    and e["node"] == "n3"], 90, "n3's persists reported failing")[0]
@@ -201,10 +202,7 @@ def test_a_host_cut_from_one_peer_is_dropped_not_the_majority(job: Job) -> None:
     # n2 and n3 lose each other (both ways); both still reach the controller and the others.
     # Either one could go; the controller must drop one of the two, never re-plan all four
     # (their group cannot form again) nor drop a node that reached everyone.
-    c, slow = job.c, job.tmp / "slow"
-    c.start(NODES)
-    c.wait_step(15, timeout=180)
-    slow.touch()
+    c, slow = job.c, job.start_slowed()
     t_cut = job.net.cut("n3", "n2")
     rec = c.wait_for(lambda: [r for r in job.failure_reconfigs() if r["world_size"] == 3], 90,
                      "a reconfiguration without one of the two")[0]

@@ -1,0 +1,12 @@
+"""The agent's exit codes (what ``lazarus agent`` exits with; see :mod:`._agent`)."""
+
+__all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_LEAVE_TIMEOUT", "EXIT_CONTROLLER_LOST", "EXIT_CRASH_LOOP",
+           "EXIT_GRACE_EXPIRED", "EXIT_INTERRUPTED"]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_LEAVE_TIMEOUT = 3
+EXIT_CONTROLLER_LOST = 4
+EXIT_CRASH_LOOP = 5
+EXIT_GRACE_EXPIRED = 6
+EXIT_INTERRUPTED = 130
