@@ -1,0 +1,200 @@
+"""The launch recipes of ``examples/launch`` (issue 43 item 7), run or checked as far as
+this machine allows.
+
+SLURM: the real ``lazarus.sbatch`` runs under bash with ``tests/helpers/fake_slurm_bin``
+(a fake ``srun`` / ``scontrol`` that lays out one task per node with that node's SLURM
+variables and signals every process of a task, as SLURM does) first on ``PATH``; the
+"nodes" are loopback addresses ``127.0.0.1``-``127.0.0.3`` of this machine, the controller,
+agents and workers real processes. Kubernetes: the manifests are parsed with PyYAML and
+every ``lazarus`` command line in them with the real CLI's parser; nothing is deployed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from examples.local_cluster import LocalCluster
+from tests.helpers import fake_slurm
+
+ROOT = Path(__file__).resolve().parents[1]
+SBATCH = ROOT / "examples" / "launch" / "slurm" / "lazarus.sbatch"
+FAKE_BIN = ROOT / "tests" / "helpers" / "fake_slurm_bin"
+
+# a tiny model: 2 MoE layers of 4 experts; 4 slots per node, 2 replicas
+TRAIN = [sys.executable, "-m", "examples.train_elastic", "--layers", "2", "--experts", "4", "--d-model", "16",
+         "--d-hidden", "32", "--seq-len", "16", "--batch-size", "6", "--corpus-bytes", "65536", "--interval", "5"]
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _secret(path: Path, mode: int = 0o600) -> Path:
+    path.write_text(os.urandom(32).hex())
+    os.chmod(path, mode)
+    return path
+
+
+def _env(tmp: Path, nodelist: str, nodes: int, **extra: str) -> dict[str, str]:
+    port, store_port = _free_ports(2)
+    env = dict(os.environ, PATH=f"{FAKE_BIN}{os.pathsep}{os.environ['PATH']}", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                        if p and p != str(ROOT)]]),
+               FAKE_SLURM_PYTHON=sys.executable, FAKE_SLURM_DIR=str(tmp / "slurm"), FAKE_SLURM_KILL_WAIT="30",
+               SLURM_JOB_ID="4242", SLURM_JOB_NAME="recipe", SLURM_JOB_NODELIST=nodelist,
+               SLURM_JOB_NUM_NODES=str(nodes), SLURM_NNODES=str(nodes), SLURM_GPUS_ON_NODE="1",
+               LAZARUS=f"{sys.executable} -m lazarus.cli", LAZARUS_RUN_DIR=str(tmp / "run"),
+               LAZARUS_PORT=str(port), LAZARUS_STORE_PORT=str(store_port))
+    env.pop("LAZARUS_CONTROLLER_ADDR", None)
+    env.update(extra)
+    return env
+
+
+def _events(run: Path) -> list[dict[str, Any]]:
+    return LocalCluster._jsonl(run / "events.jsonl")
+
+
+def _wait(pred: Any, timeout: float, what: str, job: subprocess.Popen, logs: Path) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        if job.poll() is not None:
+            raise AssertionError(f"the batch script exited ({job.returncode}) while waiting for {what}; see {logs}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; see {logs}")
+
+
+def _alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_sbatch_forms_trains_survives_a_leave_and_ends(tmp_path):
+    """Three "nodes": the controller on the first, one agent each through srun; one task's
+    SIGTERM (every process of it, as SLURM signals a step) is a graceful leave, not a
+    crash; the other two finish the run, identical, and every process is gone."""
+    steps = 30
+    slow = tmp_path / "slow"
+    slow.touch()
+    run = tmp_path / "run"
+    env = _env(tmp_path, "127.0.0.[1-3]", 3, LAZARUS_SECRET_FILE=str(_secret(tmp_path / "secret")),
+               LAZARUS_CONTROLLER_ADDR="127.0.0.1")
+    cmd = ["bash", str(SBATCH), "--", *TRAIN, "--storage", str(run / "ckpt"), "--steps", str(steps),
+           "--metrics", str(run / "metrics.jsonl"), "--slow-while", str(slow),
+           "--digests", str(run / "digest-{node}.json")]
+    out = open(tmp_path / "sbatch.out", "w+")
+    job = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    seen: set[int] = set()
+    try:
+        def step() -> int:
+            return max((m["step"] for m in LocalCluster._jsonl(run / "metrics.jsonl") if m.get("kind") == "step"),
+                       default=-1)
+
+        _wait(lambda: step() >= 3, 180, "step 3", job, run)
+        seen.update(fake_slurm.descendants(job.pid))
+        plans = [e for e in _events(run) if e["event"] == "plan"]
+        assert plans and plans[-1]["members"] == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+        # each task has its node's identity: the agents registered under the node names
+        assert {e["node"] for e in _events(run) if e["event"] == "node_registered"} == \
+            {"127.0.0.1", "127.0.0.2", "127.0.0.3"}
+
+        hit = fake_slurm.signal_task(tmp_path / "slurm", 2, signal.SIGTERM)
+        assert len(hit) >= 2, f"expected the agent and its worker, signalled {hit}"
+        _wait(lambda: (tmp_path / "slurm" / "step0" / "task2.pid").exists() and not _alive(hit), 60,
+              "the leaving node's processes to exit", job, run)
+        evs = _events(run)
+        leave_plans = [e for e in evs if e["event"] == "plan" and e.get("reason") == "leave"]
+        assert leave_plans and leave_plans[0]["members"] == ["127.0.0.1", "127.0.0.2"], evs
+        exits = [e for e in evs if e["event"] == "worker_exit"]
+        # a graceful leave: the leaving worker handed over and exited 0; nobody crashed
+        assert [e["returncode"] for e in exits if e["node"] == "127.0.0.3"] == [0], exits
+        assert not [e for e in evs if e["event"] == "node_failed"], [e for e in evs if e["event"] == "node_failed"]
+        assert not [e for e in exits if e["node"] != "127.0.0.3"], exits
+        slow.unlink()
+        rc = job.wait(timeout=120)
+        out.seek(0)
+        text = out.read()
+        assert rc == 0, text
+        assert "agents exited 0, controller 0, training done: 1" in text, text
+        assert (tmp_path / "slurm" / "step0" / "exit").read_text().split() == ["0", "0", "0"]
+        digests = LocalCluster.read_digests(str(run / "digest-{node}.json"), ["127.0.0.1", "127.0.0.2"])
+        assert LocalCluster.final_state_problems(digests, ["127.0.0.1", "127.0.0.2"], steps, 8) == []
+        assert not (run / "digest-127.0.0.3.json").exists()   # it left: no final state of its own
+        worlds = {m["world"] for m in LocalCluster._jsonl(run / "metrics.jsonl") if m.get("kind") == "step"}
+        assert worlds == {2, 3}
+        # the controller kept its state on the run dir (a requeued job resumes it)
+        assert (run / "state").is_dir() and any((run / "state").iterdir())
+        assert not (tmp_path / "slurm" / "requeue").exists()
+        time.sleep(0.5)
+        assert _alive(sorted(seen)) == [], "processes of the job outlived it"
+    finally:
+        for pid in _alive(sorted(seen | set(fake_slurm.descendants(job.pid)))):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        job.wait(timeout=30)
+        out.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("problem", ["missing", "mode", "short"])
+def test_sbatch_refuses_a_bad_secret_file_before_starting_anything(tmp_path, problem):
+    secret = tmp_path / "secret"
+    if problem == "mode":
+        _secret(secret, 0o644)
+    elif problem == "short":
+        secret.write_text("tooshort")
+        os.chmod(secret, 0o600)
+    env = _env(tmp_path, "127.0.0.[1-2]", 2, LAZARUS_SECRET_FILE=str(secret), LAZARUS_CONTROLLER_ADDR="127.0.0.1")
+    proc = subprocess.run(["bash", str(SBATCH), "--", *TRAIN, "--storage", str(tmp_path / "ckpt")], env=env,
+                          capture_output=True, text=True, timeout=45)
+    err = proc.stderr
+    if problem == "missing":
+        assert proc.returncode == 2 and f"LAZARUS_SECRET_FILE={secret} does not exist" in err and "openssl rand" in err
+    elif problem == "mode":
+        assert proc.returncode == 2 and "has mode 644" in err and f"chmod 600 {secret}" in err
+    else:
+        # the script's checks pass; the controller refuses it, and the script says so and ends
+        assert proc.returncode != 0
+        log = (tmp_path / "run" / "logs" / "controller.log").read_text()
+        assert "the secret must be at least 16 bytes, got 8" in log
+    if problem != "short":
+        assert not (tmp_path / "slurm").exists() and not (tmp_path / "run").exists(), "something was started"
+
+
+@pytest.mark.timeout(60)
+def test_sbatch_refuses_a_loopback_controller_address_for_several_nodes(tmp_path):
+    """The head node's name resolving to loopback (127.0.1.1 on stock Debian/Ubuntu) would
+    send every other node to its own loopback: refused, naming the knob."""
+    env = _env(tmp_path, "localhost,127.0.0.2", 2, LAZARUS_SECRET_FILE=str(_secret(tmp_path / "secret")))
+    proc = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=45)
+    assert proc.returncode == 2, proc.stderr
+    assert "localhost resolves to 127.0.0.1 (loopback)" in proc.stderr and "LAZARUS_CONTROLLER_ADDR" in proc.stderr
+    assert not (tmp_path / "slurm").exists()
