@@ -198,3 +198,68 @@ def test_sbatch_refuses_a_loopback_controller_address_for_several_nodes(tmp_path
     assert proc.returncode == 2, proc.stderr
     assert "localhost resolves to 127.0.0.1 (loopback)" in proc.stderr and "LAZARUS_CONTROLLER_ADDR" in proc.stderr
     assert not (tmp_path / "slurm").exists()
+
+
+@pytest.mark.timeout(300)
+def test_sbatch_preempted_requeues_and_the_requeued_job_resumes(tmp_path):
+    """SLURM's preemption: SIGTERM to every process of the job (the batch shell, the
+    controller, every task), SIGKILL after KillWait. The script asks for a requeue; run
+    again as the requeued job (SLURM_RESTART_COUNT=1), it resumes the controller's state
+    and the checkpoint from the shared run dir and finishes the steps."""
+    steps = 25
+    slow = tmp_path / "slow"
+    slow.touch()
+    run = tmp_path / "run"
+    env = _env(tmp_path, "127.0.0.[1-2]", 2, LAZARUS_SECRET_FILE=str(_secret(tmp_path / "secret")),
+               LAZARUS_CONTROLLER_ADDR="127.0.0.1", LAZARUS_AGENT_ARGS="--leave-timeout 5s --stop-timeout 3s")
+    cmd = ["bash", str(SBATCH), "--", *TRAIN, "--storage", str(run / "ckpt"), "--steps", str(steps),
+           "--metrics", str(run / "metrics.jsonl"), "--slow-while", str(slow),
+           "--digests", str(run / "digest-{node}.json")]
+
+    def steps_seen() -> list[int]:
+        return [m["step"] for m in LocalCluster._jsonl(run / "metrics.jsonl") if m.get("kind") == "step"]
+
+    out = open(tmp_path / "sbatch.out", "w+")
+    job = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    seen: set[int] = set()
+    try:
+        _wait(lambda: max(steps_seen(), default=-1) >= 7, 180, "step 7", job, run)   # step 5 committed
+        seen.update(fake_slurm.descendants(job.pid))
+        t0 = time.monotonic()
+        fake_slurm.signal_tree(job.pid, signal.SIGTERM)
+        rc = job.wait(timeout=60)
+        took = time.monotonic() - t0
+        out.seek(0)
+        text = out.read()
+        assert rc != 0, text
+        assert "requeueing job 4242" in text and (tmp_path / "slurm" / "requeue").read_text() == "4242\n", text
+        assert took < 30, f"the preempted job took {took:.1f} s to end (SLURM's KillWait is 30 s)"
+        time.sleep(0.5)
+        assert _alive(sorted(seen)) == [], "processes of the preempted job outlived it"
+        print(f"preempted job ended in {took:.1f} s")
+        first_run_last = max(steps_seen())
+        assert first_run_last < steps - 1
+
+        slow.unlink()
+        env["SLURM_RESTART_COUNT"] = "1"
+        before = len(steps_seen())
+        job = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        t1 = time.monotonic()
+        rc = job.wait(timeout=180)
+        print(f"requeued job ran {time.monotonic() - t1:.1f} s")
+        out.seek(0)
+        text = out.read()
+        assert rc == 0, text
+        assert "(restart 1)" in text and "training done: 1" in text, text
+        second = steps_seen()[before:]
+        assert second and 0 < min(second) <= first_run_last + 1, (first_run_last, second[:5])
+        digests = LocalCluster.read_digests(str(run / "digest-{node}.json"), ["127.0.0.1", "127.0.0.2"])
+        assert LocalCluster.final_state_problems(digests, ["127.0.0.1", "127.0.0.2"], steps, 8) == []
+    finally:
+        for pid in _alive(sorted(seen | set(fake_slurm.descendants(job.pid)))):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        job.wait(timeout=30)
+        out.close()
