@@ -263,3 +263,155 @@ def test_sbatch_preempted_requeues_and_the_requeued_job_resumes(tmp_path):
                 pass
         job.wait(timeout=30)
         out.close()
+
+
+# ----------------------------------------------------------------------------- Kubernetes
+
+K8S = ROOT / "examples" / "launch" / "k8s"
+API = {"Secret": "v1", "PersistentVolumeClaim": "v1", "Service": "v1", "Deployment": "apps/v1", "Job": "batch/v1"}
+
+
+def _manifests() -> dict[tuple[str, str], dict[str, Any]]:
+    yaml = pytest.importorskip("yaml", reason="PyYAML (the dev extra) parses the manifests")
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is None:
+                continue
+            for key in ("apiVersion", "kind", "metadata"):
+                assert key in doc, f"{path.name}: a document without {key}"
+            kind, name = doc["kind"], doc["metadata"].get("name")
+            assert name, f"{path.name}: a {kind} without metadata.name"
+            assert API.get(kind) == doc["apiVersion"], f"{path.name}: {kind} {name} has apiVersion {doc['apiVersion']}"
+            assert (kind, name) not in out, f"{kind} {name} defined twice"
+            out[(kind, name)] = doc
+    return out
+
+
+def _pod(doc: dict[str, Any]) -> dict[str, Any]:
+    return doc["spec"]["template"]["spec"]
+
+
+def _lazarus_args(container: dict[str, Any]) -> tuple[Any, list[str]]:
+    """The container's ``lazarus`` command line parsed with the real CLI's parser
+    (``$(VAR)`` references replaced by samples; each must be a variable of the container)."""
+    import re
+
+    from lazarus.cli import build_parser
+
+    env = {e["name"] for e in container.get("env", [])}
+    cmd = list(container["command"]) + list(container.get("args", []))
+    assert cmd[0] == "lazarus", cmd
+    for word in cmd:
+        for var in re.findall(r"\$\((\w+)\)", word):
+            assert var in env, f"container {container['name']}: $({var}) is not one of its env variables {sorted(env)}"
+    sample = {"POD_NAME": "lazarus-agents-0-abcde", "POD_IP": "10.1.2.3"}
+    cmd = [re.sub(r"\$\((\w+)\)", lambda m: sample.get(m.group(1), "x"), w) for w in cmd]
+    return build_parser(only=cmd[1]).parse_args(cmd[1:]), cmd
+
+
+def test_k8s_manifests_parse_and_hold_every_part():
+    docs = _manifests()
+    assert set(docs) == {("Secret", "lazarus-secret"), ("PersistentVolumeClaim", "lazarus-controller-state"),
+                         ("Deployment", "lazarus-controller"), ("Service", "lazarus-controller"),
+                         ("Job", "lazarus-agents")}
+    for (kind, name), doc in docs.items():
+        if kind in ("Deployment", "Job"):
+            pod = _pod(doc)
+            volumes = {v["name"]: v for v in pod.get("volumes", [])}
+            for c in pod["containers"]:
+                assert c.get("image"), f"{name}: container {c['name']} has no image"
+                for m in c.get("volumeMounts", []):
+                    assert m["name"] in volumes, f"{name}: mount {m['name']} names no volume of the pod"
+            for v in volumes.values():
+                if "secret" in v:
+                    secret = docs.get(("Secret", v["secret"]["secretName"]))
+                    assert secret is not None, f"{name}: volume {v['name']} uses an undefined Secret"
+                    assert v["secret"].get("defaultMode") == 0o400, f"{name}: the secret file must be private"
+                if "persistentVolumeClaim" in v:
+                    assert ("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"]) in docs
+            if "selector" in doc["spec"]:
+                labels = doc["spec"]["template"]["metadata"]["labels"]
+                assert doc["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def _mount_of(pod: dict[str, Any], container: dict[str, Any], path: str) -> dict[str, Any]:
+    """The pod volume mounted where ``path`` lies."""
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    best = max((m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")),
+               key=lambda m: len(m["mountPath"]), default=None)
+    assert best is not None, f"{path} is on no volume of container {container['name']}"
+    return volumes[best["name"]]
+
+
+def test_k8s_controller_ports_state_and_secret_agree():
+    docs = _manifests()
+    dep, svc = docs[("Deployment", "lazarus-controller")], docs[("Service", "lazarus-controller")]
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+    pod = _pod(dep)
+    (c,) = pod["containers"]
+    args, _ = _lazarus_args(c)
+    assert args.command == "controller"
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"control": args.port, "store": args.store_port}
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    for p in svc["spec"]["ports"]:
+        target = ports[p["targetPort"]] if isinstance(p["targetPort"], str) else p["targetPort"]
+        assert p["port"] == target == {"control": args.port, "store": args.store_port}[p["name"]]
+    assert args.host == "0.0.0.0" and args.advertise_host == svc["metadata"]["name"]
+    # its state on the claim; the secret a key of the Secret
+    for path in (args.state_dir, args.events):
+        assert "persistentVolumeClaim" in _mount_of(pod, c, path), f"{path} is not on the claim"
+    vol = _mount_of(pod, c, args.secret_file)
+    secret = docs[("Secret", vol["secret"]["secretName"])]
+    key = Path(args.secret_file).name
+    assert key in {**secret.get("data", {}), **secret.get("stringData", {})}
+
+
+def test_k8s_agents_reach_the_controller_and_leave_within_the_grace():
+    docs = _manifests()
+    job, svc = docs[("Job", "lazarus-agents")], docs[("Service", "lazarus-controller")]
+    ctl_args, _ = _lazarus_args(_pod(docs[("Deployment", "lazarus-controller")])["containers"][0])
+    spec, pod = job["spec"], _pod(job)
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == ctl_args.expected_nodes
+    assert pod["restartPolicy"] == "Never"   # podFailurePolicy requires it
+    assert any(r["action"] == "Ignore" and r["onPodConditions"][0]["type"] == "DisruptionTarget"
+               for r in spec["podFailurePolicy"]["rules"])
+    (c,) = pod["containers"]
+    args, cmd = _lazarus_args(c)
+    assert args.command == "agent"
+    host, _, port = args.controller.rpartition(":")
+    assert host == svc["metadata"]["name"]
+    assert int(port) == next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "control") == ctl_args.port
+    env = {e["name"]: e for e in c["env"]}
+    assert "$(POD_IP)" in c["command"] and env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert args.advertise_host == "10.1.2.3" and args.node_id == "lazarus-agents-0-abcde"
+    assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == args.nproc_per_node
+    grace = pod["terminationGracePeriodSeconds"]
+    need = (args.leave_timeout + args.stop_timeout).total_seconds()
+    assert grace >= need + 5, f"terminationGracePeriodSeconds {grace} < --leave-timeout + --stop-timeout ({need} s) + 5"
+    assert _mount_of(pod, c, args.snapshot_dir + "/x")["emptyDir"]["medium"] == "Memory"
+    vol = _mount_of(pod, c, args.secret_file)
+    assert ("Secret", vol["secret"]["secretName"]) in docs
+    # the training command after -- parses with the example's own parser
+    worker = list(args.worker_command)
+    worker = worker[1:] if worker[:1] == ["--"] else worker
+    assert worker[:3] == ["python", "-m", "examples.train_elastic"], worker
+    from examples.train_elastic import build_parser as worker_parser
+
+    wargs = worker_parser().parse_args(worker[3:])
+    assert wargs.storage.startswith("s3://") and wargs.device == "auto"
+
+
+def test_k8s_placeholder_secret_is_refused_by_the_real_controller(tmp_path, capsys):
+    """Applied unchanged, the Secret's placeholder stops the controller with a clear error."""
+    from lazarus.cli import main
+
+    secret = _manifests()[("Secret", "lazarus-secret")]["stringData"]["secret"]
+    path = tmp_path / "secret"
+    path.write_text(secret)
+    assert main(["controller", "--secret-file", str(path), "--port", "0", "--store-port", "0"]) == 2
+    assert f"the secret must be at least 16 bytes, got {len(secret)}" in capsys.readouterr().err
