@@ -4,9 +4,11 @@ this machine allows.
 SLURM: the real ``lazarus.sbatch`` runs under bash with ``tests/helpers/fake_slurm_bin``
 (a fake ``srun`` / ``scontrol`` that lays out one task per node with that node's SLURM
 variables and signals every process of a task, as SLURM does) first on ``PATH``; the
-"nodes" are loopback addresses ``127.0.0.1``-``127.0.0.3`` of this machine, the controller,
-agents and workers real processes. Kubernetes: the manifests are parsed with PyYAML and
-every ``lazarus`` command line in them with the real CLI's parser; nothing is deployed.
+"nodes" are loopback addresses ``127.0.0.1``-``127.0.0.3`` of this machine or, where root
+and ``ip netns`` exist, hosts of their own in network namespaces on a bridge
+(``examples.netns_cluster``); the controller, agents and workers are real processes.
+Kubernetes: the manifests are parsed with PyYAML and every ``lazarus`` command line in them
+with the real CLI's parser; nothing is deployed.
 """
 
 from __future__ import annotations
@@ -94,20 +96,43 @@ def _alive(pids: list[int]) -> list[int]:
     return out
 
 
+@pytest.fixture(params=["loopback", "netns"])
+def three_hosts(request):
+    """``(nodelist, node names, extra env, wrap)``: three loopback addresses of this machine,
+    or three hosts each in its own network namespace on a bridge (root and ``ip netns``
+    needed; skipped elsewhere, saying why), the batch step on the first."""
+    if request.param == "loopback":
+        yield "127.0.0.[1-3]", ["127.0.0.1", "127.0.0.2", "127.0.0.3"], {"LAZARUS_CONTROLLER_ADDR": "127.0.0.1"}, list
+        return
+    from examples.netns_cluster import NetnsNetwork, unavailable
+
+    why = unavailable(need_nft=False)
+    if why is not None:
+        pytest.skip(f"needs network namespaces: {why}")
+    with NetnsNetwork() as net:
+        addrs = [net.add_host(f"h{i}") for i in range(3)]
+        last = [a.rsplit(".", 1) for a in addrs]
+        assert [int(x[1]) for x in last] == list(range(int(last[0][1]), int(last[0][1]) + 3))
+        nodelist = f"{last[0][0]}.[{last[0][1]}-{last[-1][1]}]"
+        netns = ",".join(f"{a}={net.namespace(f'h{i}')}" for i, a in enumerate(addrs))
+        # the controller's address comes from the first node's name (here its address)
+        yield nodelist, addrs, {"FAKE_SLURM_NETNS": netns}, lambda cmd: net.wrap("h0", cmd)
+
+
 @pytest.mark.timeout(300)
-def test_sbatch_forms_trains_survives_a_leave_and_ends(tmp_path):
+def test_sbatch_forms_trains_survives_a_leave_and_ends(tmp_path, three_hosts):
     """Three "nodes": the controller on the first, one agent each through srun; one task's
     SIGTERM (every process of it, as SLURM signals a step) is a graceful leave, not a
     crash; the other two finish the run, identical, and every process is gone."""
+    nodelist, names, extra, wrap = three_hosts
     steps = 30
     slow = tmp_path / "slow"
     slow.touch()
     run = tmp_path / "run"
-    env = _env(tmp_path, "127.0.0.[1-3]", 3, LAZARUS_SECRET_FILE=str(_secret(tmp_path / "secret")),
-               LAZARUS_CONTROLLER_ADDR="127.0.0.1")
-    cmd = ["bash", str(SBATCH), "--", *TRAIN, "--storage", str(run / "ckpt"), "--steps", str(steps),
-           "--metrics", str(run / "metrics.jsonl"), "--slow-while", str(slow),
-           "--digests", str(run / "digest-{node}.json")]
+    env = _env(tmp_path, nodelist, 3, LAZARUS_SECRET_FILE=str(_secret(tmp_path / "secret")), **extra)
+    cmd = wrap(["bash", str(SBATCH), "--", *TRAIN, "--storage", str(run / "ckpt"), "--steps", str(steps),
+                "--metrics", str(run / "metrics.jsonl"), "--slow-while", str(slow),
+                "--digests", str(run / "digest-{node}.json")])
     out = open(tmp_path / "sbatch.out", "w+")
     job = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     seen: set[int] = set()
@@ -119,10 +144,13 @@ def test_sbatch_forms_trains_survives_a_leave_and_ends(tmp_path):
         _wait(lambda: step() >= 3, 180, "step 3", job, run)
         seen.update(fake_slurm.descendants(job.pid))
         plans = [e for e in _events(run) if e["event"] == "plan"]
-        assert plans and plans[-1]["members"] == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+        assert plans and plans[-1]["members"] == names
         # each task has its node's identity: the agents registered under the node names
         assert {e["node"] for e in _events(run) if e["event"] == "node_registered"} == \
-            {"127.0.0.1", "127.0.0.2", "127.0.0.3"}
+            set(names)
+        if "FAKE_SLURM_NETNS" in extra:   # each node its own host: it advertises its own address
+            ready = [e for e in _events(run) if e["event"] == "worker_ready"]
+            assert ready and all(e["store"]["host"] == e["node"] for e in ready), ready
 
         hit = fake_slurm.signal_task(tmp_path / "slurm", 2, signal.SIGTERM)
         assert len(hit) >= 2, f"expected the agent and its worker, signalled {hit}"
@@ -130,12 +158,12 @@ def test_sbatch_forms_trains_survives_a_leave_and_ends(tmp_path):
               "the leaving node's processes to exit", job, run)
         evs = _events(run)
         leave_plans = [e for e in evs if e["event"] == "plan" and e.get("reason") == "leave"]
-        assert leave_plans and leave_plans[0]["members"] == ["127.0.0.1", "127.0.0.2"], evs
+        assert leave_plans and leave_plans[0]["members"] == names[:2], evs
         exits = [e for e in evs if e["event"] == "worker_exit"]
         # a graceful leave: the leaving worker handed over and exited 0; nobody crashed
-        assert [e["returncode"] for e in exits if e["node"] == "127.0.0.3"] == [0], exits
+        assert [e["returncode"] for e in exits if e["node"] == names[2]] == [0], exits
         assert not [e for e in evs if e["event"] == "node_failed"], [e for e in evs if e["event"] == "node_failed"]
-        assert not [e for e in exits if e["node"] != "127.0.0.3"], exits
+        assert not [e for e in exits if e["node"] != names[2]], exits
         slow.unlink()
         rc = job.wait(timeout=120)
         out.seek(0)
@@ -143,9 +171,9 @@ def test_sbatch_forms_trains_survives_a_leave_and_ends(tmp_path):
         assert rc == 0, text
         assert "agents exited 0, controller 0, training done: 1" in text, text
         assert (tmp_path / "slurm" / "step0" / "exit").read_text().split() == ["0", "0", "0"]
-        digests = LocalCluster.read_digests(str(run / "digest-{node}.json"), ["127.0.0.1", "127.0.0.2"])
-        assert LocalCluster.final_state_problems(digests, ["127.0.0.1", "127.0.0.2"], steps, 8) == []
-        assert not (run / "digest-127.0.0.3.json").exists()   # it left: no final state of its own
+        digests = LocalCluster.read_digests(str(run / "digest-{node}.json"), names[:2])
+        assert LocalCluster.final_state_problems(digests, names[:2], steps, 8) == []
+        assert not (run / f"digest-{names[2]}.json").exists()   # it left: no final state of its own
         worlds = {m["world"] for m in LocalCluster._jsonl(run / "metrics.jsonl") if m.get("kind") == "step"}
         assert worlds == {2, 3}
         # the controller kept its state on the run dir (a requeued job resumes it)

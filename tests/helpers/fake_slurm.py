@@ -12,7 +12,9 @@ enforces, as SLURM would:
   allocation's nodes; one process per task, each with the task's own ``SLURM_PROCID``,
   ``SLURM_NODEID``, ``SLURM_LOCALID``, ``SLURMD_NODENAME``, ``SLURM_NTASKS``,
   ``SLURM_NNODES``, ``SLURM_STEP_ID``, ``SLURM_STEP_NODELIST``...; every task in a session
-  of its own; its pid in ``$FAKE_SLURM_DIR/step<N>/task<I>.pid``.
+  of its own; its pid in ``$FAKE_SLURM_DIR/step<N>/task<I>.pid``. With
+  ``FAKE_SLURM_NETNS=node=namespace,...`` a node's tasks run in that network namespace
+  (``ip netns exec``, which execs: the pid is the task's), so each node is a host of its own.
 * Signals: a SIGTERM (or SIGINT) to ``srun`` is delivered to *every process of every task*
   (the agent and its workers: SLURM's proctrack plugin signals the whole step, not just the
   task's first process), then SIGKILL after ``$FAKE_SLURM_KILL_WAIT`` s (SLURM's
@@ -174,6 +176,7 @@ def _srun(argv: list[str]) -> int:
             step += 1
     step_dir = run_dir / f"step{step}"
     used = alloc[:nodes]
+    netns = dict(item.split("=", 1) for item in os.environ.get("FAKE_SLURM_NETNS", "").split(",") if item)
     procs: list[subprocess.Popen] = []
     for t in range(ntasks):
         node = t // per_node
@@ -183,7 +186,10 @@ def _srun(argv: list[str]) -> int:
                    SLURM_STEP_NUM_NODES=str(nodes), SLURM_STEP_NUM_TASKS=str(ntasks),
                    SLURM_STEP_NODELIST=",".join(used), SLURM_NTASKS_PER_NODE=str(per_node),
                    SLURM_TASKS_PER_NODE=f"{per_node}(x{nodes})", SLURM_TOPOLOGY_ADDR=used[node])
-        p = subprocess.Popen(command, env=env, start_new_session=True)
+        argv = command
+        if used[node] in netns:   # the task runs on that "host": its network namespace
+            argv = ["ip", "netns", "exec", netns[used[node]], *command]
+        p = subprocess.Popen(argv, env=env, start_new_session=True)
         (step_dir / f"task{t}.pid").write_text(str(p.pid))
         procs.append(p)
 
