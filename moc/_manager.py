@@ -223,7 +223,11 @@ class CheckpointManager:
         self._hook = (optimizer.register_step_pre_hook(self.mode.before_optimizer_step)
                       if optimizer is not None else None)
         self._old_sigterm = None
-        if threading.current_thread() is threading.main_thread():
+        # A process started with SIGTERM ignored (a supervisor that signals every process
+        # of a job, SLURM's steps, and leaves the decision to a parent, the Lazarus agent)
+        # keeps ignoring it: flushing and exiting here would take every rank down.
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
             self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _exact_checkpointer(self, store: CheckpointStore, pool: BufferPool) -> ExactCheckpointer:

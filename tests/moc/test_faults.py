@@ -108,3 +108,30 @@ def test_sigterm_flushes_newest_snapshot(tmp_path):
     # persist_every=100: only step 0 was due for storage; the flush wrote the newest snapshot.
     assert cs.steps()[0] == 0 and cs.latest_step() == max(snaps)
     assert cs.verify() == []
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_ignored_by_the_parent_stays_ignored(tmp_path):
+    """A process started with SIGTERM ignored (a Lazarus worker under SLURM, whose step
+    signals every process: the agent decides) keeps training through a SIGTERM; the
+    manager installs no handler of its own."""
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    code = SIGTERM_CHILD.format(root=root, storage=str(tmp_path / "ckpt"), shm=str(tmp_path / "shm"))
+    env = dict(os.environ, PYTHONPATH=root)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if int(line.split()[1]) >= 6:
+                break
+        proc.send_signal(signal.SIGTERM)
+        after = []
+        for line in proc.stdout:
+            after.append(int(line.split()[1]))
+            if len(after) >= 3:
+                break
+        assert len(after) == 3 and proc.poll() is None, f"the SIGTERM stopped it: {proc.returncode}"
+    finally:
+        proc.kill()
+        proc.wait(30)
