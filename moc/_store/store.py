@@ -186,6 +186,9 @@ class CheckpointStore:
         self.stale_temporaries = timedelta(hours=1)
         #: the fencing generation this process writes as (an elastic runtime sets it)
         self.generation = 0
+        #: added to the generations a job asks for: the newest fence of the store its first
+        #: restore found (a new job on a path an earlier job fenced), so they only grow
+        self.generation_base = 0
         #: in every data key this process writes: no two processes share one
         self.nonce = uuid.uuid4().hex[:8]
         #: how long a listing of the fence markers is reused before data writes (commits
@@ -194,6 +197,9 @@ class CheckpointStore:
         self._fences: dict[str, Fence] = {}        # key -> marker (markers never change)
         self._fence_listed: tuple[float, list[Fence]] = (-1e18, [])   # (monotonic time, fences) of the newest listing
         self._fence_lock = threading.Lock()
+        #: a fence this process still has to publish (:meth:`defer_fence`): done before its
+        #: next commit at the latest
+        self._pending_fence: tuple[int, int, str] | None = None
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.store.url!r})"
@@ -246,6 +252,34 @@ class CheckpointStore:
                 f"step {step}: write refused: this writer's generation {generation} is stale, generation "
                 f"{fence.generation} took over at step {fence.resume_step} ({self.store.url}/"
                 f"{fence_key(fence.generation)})", step=step, generation=generation, fence=fence.generation)
+
+    def defer_fence(self, generation: int, resume_step: int, *, run_id: str = "") -> None:
+        """Publish generation ``generation``'s fence in a background thread now, and before
+        this process's next commit at the latest (a caller that must not wait on storage:
+        an elastic runtime in the middle of a reconfiguration). A failure is logged here and
+        raised by that commit."""
+        with self._fence_lock:
+            self._pending_fence = (generation, resume_step, run_id)
+
+        def publish() -> None:
+            try:
+                self.ensure_fence()
+            except Exception as exc:  # noqa: BLE001 - the next commit tries again and raises
+                log.warning("generation %d: fence marker not written yet (%s: %s); the next commit writes it",
+                            generation, type(exc).__name__, exc)
+
+        threading.Thread(target=publish, name=f"moc-fence-g{generation}", daemon=True).start()
+
+    def ensure_fence(self) -> None:
+        """Publish the fence :meth:`defer_fence` left pending, if any."""
+        with self._fence_lock:
+            pending = self._pending_fence
+        if pending is None:
+            return
+        self.write_fence(pending[0], pending[1], run_id=pending[2])
+        with self._fence_lock:
+            if self._pending_fence == pending:
+                self._pending_fence = None
 
     def write_fence(self, generation: int, resume_step: int, *, run_id: str = "") -> Fence:
         """Publish generation ``generation``'s fence (conditionally: a marker already there
@@ -331,6 +365,7 @@ class CheckpointStore:
         if generation:
             meta["generation"] = generation
         manifest = Manifest(step=step, units=units, plt=dict(plt or {}), meta=meta, created_at=time.time())
+        self.ensure_fence()
         self.check_fence(step, generation)
         key = manifest_key(step, generation)
         try:

@@ -235,3 +235,23 @@ def test_two_jobs_on_one_storage_path_one_stops_with_a_clear_error(tmp_path):
     cs = CheckpointStore(store)
     assert cs.verify() == []
     assert cs.read_manifest(cs.steps()[-1]).meta["run_id"] == run_winner
+
+
+def test_a_new_job_on_a_fenced_path_counts_its_generations_above_the_old_fences(tmp_path):
+    """A new controller counts generations from 1 again: a job whose first restore finds an
+    earlier job's fences (here up to 5) adds them, so its own writes go through."""
+    model, opt, task = make(0)
+    old = CheckpointStore(str(tmp_path / "ckpt"))
+    old.generation = 5
+    old.write_fence(5, 0, run_id="earlier")
+    ckpt = CheckpointManager(cfg_for(tmp_path), model=model, optimizer=opt, generation=1)
+    start = ckpt.restore()
+    assert ckpt.generation == 6
+    ckpt.fence(2, resume_step=start)
+    assert ckpt.generation == 7
+    for step in range(start, start + 4):
+        train_step(model, opt, task, step, ckpt)
+    ckpt.close()
+    cs = CheckpointStore(str(tmp_path / "ckpt"))
+    assert cs.store.list("manifests/")[-1].endswith(".g7.json") and cs.store.list("fence/")[-1].endswith("7.json")
+    assert ckpt.status()["writes_refused"] == 0 and cs.verify() == []
