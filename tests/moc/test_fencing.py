@@ -255,3 +255,64 @@ def test_a_new_job_on_a_fenced_path_counts_its_generations_above_the_old_fences(
     cs = CheckpointStore(str(tmp_path / "ckpt"))
     assert cs.store.list("manifests/")[-1].endswith(".g7.json") and cs.store.list("fence/")[-1].endswith("7.json")
     assert ckpt.status()["writes_refused"] == 0 and cs.verify() == []
+
+
+ZOMBIE = os.path.join(ROOT, "tests", "helpers", "workers", "zombie_worker.py")
+
+
+def _last_step(path) -> int:
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return -1
+
+
+@pytest.mark.timeout(120)
+def test_a_sigstopped_writer_resumed_after_a_newer_generation_took_over_is_refused(tmp_path):
+    """The zombie: a generation-1 trainer (a real process) is SIGSTOPped; generation 2
+    restores from what it committed, fences it and trains on; woken, the zombie keeps
+    training and every write it tries is refused, counted and logged; the store stays
+    verifiable and nothing committed is lost."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    store = str(tmp_path / "ckpt")
+    old_progress, new_progress = tmp_path / "old.step", tmp_path / "new.step"
+    zombie = subprocess.Popen([sys.executable, ZOMBIE, store, str(tmp_path / "shm-old"), "1", "25", str(old_progress)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while _last_step(old_progress) < 6 and zombie.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _last_step(old_progress) >= 6, zombie.communicate(timeout=10)
+        zombie.send_signal(19)   # SIGSTOP: frozen wherever it was, a persist in flight or not
+        frozen_at = _last_step(old_progress)
+        before = CheckpointStore(store).steps()
+        assert before and before[-1] <= frozen_at
+        new = subprocess.run([sys.executable, ZOMBIE, store, str(tmp_path / "shm-new"), "2", "20", str(new_progress),
+                              "--fence"], capture_output=True, text=True, timeout=90, env=env)
+        assert new.returncode == 0, new.stderr[-3000:]
+        resume = json.loads(new.stdout.strip().splitlines()[-1])["start"]
+        zombie.send_signal(18)   # SIGCONT
+        out, err = zombie.communicate(timeout=90)
+    finally:
+        if zombie.poll() is None:
+            zombie.kill()
+    assert zombie.returncode == 4, err[-3000:]
+    status = json.loads(out.strip().splitlines()[-1])["status"]
+    # it kept training (a checkpoint at every step) and every write it tried was refused
+    assert status["step"] == 24 and status["generation"] == 1
+    assert status["writes_refused"] >= 24 - frozen_at - 1
+    assert status["last_persisted_step"] <= frozen_at
+    assert "generation 1 is fenced by generation 2" in status["last_refusal"]
+    assert "write refused, generation 1 is fenced by generation 2" in err and "rank 0 step" in err
+    assert "FencedError" in err
+    cs = CheckpointStore(store)
+    index, _ = cs.manifest_index()
+    # the zombie's commits from before the takeover are kept, generation 2's are all there,
+    # nothing of generation 1 at or after the resume step is read
+    assert [s for s in before if s < resume] == [s for s in cs.steps() if s < resume]
+    assert [s for s in cs.steps() if s >= resume] == list(range(resume, 20))
+    assert all(g == 2 for s, (g, _) in index.items() if s >= resume)
+    assert cs.verify() == []
+    cli = subprocess.run([sys.executable, "-m", "moc.cli", "verify", store], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert cli.returncode == 0, cli.stdout + cli.stderr
