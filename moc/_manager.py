@@ -702,7 +702,7 @@ class CheckpointManager:
                 "buffers_page_locked": e.pool.pinned_count(), "page_lock_error": e.pool.pin_error(),
                 "plt": pol.tracker.value(), "plt_snapshot": pol.tracker.value("snapshot"),
                 "plt_persist": pol.tracker.value("persist"), "recoveries": pol.recoveries,
-                "generation": self.store.generation, "writes_refused": self.run.writes_refused,
-                "last_refusal": self.run.last_refusal,
+                "generation": self.store.generation, "writes_refused": self.store.refusals,
+                "last_refusal": self.store.last_refusal,
                 "fatal": None if self.run.fatal is None else str(self.run.fatal),
             }

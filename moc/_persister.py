@@ -275,7 +275,7 @@ class Persister:
             return out
 
     def _note_refusal(self, step: int, exc: BaseException) -> None:
-        """Count and log a write that fencing refused (never silent)."""
+        """Log a write that fencing refused, with this rank (never silent)."""
         if isinstance(exc, FencedError):
             what = (f"rank {self.run.rank} step {step}: write refused, generation {exc.generation} is fenced by "
                     f"generation {exc.fence}: {exc}")
@@ -285,10 +285,7 @@ class Persister:
             what = f"rank {self.run.rank} step {step}: commit refused: {exc}"
         else:
             return
-        with self.run.lock:
-            self.run.writes_refused += 1
-            self.run.last_refusal = what
-        log.error("%s", what)
+        log.error("%s", what)   # counted by the store (CheckpointStore.refusals)
 
     def _book(self, step: int, seq: int, buf: SnapshotBuffer | None, outcome: dict[str, Any],
               missing: bool) -> bool:

@@ -29,9 +29,6 @@ class RunState:
             signal's time + ``MoCConfig.stop_timeout``); None before a SIGTERM.
         last_step: the step passed to the newest ``step()`` call.
         last_error: the newest error any part reported (status only).
-        writes_refused: this process's storage writes refused by fencing (a newer
-            generation's fence marker, or a conditional commit that found its key taken).
-        last_refusal: what the newest refusal said (status only).
         fatal: an error that ends checkpointing for good (another job writes to the same
             storage path); the next ``step()`` raises it.
         lock: guards these facts and the snapshot buffers' states; the manager passes its
@@ -49,8 +46,6 @@ class RunState:
     stop_deadline: float | None = None
     last_step: int | None = None
     last_error: str | None = None
-    writes_refused: int = 0
-    last_refusal: str | None = None
     fatal: BaseException | None = None
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 

@@ -197,6 +197,10 @@ class CheckpointStore:
         self._fences: dict[str, Fence] = {}        # key -> marker (markers never change)
         self._fence_listed: tuple[float, list[Fence]] = (-1e18, [])   # (monotonic time, fences) of the newest listing
         self._fence_lock = threading.Lock()
+        #: writes this process had refused by fencing (a newer generation's fence, or a
+        #: manifest key already taken), whichever part wrote; and what the newest said
+        self.refusals = 0
+        self.last_refusal: str | None = None
         #: a fence this process still has to publish (:meth:`defer_fence`): done before its
         #: next commit at the latest
         self._pending_fence: tuple[int, int, str] | None = None
@@ -248,10 +252,10 @@ class CheckpointStore:
         ``generation`` is in the store: such a writer may neither write nor commit."""
         fence = self.newest_fence(fresh=fresh)
         if fence is not None and fence.generation > generation:
-            raise FencedError(
+            raise self._refused(FencedError(
                 f"step {step}: write refused: this writer's generation {generation} is stale, generation "
                 f"{fence.generation} took over at step {fence.resume_step} ({self.store.url}/"
-                f"{fence_key(fence.generation)})", step=step, generation=generation, fence=fence.generation)
+                f"{fence_key(fence.generation)})", step=step, generation=generation, fence=fence.generation))
 
     def defer_fence(self, generation: int, resume_step: int, *, run_id: str = "") -> None:
         """Publish generation ``generation``'s fence in a background thread now, and before
@@ -370,13 +374,21 @@ class CheckpointStore:
         key = manifest_key(step, generation)
         try:
             self.store.commit_new(key, manifest.to_bytes())
-        except CommitConflict:
+        except CommitConflict as exc:
+            self._refused(exc)
             self._raise_foreign(key, str(meta.get("run_id", "")))
             raise
         log.info("committed step %d (%d units) to %s", step, len(units), self.store.url)
         if self.keep_last is not None:
             self.gc(upto=step)
         return manifest
+
+    def _refused(self, exc: BaseException) -> BaseException:
+        """Count a refused write (:attr:`refusals`); return ``exc`` to raise."""
+        with self._fence_lock:
+            self.refusals += 1
+            self.last_refusal = f"{type(exc).__name__}: {exc}"
+        return exc
 
     def _raise_foreign(self, key: str, run: str) -> None:
         """Raise :class:`moc.ForeignRunError` when the manifest at ``key`` is another run's."""

@@ -182,7 +182,7 @@ def test_manager_refuses_to_commit_once_fenced_and_says_so(tmp_path, caplog):
     ckpt.wait(flush=False)
     st = ckpt.status()
     assert st["writes_refused"] >= 1 and st["generation"] == 1
-    assert "generation 1 is fenced by generation 2" in st["last_refusal"]
+    assert "generation 1 is stale, generation 2 took over" in st["last_refusal"]
     assert any("write refused, generation 1 is fenced by generation 2" in r.getMessage()
                and "rank 0 step" in r.getMessage() for r in caplog.records)
     assert ckpt.store.steps() == committed      # nothing of the stale generation got in
@@ -267,7 +267,7 @@ def _last_step(path) -> int:
         return -1
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)   # ~25 s on an idle 2-core machine; minutes under heavy load
 def test_a_sigstopped_writer_resumed_after_a_newer_generation_took_over_is_refused(tmp_path):
     """The zombie: a generation-1 trainer (a real process) is SIGSTOPped; generation 2
     restores from what it committed, fences it and trains on; woken, the zombie keeps
@@ -302,7 +302,7 @@ def test_a_sigstopped_writer_resumed_after_a_newer_generation_took_over_is_refus
     assert status["step"] == 24 and status["generation"] == 1
     assert status["writes_refused"] >= 24 - frozen_at - 1
     assert status["last_persisted_step"] <= frozen_at
-    assert "generation 1 is fenced by generation 2" in status["last_refusal"]
+    assert "generation 1 is stale, generation 2 took over" in status["last_refusal"]
     assert "write refused, generation 1 is fenced by generation 2" in err and "rank 0 step" in err
     assert "FencedError" in err
     cs = CheckpointStore(store)
