@@ -60,8 +60,13 @@ def test_a_node_frozen_past_its_lease_is_fenced_and_writes_nothing_that_is_read(
                            "the new generation's fence")[0]
         c.wait_step(c.current_step() + 6, timeout=120)      # the others commit on the new generation
         c.thaw_node("n2")
+        # woken, it does not train on its stale generation: its agent is evicted and its
+        # worker replaced by a fresh joiner of the current generation
+        n2_log = tmp_path / "job" / "node-n2.log"
+        c.wait_for(lambda: "evicted by the controller" in n2_log.read_text(errors="replace"), 60,
+                   "the woken node's eviction")
         assert c.wait(timeout=240) == 0, (tmp_path / "job" / "controller.log").read_text()[-3000:]
-    log = (tmp_path / "job" / "node-n2.log").read_text(errors="replace")
+    log = n2_log.read_text(errors="replace")
     refusals = re.findall(r"rank \d+ step \d+: write refused, generation (\d+) is fenced by generation (\d+)", log)
     # whatever the woken node tried to write was refused, each refusal logged as such
     assert all(int(old) < int(new) for old, new in refusals), refusals
