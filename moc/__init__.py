@@ -9,7 +9,7 @@ verifies and exports what it wrote.
 """
 
 from ._config import MoCConfig
-from ._errors import CheckpointError
+from ._errors import CheckpointError, FencedError, ForeignRunError
 from ._manager import CheckpointManager
 from ._plt import PLTTracker
 from ._restore import RestoreReport
@@ -24,6 +24,8 @@ __all__ = [
     "MoCConfig",
     "RestoreReport",
     "CheckpointError",
+    "FencedError",
+    "ForeignRunError",
     "ExpertLayout",
     "CheckpointStore",
     "ShardWriter",

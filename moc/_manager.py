@@ -136,6 +136,12 @@ class CheckpointManager:
             process, new process group after a reconfiguration): its buffers are kept and
             the bookkeeping (run id, counters, PLT, K) continues. Ranks without one (a
             joining process) take the bookkeeping from the lowest rank that has one.
+        generation: the fencing generation this manager writes as (an elastic runtime's
+            membership generation; default 0, or the replaced manager's): data keys and
+            manifests carry it, and once a newer generation's fence marker is in the store
+            (:meth:`fence`) no write of an older one is committed. A job whose first
+            :meth:`restore` finds fences of an earlier job at or above it adds the newest
+            of them to every generation it is given. See ``docs/operations.md``.
         comm: the manager's process groups, made beforehand with
             :meth:`moc._dist.Comm.create` on ``process_group`` (an elastic runtime forms
             them while it moves state after a reconfiguration); default: made here.
@@ -144,7 +150,8 @@ class CheckpointManager:
     def __init__(self, cfg: MoCConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  process_group: Any = None, expert_pattern: str | None = None,
                  extra_state: Mapping[str, Any] | None = None, memory_key: str | None = None,
-                 handover: "Handover | None" = None, node: str | None = None, comm: Comm | None = None) -> None:
+                 handover: "Handover | None" = None, node: str | None = None, comm: Comm | None = None,
+                 generation: int | None = None) -> None:
         if not isinstance(cfg, MoCConfig):
             raise TypeError(f"cfg must be a MoCConfig, got {type(cfg).__name__}")
         self.cfg = cfg
@@ -158,6 +165,9 @@ class CheckpointManager:
             raise ValueError(f"memory_key must be a plain folder name, got {memory_key!r}")
         if node is not None:
             check_node(node)
+        if generation is not None and (not isinstance(generation, int) or isinstance(generation, bool)
+                                       or generation < 0):
+            raise ValueError(f"generation must be a non-negative int or None, got {generation!r}")
         layout = discover_units(model, expert_pattern or cfg.expert_pattern, layout=cfg.expert_layout)
         if comm is not None and not isinstance(comm, Comm):
             raise TypeError(f"comm must be a moc._dist.Comm, got {type(comm).__name__}")
@@ -205,7 +215,11 @@ class CheckpointManager:
         self._restore_report: RestoreReport | None = None
         self._flushing = False          # close() or a SIGTERM's flush is under way
         self._exit_after_close = False  # a SIGTERM came during that flush
+        #: the generation base is known (adopted from a handover, or a restore read the store)
+        self._base_known = any(t["handover"] is not None for t in told)
         self._adopt([t["handover"] for t in told])
+        if generation is not None:
+            self._set_generation(generation)
         #: exact mode's checkpointer (None: plain mode); the manager calls only :attr:`mode`
         self.exact = self._exact_checkpointer(store, pool) if cfg.exact else None
         self.mode: Mode
@@ -370,6 +384,8 @@ class CheckpointManager:
         """Call after ``optimizer.step()`` of training step ``step``."""
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
+        if self.run.fatal is not None:
+            raise self.run.fatal
         self.run.last_step = step
         if self.mode.step(step):
             self._flush_and_exit()
@@ -404,6 +420,7 @@ class CheckpointManager:
         set-up too (:mod:`moc._announce`); :attr:`last_restore_report` holds it.
         """
         started = time.monotonic()
+        self._learn_generation_base()
         next_step = self.mode.restore(reshard=reshard)
         replay = self.exact.last_replay if self.exact is not None and next_step else None
         self._restore_report = report_restore(
@@ -427,6 +444,64 @@ class CheckpointManager:
         """
         return self.mode.restore_units(names)
 
+    # -- fencing ---------------------------------------------------------------------------
+    @property
+    def generation(self) -> int:
+        """The fencing generation this manager's writes carry."""
+        return self.store.generation
+
+    def _set_generation(self, generation: int) -> None:
+        effective = self.store.generation_base + generation
+        if effective < self.store.generation:
+            raise ValueError(f"generation only grows: this manager writes as generation {self.store.generation}, "
+                             f"got {generation}" + (f" (+ base {self.store.generation_base})"
+                                                    if self.store.generation_base else ""))
+        self.store.generation = effective
+
+    def _learn_generation_base(self) -> None:
+        """A job's first restore: when an earlier job on this storage path fenced generations
+        at or above the ones this job counts from (a new controller counts from 1 again),
+        add the newest one to this job's generations, so its writes are not fenced and still
+        fence everything older. Collective (rank 0 reads, every rank learns)."""
+        if self._base_known:
+            return
+        newest = None
+        if self.rank == 0:
+            fence = self.store.newest_fence()
+            newest = None if fence is None else fence.generation
+        newest = self.comm.broadcast_json(newest)
+        self._base_known = True
+        if newest is not None and newest >= self.store.generation:
+            self.store.generation_base = int(newest)
+            self.store.generation += int(newest)
+            if self.rank == 0:
+                log.info("rank 0 step -: %s holds fences up to generation %d: this job writes as generation %d",
+                         self.store.store.url, newest, self.store.generation)
+
+    def fence(self, generation: int, *, resume_step: int, wait: bool = True) -> None:
+        """Write as fencing generation ``generation`` from now on and fence every older one:
+        rank 0 publishes the marker ``fence/g<generation>.json`` (conditionally; one already
+        there stays), after which no writer of an older generation commits anything, and
+        readers ignore older generations' manifests of steps >= ``resume_step`` (the first
+        step this generation trains). Local: each rank calls it (an elastic runtime, when it
+        adopts a plan of a new generation). ``wait=False``: the marker is written in the
+        background, and before this process's next commit at the latest (for a caller that
+        must not wait on storage). Raises :class:`moc.FencedError` when a newer
+        generation already fenced this one, ``ValueError`` when ``generation`` is below
+        the current one or not >= 1."""
+        if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
+            raise ValueError(f"generation must be an integer >= 1, got {generation!r}")
+        if not isinstance(resume_step, int) or isinstance(resume_step, bool) or resume_step < 0:
+            raise ValueError(f"resume_step must be a non-negative int, got {resume_step!r}")
+        self._set_generation(generation)
+        gen = self.store.generation
+        if self.rank == 0 and wait:
+            self.store.write_fence(gen, resume_step, run_id=self.run.run_id)
+        elif self.rank == 0:
+            self.store.defer_fence(gen, resume_step, run_id=self.run.run_id)
+        elif wait:
+            self.store.check_fence(resume_step, gen)
+
     # -- reconfiguration -----------------------------------------------------------------
     def _export_state(self) -> dict[str, Any]:
         with self.run.lock:
@@ -434,7 +509,8 @@ class CheckpointManager:
                     "has_base": self.run.has_base,
                     "first_done": self.run.first_done, "last_persisted_step": self.persister.last_persisted_step,
                     "last_snapshot_step": self.engine.last_snapshot_step,
-                    "persist_failures": self.persister.failures}
+                    "persist_failures": self.persister.failures, "generation": self.store.generation,
+                    "generation_base": self.store.generation_base}
 
     def _adopt(self, states: list[dict[str, Any] | None]) -> None:
         """Continue the bookkeeping of the manager(s) this one replaces: ``states`` holds
@@ -450,6 +526,9 @@ class CheckpointManager:
         self.persister.last_persisted_step = state["last_persisted_step"]
         self.engine.last_snapshot_step = state["last_snapshot_step"]
         self.persister.failures = int(state["persist_failures"])
+        self.store.generation_base = max(self.store.generation_base,
+                                         *(int((s or {}).get("generation_base", 0)) for s in states))
+        self.store.generation = max(self.store.generation, *(int((s or {}).get("generation", 0)) for s in states))
 
     def detach(self, grace: timedelta = timedelta(milliseconds=500)) -> Handover:
         """Retire this manager because its process group is broken or being replaced,
@@ -627,4 +706,7 @@ class CheckpointManager:
                 "buffers_page_locked": e.pool.pinned_count(), "page_lock_error": e.pool.pin_error(),
                 "plt": pol.tracker.value(), "plt_snapshot": pol.tracker.value("snapshot"),
                 "plt_persist": pol.tracker.value("persist"), "recoveries": pol.recoveries,
+                "generation": self.store.generation, "writes_refused": self.store.refusals,
+                "last_refusal": self.store.last_refusal,
+                "fatal": None if self.run.fatal is None else str(self.run.fatal),
             }

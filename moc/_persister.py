@@ -17,9 +17,10 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 from datetime import timedelta
 from typing import Any, cast
 
-from storage_backends import PermanentFault, PermanentStorageError, permanent_fault
+from storage_backends import CommitConflict, PermanentFault, PermanentStorageError, permanent_fault
 
 from ._config import MoCConfig
+from ._errors import FencedError, ForeignRunError
 from ._daemon import DaemonExecutor
 from ._dist import Comm
 from ._plt import PLTTracker
@@ -73,6 +74,9 @@ class Persister:
         #: commit since): what :meth:`flush` raises at once
         self.permanent: PermanentFault | None = None
         self._reported: set[str] = set()   # permanent kinds logged since the last commit
+        #: the newest persist was refused by fencing (a newer generation took over): what
+        #: :meth:`flush` raises at once (no retry cures it)
+        self.fenced: str | None = None
 
     @property
     def busy(self) -> bool:
@@ -195,7 +199,8 @@ class Persister:
                 if self.run.rank == 0 and not all(r["ok"] for r in results):
                     error = "; ".join(f"rank {i}: {r['error']}" for i, r in enumerate(results) if not r["ok"])
                     fault = next((r["fault"] for r in results if r.get("fault")), None)
-                commit.set_result({"committed": False, "error": error, "fault": fault})
+                fenced = next((r["fenced"] for r in results if r.get("fenced")), None)
+                commit.set_result({"committed": False, "error": error, "fault": fault, "fenced": fenced})
             self._wait_together(commit, step, "committing")
             outcome = self.comm.broadcast_json(commit.result(), persist=True)
             return self._book(step, seq, hand.buf, outcome, missing)
@@ -244,8 +249,12 @@ class Persister:
             units = self._write_share(buf)
             return {"ok": True, "error": None, "units": units, "missing": False}
         except Exception as exc:  # noqa: BLE001 - storage trouble never reaches training
-            return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "units": {}, "missing": False,
-                    "fault": _fault_json(exc)}
+            self._note_refusal(step, exc)
+            out = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "units": {}, "missing": False,
+                   "fault": _fault_json(exc)}
+            if isinstance(exc, FencedError):
+                out["fenced"] = str(exc)
+            return out
         finally:
             self.pool.release(buf)
 
@@ -255,8 +264,28 @@ class Persister:
             self._commit(step, results, header)
             return {"committed": True, "error": None}
         except Exception as exc:  # noqa: BLE001 - reported to every rank
-            return {"committed": False, "error": f"commit failed: {type(exc).__name__}: {exc}",
-                    "fault": _fault_json(exc)}
+            self._note_refusal(step, exc)
+            out = {"committed": False, "error": f"commit failed: {type(exc).__name__}: {exc}",
+                   "fault": _fault_json(exc)}
+            if isinstance(exc, FencedError):
+                out["fenced"] = str(exc)
+            if isinstance(exc, ForeignRunError):
+                out["foreign"] = {"message": str(exc), "url": exc.url, "key": exc.key, "other_run": exc.other_run,
+                                  "run": exc.run}
+            return out
+
+    def _note_refusal(self, step: int, exc: BaseException) -> None:
+        """Log a write that fencing refused, with this rank (never silent)."""
+        if isinstance(exc, FencedError):
+            what = (f"rank {self.run.rank} step {step}: write refused, generation {exc.generation} is fenced by "
+                    f"generation {exc.fence}: {exc}")
+        elif isinstance(exc, ForeignRunError):
+            what = f"rank {self.run.rank} step {step}: {exc}"
+        elif isinstance(exc, CommitConflict):
+            what = f"rank {self.run.rank} step {step}: commit refused: {exc}"
+        else:
+            return
+        log.error("%s", what)   # counted by the store (CheckpointStore.refusals)
 
     def _book(self, step: int, seq: int, buf: SnapshotBuffer | None, outcome: dict[str, Any],
               missing: bool) -> bool:
@@ -264,6 +293,14 @@ class Persister:
         with self.run.lock:
             if self.run.abandoned:
                 return bool(outcome["committed"])
+            if outcome.get("fenced"):
+                self.fenced = str(outcome["fenced"])
+            elif outcome["committed"]:
+                self.fenced = None
+            foreign = outcome.get("foreign")
+            if foreign and self.run.fatal is None:
+                self.run.fatal = ForeignRunError(foreign["message"], url=foreign["url"], key=foreign["key"],
+                                                 other_run=foreign["other_run"], run=foreign["run"])
             if buf is not None:
                 buf.state = READY
             fault = PermanentFault.from_json(outcome["fault"]) if outcome.get("fault") else None
@@ -394,6 +431,11 @@ class Persister:
             self.maybe_persist("flush")
             self.wait_in_flight(max(0.0, self._deadline(deadline) - time.monotonic()))
             failed = self.failures > before
+            if failed and self.fenced is not None:
+                raise FencedError(
+                    f"{self.run.where()}: checkpoint of step {newest.step} not persisted: {self.fenced}",
+                    step=cast(int, newest.step), generation=self.store.generation,
+                    fence=getattr(self.store.newest_fence(), "generation", -1))
             if failed and self.permanent is not None:
                 fault = self.permanent
                 raise PermanentStorageError(

@@ -18,7 +18,7 @@ from ._restore import (MemoryPiece, RestorePlan, manifest_inventory, module_unit
                        restore_snapshots)
 from ._run_state import RunState
 from ._snapshot import Inventory, SnapshotMaps, read_headers
-from ._store import CheckpointStore, Manifest, TensorMeta, decode_tree, manifest_key, unit_buffer
+from ._store import CheckpointStore, Manifest, TensorMeta, decode_tree, unit_buffer
 from ._units import apply_partial, apply_units, local_box, own_tree, restore_rng, unit_base
 
 __all__ = ["Recovery"]
@@ -274,7 +274,7 @@ class Recovery:
         if self.rank == 0 and manifest is not None:
             for step in self.store.steps():
                 if step > plan.step:  # unreadable newer manifests belong to no timeline now
-                    self.store.store.delete(manifest_key(step), missing_ok=True)
+                    self.store.discard_step(step)
         with self.run.lock:
             self.policy.tracker.load_state(plan.plt)
             for name, src in plan.sources.items():

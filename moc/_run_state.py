@@ -29,6 +29,8 @@ class RunState:
             signal's time + ``MoCConfig.stop_timeout``); None before a SIGTERM.
         last_step: the step passed to the newest ``step()`` call.
         last_error: the newest error any part reported (status only).
+        fatal: an error that ends checkpointing for good (another job writes to the same
+            storage path); the next ``step()`` raises it.
         lock: guards these facts and the snapshot buffers' states; the manager passes its
             buffer pool's lock, so a successor after a handover and any background job of
             the manager it replaced serialise on the same lock.
@@ -44,6 +46,7 @@ class RunState:
     stop_deadline: float | None = None
     last_step: int | None = None
     last_error: str | None = None
+    fatal: BaseException | None = None
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     def where(self) -> str:

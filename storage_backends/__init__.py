@@ -9,7 +9,8 @@ b'el'
 """
 
 from ._commit import is_temporary
-from ._errors import ERROR_TABLE, PERMANENT_KINDS, PermanentFault, PermanentStorageError, classify, permanent_fault
+from ._errors import (ERROR_TABLE, PERMANENT_KINDS, CommitConflict, PermanentFault, PermanentStorageError, classify,
+                      permanent_fault)
 from ._open import SCHEMES, open_store
 from ._retry import RetryPolicy, StorageError
 from ._store import LocalStore, S3Store, Store
@@ -29,4 +30,5 @@ __all__ = [
     "PERMANENT_KINDS",
     "SCHEMES",
     "is_temporary",
+    "CommitConflict",
 ]

@@ -1,9 +1,11 @@
 """Atomic publication of one object.
 
 POSIX (local disk, NFS): write to a hidden temporary name in the same directory, fsync it,
-rename over the final name, fsync the directory. A reader sees the old object, the new one,
-or nothing, never a torn one. Object stores (S3, memory): a single PUT is atomic, so the
-object is simply written last by the caller (the manifest-last rule).
+rename over the final name, fsync the directory. An exclusive publication (a conditional
+commit) links the fsynced temporary to the final name instead: ``link`` fails with
+``EEXIST`` when the name is taken, atomically, on local filesystems and on NFS alike. A
+reader sees the old object, the new one, or nothing, never a torn one. Object stores (S3,
+memory): a single PUT is atomic, so the object is simply written last by the caller (the manifest-last rule).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 import uuid
 from typing import Iterable
 
-__all__ = ["TMP_MARKER", "is_temporary", "write_local_atomic", "fsync_dir"]
+__all__ = ["TMP_MARKER", "is_temporary", "write_local_atomic", "write_local_exclusive", "fsync_dir"]
 
 TMP_MARKER = ".tmp-"
 
@@ -31,8 +33,11 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_local_atomic(path: str, buffers: Iterable[memoryview], *, fsync: bool) -> int:
-    """Write ``buffers`` to ``path`` atomically; return the number of bytes written."""
+def write_local_atomic(path: str, buffers: Iterable[memoryview], *, fsync: bool, exclusive: bool = False) -> int:
+    """Write ``buffers`` to ``path`` atomically; return the number of bytes written.
+
+    ``exclusive``: never replace an existing ``path``; ``FileExistsError`` when it exists
+    (nothing is published then)."""
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}{TMP_MARKER}{uuid.uuid4().hex[:12]}")
@@ -53,10 +58,20 @@ def write_local_atomic(path: str, buffers: Iterable[memoryview], *, fsync: bool)
         raise
     os.close(fd)
     try:
-        os.replace(tmp, path)
+        if exclusive:
+            os.link(tmp, path)      # EEXIST when taken: atomic on local filesystems and NFS
+            os.unlink(tmp)
+        else:
+            os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
         raise
     if fsync:
         fsync_dir(directory)
     return total
+
+
+def write_local_exclusive(path: str, buffers: Iterable[memoryview], *, fsync: bool) -> int:
+    """:func:`write_local_atomic` that never replaces an existing ``path`` (``FileExistsError``)."""
+    return write_local_atomic(path, buffers, fsync=fsync, exclusive=True)

@@ -14,7 +14,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 __all__ = ["ErrorRule", "ERROR_TABLE", "classify", "PermanentFault", "PermanentStorageError", "PERMANENT_KINDS",
-           "S3_SETTINGS", "permanent_fault"]
+           "S3_SETTINGS", "permanent_fault", "CommitConflict"]
+
+
+class CommitConflict(FileExistsError):
+    """A conditional commit (:meth:`Store.commit_new`) found its key taken by another
+    writer's object: nothing was written. ``key`` is the store key, ``url`` the object's URL.
+    Never retried (another try finds the same object)."""
+
+    def __init__(self, url: str, key: str) -> None:
+        super().__init__(f"commit {url}/{key}: refused, the key already holds another writer's object "
+                         f"(conditional commit: an existing object is never overwritten)")
+        self.url = url
+        self.key = key
 
 
 @dataclass(frozen=True)

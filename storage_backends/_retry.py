@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, TypeVar
 
-from ._errors import classify
+from ._errors import CommitConflict, classify
 
 __all__ = ["RetryPolicy", "StorageError"]
 
@@ -64,6 +64,8 @@ class RetryPolicy:
         for attempt in range(1, self.attempts + 1):
             try:
                 return fn()
+            except CommitConflict:
+                raise  # typed already, and no retry finds the key free
             except Exception as exc:  # noqa: BLE001 - every provider error is mapped below
                 kind, transient = classify(exc)
                 if transient and attempt < self.attempts:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 import uuid
 from datetime import timedelta
@@ -12,7 +13,8 @@ from typing import Any, Iterable, Iterator, Sequence, Union
 
 import fsspec
 
-from ._commit import is_temporary, write_local_atomic
+from ._commit import is_temporary, write_local_atomic, write_local_exclusive
+from ._errors import CommitConflict
 from ._retry import RetryPolicy
 
 __all__ = ["Store", "S3Store", "LocalStore", "Data"]
@@ -26,6 +28,9 @@ Data = Union[Buffer, Sequence[Buffer]]
 
 DEFAULT_PART_SIZE = 16 * 2**20
 MAX_COMMIT_BYTES = 16 * 2**20
+# Conditional commits on a file system with no conditional write of its own (memory://):
+# check-then-write under one lock per process (a memory store lives in one process).
+_EXCLUSIVE = threading.Lock()
 
 
 def _buffers(data: Data) -> list[memoryview]:
@@ -128,6 +133,46 @@ class Store:
         if size > MAX_COMMIT_BYTES:
             raise ValueError(f"commit is for small objects (<= {MAX_COMMIT_BYTES} bytes), got {size}")
         self.retry.call(lambda: self._put(path, buffers, durable=True), what=self._what("commit", key))
+
+    def commit_new(self, key: str, data: Data) -> None:
+        """:meth:`commit` that never overwrites: raises :class:`CommitConflict` (naming the
+        key) when ``key`` already holds an object, and writes nothing then. S3: a PUT with
+        ``If-None-Match: *``; local disk and NFS: the fsynced temporary is hard-linked to the
+        key (``EEXIST`` when taken); memory: checked and written under one lock.
+
+        An object with exactly these bytes already there counts as this commit (a retried
+        request whose first try landed), so a commit is idempotent for its writer."""
+        path = self._path(key)
+        buffers = _buffers(data)
+        size = sum(len(b) for b in buffers)
+        if size > MAX_COMMIT_BYTES:
+            raise ValueError(f"commit is for small objects (<= {MAX_COMMIT_BYTES} bytes), got {size}")
+
+        def put() -> None:
+            try:
+                self._put_new(path, buffers)
+            except CommitConflict:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a refused precondition is a conflict
+                if not _is_precondition_failure(exc):
+                    raise
+                raise CommitConflict(self.url, key) from exc
+
+        try:
+            self.retry.call(put, what=self._what("commit", key))
+        except CommitConflict:
+            try:
+                same = self.read(key) == b"".join(bytes(b) for b in buffers)
+            except FileNotFoundError:
+                same = False
+            if not same:
+                raise
+
+    def _put_new(self, path: str, buffers: list[memoryview]) -> None:
+        with _EXCLUSIVE:
+            if self.fs.exists(path):
+                raise FileExistsError(path)
+            self._put(path, buffers, durable=True)
 
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """Return bytes ``[start, end)`` of the object (the whole object by default)."""
@@ -237,6 +282,27 @@ def _parts(buffers: Iterable[memoryview], size: int) -> Iterator[bytes]:
         yield b"".join(pending)
 
 
+def _is_precondition_failure(exc: BaseException) -> bool:
+    """An S3 ``412 PreconditionFailed`` (``If-None-Match: *`` on a taken key) or a file
+    system's ``FileExistsError``, anywhere in the chain of causes."""
+    seen = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, FileExistsError):
+            return True
+        response = getattr(link, "response", None)
+        if isinstance(response, dict):
+            err = response.get("Error") or {}
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if err.get("Code") in ("PreconditionFailed", "412") or status == 412:
+                return True
+        if "PreconditionFailed" in str(link) or "(412)" in str(link):
+            return True
+        link = link.__cause__ or link.__context__
+    return False
+
+
 class S3Store(Store):
     """S3 and compatible endpoints: one PUT for small objects; for large ones a multipart
     upload with ``upload_concurrency`` parts in flight, completed only when every part is
@@ -258,6 +324,10 @@ class S3Store(Store):
 
         bucket, key = path.split("/", 1)
         sync(self.fs.loop, self._multipart, bucket, key, _parts(buffers, self.part_size))
+
+    def _put_new(self, path: str, buffers: list[memoryview]) -> None:
+        payload = bytes(buffers[0]) if len(buffers) == 1 else b"".join(buffers)
+        self.fs.pipe_file(path, payload, mode="create")     # a PUT with If-None-Match: *
 
     async def _multipart(self, bucket: str, key: str, parts: Iterator[bytes]) -> None:
         call = self.fs._call_s3
@@ -303,6 +373,9 @@ class LocalStore(Store):
 
     def _put(self, path: str, buffers: list[memoryview], *, durable: bool) -> None:
         write_local_atomic(path, buffers, fsync=self.fsync or durable)
+
+    def _put_new(self, path: str, buffers: list[memoryview]) -> None:
+        write_local_exclusive(path, buffers, fsync=True)
 
     def _get(self, path: str, start: int | None, end: int | None) -> bytes:
         with open(path, "rb") as f:

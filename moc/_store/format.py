@@ -2,12 +2,26 @@
 
 Layout of a checkpoint store (keys relative to the store root)::
 
-    manifests/000000000120.json       # one per committed step; written last (the commit)
-    data/000000000120/<writer>.<group>.bin   # chunks of unit bytes, many units per object
+    manifests/000000000120.json        # one per committed step of generation 0; written last
+    manifests/000000000120.g3.json     # the same for fencing generation 3 (> 0)
+    data/000000000120/g3.<writer>.<nonce>.<group>.bin   # chunks of unit bytes, many units per object
+    data/000000000120/<writer>.<group>.bin              # the same, as stores before fencing named it
+    fence/g000000000003.json           # generation 3 took over, resuming at a step (see below)
 
 A manifest lists every unit of the logical checkpoint at its step. A unit's record says at
 which step its saved version was taken and where its bytes live, possibly in an older
 step's objects (partial checkpoints compose). Each chunk carries its own checksum.
+
+Fencing: every writer carries a generation (0 unless an elastic runtime sets one; stores
+written before fencing existed are generation 0 throughout). Data keys hold the generation
+and a per-process nonce, so no writer ever overwrites another's objects; manifests are
+committed conditionally (never over an existing key) under a key unique per step and
+generation. A fence marker ``fence/g<gen>.json`` (``{"generation", "resume_step", ...}``)
+says that generation ``gen`` took over and trains from ``resume_step`` on: a writer of an
+older generation refuses to commit once it sees it, and readers ignore any manifest of an
+older generation whose step is at or above the resume step of a newer fence (a stale
+writer's, or a replaced timeline's). Of the visible manifests of one step the newest
+generation's is the step's checkpoint.
 """
 
 from __future__ import annotations
@@ -27,7 +41,11 @@ __all__ = [
     "ManifestError",
     "UnsupportedFormatError",
     "manifest_key",
+    "parse_manifest_key",
     "step_of_manifest_key",
+    "Fence",
+    "fence_key",
+    "visible_manifests",
     "step_of_data_key",
     "UNIT_KINDS",
 ]
@@ -36,7 +54,9 @@ FORMAT_VERSION = 1
 UNIT_KINDS = ("expert", "module", "extra")
 MANIFEST_PREFIX = "manifests/"
 DATA_PREFIX = "data/"
-_MANIFEST_RE = re.compile(r"^manifests/(\d{12})\.json$")
+FENCE_PREFIX = "fence/"
+_MANIFEST_RE = re.compile(r"^manifests/(\d{12})(?:\.g(\d+))?\.json$")
+_FENCE_RE = re.compile(r"^fence/g(\d{12})\.json$")
 _DATA_RE = re.compile(r"^data/(\d{12})/")
 
 
@@ -48,8 +68,79 @@ class UnsupportedFormatError(ManifestError):
     """A manifest written by a newer, incompatible version of moc."""
 
 
-def manifest_key(step: int) -> str:
-    return f"{MANIFEST_PREFIX}{step:012d}.json"
+def manifest_key(step: int, generation: int = 0) -> str:
+    """The manifest key of ``step`` committed by generation ``generation``."""
+    return f"{MANIFEST_PREFIX}{step:012d}" + (f".g{generation}" if generation else "") + ".json"
+
+
+def parse_manifest_key(key: str) -> tuple[int, int] | None:
+    """``(step, generation)`` of a manifest key (None: not a manifest key)."""
+    m = _MANIFEST_RE.match(key)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
+
+
+def fence_key(generation: int) -> str:
+    return f"{FENCE_PREFIX}g{generation:012d}.json"
+
+
+def generation_of_fence_key(key: str) -> int | None:
+    m = _FENCE_RE.match(key)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class Fence:
+    """Generation ``generation`` took over at ``resume_step``: manifests of older generations
+    at steps >= ``resume_step`` are a stale writer's and are never read."""
+
+    generation: int
+    resume_step: int
+    run_id: str = ""
+    created_at: float = 0.0
+
+    def hides(self, step: int, generation: int) -> bool:
+        return generation < self.generation and step >= self.resume_step
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"generation": self.generation, "resume_step": self.resume_step,
+                           "run_id": self.run_id, "created_at": self.created_at},
+                          separators=(",", ":")).encode()
+
+    @staticmethod
+    def from_bytes(data: bytes, *, source: str) -> "Fence":
+        try:
+            body = json.loads(data)
+            fence = Fence(generation=int(body["generation"]), resume_step=int(body["resume_step"]),
+                          run_id=str(body.get("run_id", "")), created_at=float(body.get("created_at", 0.0)))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ManifestError(f"fence marker {source} is malformed: {type(exc).__name__}: {exc}") from exc
+        if fence.generation < 1 or fence.resume_step < 0:
+            raise ManifestError(f"fence marker {source}: generation must be >= 1 and resume_step >= 0, got "
+                                f"{fence.generation} and {fence.resume_step}")
+        return fence
+
+
+def visible_manifests(keys: list[str], fences: list[Fence]) -> tuple[dict[int, tuple[int, str]], list[str]]:
+    """Which manifest keys readers use: ``({step: (generation, key)}, hidden keys)``. A
+    manifest is hidden when a fence of a newer generation resumes at or below its step; of
+    the rest, each step's newest generation wins."""
+    visible: dict[int, tuple[int, str]] = {}
+    hidden: list[str] = []
+    for key in keys:
+        parsed = parse_manifest_key(key)
+        if parsed is None:
+            continue
+        step, gen = parsed
+        if any(f.hides(step, gen) for f in fences):
+            hidden.append(key)
+            continue
+        if step not in visible or visible[step][0] < gen:
+            if step in visible:
+                hidden.append(visible[step][1])
+            visible[step] = (gen, key)
+        else:
+            hidden.append(key)
+    return visible, sorted(hidden)
 
 
 def data_prefix(step: int) -> str:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
+import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,13 +26,15 @@ from typing import Any, Callable, Generator, Iterable
 
 import xxhash
 
-from storage_backends import Store, open_store
+from storage_backends import CommitConflict, Store, open_store
 
+from .._errors import FencedError, ForeignRunError
 from .._export import export_state
 from .codec import (CODECS, EncodedUnit, TensorMeta, checksum, compress, decode_tree, decompress, encode_tree,
                     unit_buffer)
-from .format import (DATA_PREFIX, MANIFEST_PREFIX, ChunkRecord, Manifest, ManifestError, UnitRecord, data_prefix,
-                     manifest_key, step_of_data_key, step_of_manifest_key)
+from .format import (DATA_PREFIX, FENCE_PREFIX, MANIFEST_PREFIX, ChunkRecord, Fence, Manifest, ManifestError,
+                     UnitRecord, data_prefix, fence_key, generation_of_fence_key, manifest_key, parse_manifest_key,
+                     step_of_data_key, visible_manifests)
 
 __all__ = ["CheckpointStore", "ShardWriter", "CorruptObjectError", "LoadResult", "VerifyProblem"]
 
@@ -72,18 +76,21 @@ class VerifyProblem:
 class ShardWriter:
     """Packs one writer's chunks of one step into one object per group, then writes them."""
 
-    def __init__(self, owner: "CheckpointStore", step: int, writer: str) -> None:
+    def __init__(self, owner: "CheckpointStore", step: int, writer: str, generation: int = 0) -> None:
         if not _WRITER_RE.match(writer):
             raise ValueError(f"writer must match {_WRITER_RE.pattern}, got {writer!r}")
         self.owner = owner
         self.step = step
         self.writer = writer
+        self.generation = generation
         self._parts: dict[str, list[Any]] = {}
         self._sizes: dict[str, int] = {}
         self.raw_nbytes = 0
 
     def key(self, group: str) -> str:
-        return f"{data_prefix(self.step)}{self.writer}.{group}.bin"
+        # generation and this process's nonce: no other writer (a stale generation's, another
+        # job's, this job's before a restart) ever writes the same key
+        return f"{data_prefix(self.step)}g{self.generation}.{self.writer}.{self.owner.nonce}.{group}.bin"
 
     def add_chunk(self, enc: EncodedUnit, *, start: int = 0, end: int | None = None,
                   group: str = "state") -> ChunkRecord:
@@ -131,7 +138,10 @@ class ShardWriter:
         return sum(self._sizes.values())
 
     def finish(self) -> int:
-        """Write every queued object (streamed, retried); return the bytes written."""
+        """Write every queued object (streamed, retried); return the bytes written.
+        Raises :class:`moc.FencedError` (writing nothing) when a newer generation fenced
+        this writer's."""
+        self.owner.check_fence(self.step, self.generation, fresh=False)
         total = 0
         for group, parts in self._parts.items():
             total += self.owner.store.write(self.key(group), parts)
@@ -174,22 +184,138 @@ class CheckpointStore:
         self.keep_last = keep_last
         # Temp files older than this are debris of killed writers and are removed by gc.
         self.stale_temporaries = timedelta(hours=1)
+        #: the fencing generation this process writes as (an elastic runtime sets it)
+        self.generation = 0
+        #: added to the generations a job asks for: the newest fence of the store its first
+        #: restore found (a new job on a path an earlier job fenced), so they only grow
+        self.generation_base = 0
+        #: in every data key this process writes: no two processes share one
+        self.nonce = uuid.uuid4().hex[:8]
+        #: how long a listing of the fence markers is reused before data writes (commits
+        #: always list afresh)
+        self.fence_ttl = timedelta(seconds=2)
+        self._fences: dict[str, Fence] = {}        # key -> marker (markers never change)
+        self._fence_listed: tuple[float, list[Fence]] = (-1e18, [])   # (monotonic time, fences) of the newest listing
+        self._fence_lock = threading.Lock()
+        #: writes this process had refused by fencing (a newer generation's fence, or a
+        #: manifest key already taken), whichever part wrote; and what the newest said
+        self.refusals = 0
+        self.last_refusal: str | None = None
+        #: a fence this process still has to publish (:meth:`defer_fence`): done before its
+        #: next commit at the latest
+        self._pending_fence: tuple[int, int, str] | None = None
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.store.url!r})"
 
     # -- reading manifests ---------------------------------------------------------------
     def steps(self) -> list[int]:
-        """Committed steps, ascending. A step without a manifest is never listed."""
-        found = (step_of_manifest_key(k) for k in self.store.list(MANIFEST_PREFIX))
-        return sorted(s for s in found if s is not None)
+        """Committed steps, ascending. A step without a manifest is never listed, nor one
+        whose only manifests a fence hides (see :mod:`moc._store.format`)."""
+        return sorted(self.manifest_index()[0])
+
+    def manifest_index(self) -> tuple[dict[int, tuple[int, str]], list[str]]:
+        """``({step: (generation, manifest key)}, hidden manifest keys)``: what readers use."""
+        return visible_manifests(self.store.list(MANIFEST_PREFIX), self.fences())
+
+    # -- fencing -------------------------------------------------------------------------
+    def fences(self) -> list[Fence]:
+        """Every fence marker in the store, oldest generation first (listed afresh)."""
+        out = []
+        for key in self.store.list(FENCE_PREFIX):
+            if generation_of_fence_key(key) is None:
+                continue
+            fence = self._fences.get(key)
+            if fence is None:
+                try:
+                    fence = Fence.from_bytes(self.store.read(key), source=f"{self.store.url}/{key}")
+                except FileNotFoundError:
+                    continue
+                self._fences[key] = fence
+            out.append(fence)
+        fences = sorted(out, key=lambda f: f.generation)
+        with self._fence_lock:
+            self._fence_listed = (time.monotonic(), fences)
+        return fences
+
+    def newest_fence(self, *, fresh: bool = True) -> Fence | None:
+        """The fence of the newest generation (None: no fence); ``fresh=False`` reuses a
+        listing younger than :attr:`fence_ttl`."""
+        with self._fence_lock:
+            at, fences = self._fence_listed
+        if fresh or time.monotonic() - at > self.fence_ttl.total_seconds():
+            fences = self.fences()
+        return fences[-1] if fences else None
+
+    def check_fence(self, step: int, generation: int, *, fresh: bool = True) -> None:
+        """Raise :class:`moc.FencedError` when a fence of a newer generation than
+        ``generation`` is in the store: such a writer may neither write nor commit."""
+        fence = self.newest_fence(fresh=fresh)
+        if fence is not None and fence.generation > generation:
+            raise self._refused(FencedError(
+                f"step {step}: write refused: this writer's generation {generation} is stale, generation "
+                f"{fence.generation} took over at step {fence.resume_step} ({self.store.url}/"
+                f"{fence_key(fence.generation)})", step=step, generation=generation, fence=fence.generation))
+
+    def defer_fence(self, generation: int, resume_step: int, *, run_id: str = "") -> None:
+        """Publish generation ``generation``'s fence in a background thread now, and before
+        this process's next commit at the latest (a caller that must not wait on storage:
+        an elastic runtime in the middle of a reconfiguration). A failure is logged here and
+        raised by that commit."""
+        with self._fence_lock:
+            self._pending_fence = (generation, resume_step, run_id)
+
+        def publish() -> None:
+            try:
+                self.ensure_fence()
+            except Exception as exc:  # noqa: BLE001 - the next commit tries again and raises
+                log.warning("generation %d: fence marker not written yet (%s: %s); the next commit writes it",
+                            generation, type(exc).__name__, exc)
+
+        threading.Thread(target=publish, name=f"moc-fence-g{generation}", daemon=True).start()
+
+    def ensure_fence(self) -> None:
+        """Publish the fence :meth:`defer_fence` left pending, if any."""
+        with self._fence_lock:
+            pending = self._pending_fence
+        if pending is None:
+            return
+        self.write_fence(pending[0], pending[1], run_id=pending[2])
+        with self._fence_lock:
+            if self._pending_fence == pending:
+                self._pending_fence = None
+
+    def write_fence(self, generation: int, resume_step: int, *, run_id: str = "") -> Fence:
+        """Publish generation ``generation``'s fence (conditionally: a marker already there
+        for it stays, and is returned); raises :class:`moc.FencedError` when a newer
+        generation already fenced this one."""
+        if not isinstance(generation, int) or generation < 1:
+            raise ValueError(f"generation must be an integer >= 1, got {generation!r}")
+        if not isinstance(resume_step, int) or resume_step < 0:
+            raise ValueError(f"resume_step must be a non-negative int, got {resume_step!r}")
+        self.check_fence(resume_step, generation)
+        fence = Fence(generation=generation, resume_step=resume_step, run_id=run_id, created_at=time.time())
+        key = fence_key(generation)
+        try:
+            self.store.commit_new(key, fence.to_bytes())
+        except CommitConflict:
+            fence = Fence.from_bytes(self.store.read(key), source=f"{self.store.url}/{key}")
+        self._fences[key] = fence
+        self.fences()
+        log.info("generation %d fenced older writers from step %d on in %s", generation, fence.resume_step,
+                 self.store.url)
+        return fence
 
     def latest_step(self) -> int | None:
         steps = self.steps()
         return steps[-1] if steps else None
 
     def read_manifest(self, step: int) -> Manifest:
-        key = manifest_key(step)
+        visible = self.manifest_index()[0]
+        if step not in visible:
+            raise FileNotFoundError(
+                f"no checkpoint at step {step} in {self.store.url}; committed steps: {sorted(visible)}")
+        key = visible[step][1]
         try:
             data = self.store.read(key)
         except FileNotFoundError:
@@ -211,18 +337,27 @@ class CheckpointStore:
         return None
 
     # -- writing -------------------------------------------------------------------------
-    def writer(self, step: int, writer: str = "w0") -> ShardWriter:
+    def writer(self, step: int, writer: str = "w0", *, generation: int | None = None) -> ShardWriter:
+        """A writer of step ``step``'s objects, as generation ``generation`` (default:
+        :attr:`generation`)."""
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        return ShardWriter(self, step, writer)
+        return ShardWriter(self, step, writer, self.generation if generation is None else generation)
 
     def commit(self, step: int, records: Iterable[UnitRecord], *, base: Manifest | None = None,
-               plt: dict[str, Any] | None = None, meta: dict[str, Any] | None = None) -> Manifest:
-        """Publish step ``step``: ``records`` plus every other unit of ``base``.
+               plt: dict[str, Any] | None = None, meta: dict[str, Any] | None = None,
+               generation: int | None = None) -> Manifest:
+        """Publish step ``step``: ``records`` plus every other unit of ``base``, as generation
+        ``generation`` (default: :attr:`generation`).
 
         All objects the records point to must already be written. The manifest is
-        written last and atomically; retention runs afterwards.
+        written last, atomically and conditionally (never over an existing manifest);
+        retention runs afterwards. Raises :class:`moc.FencedError` when a newer
+        generation fenced this one, :class:`moc.ForeignRunError` when another job's
+        manifest holds the key, :class:`storage_backends.CommitConflict` when one of
+        this job's does.
         """
+        generation = self.generation if generation is None else generation
         units = dict(base.units) if base is not None else {}
         for rec in records:
             if rec.step > step:
@@ -230,13 +365,56 @@ class CheckpointStore:
             units[rec.name] = rec
         if not units:
             raise ValueError("commit needs at least one unit")
-        manifest = Manifest(step=step, units=units, plt=dict(plt or {}), meta=dict(meta or {}),
-                            created_at=time.time())
-        self.store.commit(manifest_key(step), manifest.to_bytes())
+        meta = dict(meta or {})
+        if generation:
+            meta["generation"] = generation
+        manifest = Manifest(step=step, units=units, plt=dict(plt or {}), meta=meta, created_at=time.time())
+        self.ensure_fence()
+        self.check_fence(step, generation)
+        key = manifest_key(step, generation)
+        try:
+            self.store.commit_new(key, manifest.to_bytes())
+        except CommitConflict as exc:
+            self._refused(exc)
+            self._raise_foreign(key, str(meta.get("run_id", "")))
+            raise
         log.info("committed step %d (%d units) to %s", step, len(units), self.store.url)
         if self.keep_last is not None:
             self.gc(upto=step)
         return manifest
+
+    def _refused(self, exc: BaseException) -> BaseException:
+        """Count a refused write (:attr:`refusals`); return ``exc`` to raise."""
+        with self._fence_lock:
+            self.refusals += 1
+            self.last_refusal = f"{type(exc).__name__}: {exc}"
+        return exc
+
+    def _raise_foreign(self, key: str, run: str) -> None:
+        """Raise :class:`moc.ForeignRunError` when the manifest at ``key`` is another run's."""
+        try:
+            other = Manifest.from_bytes(self.store.read(key), source=f"{self.store.url}/{key}")
+        except (OSError, ManifestError):
+            return
+        other_run = str(other.meta.get("run_id", ""))
+        if run and other_run and other_run != run:
+            raise ForeignRunError(
+                f"two jobs write checkpoints to {self.store.url}: run {other_run} already committed {key} "
+                f"(this is run {run}). A storage path belongs to one job: give this job its own "
+                f"MoCConfig.storage, or stop the other job", url=self.store.url, key=key, other_run=other_run,
+                run=run)
+
+    def _key_of(self, step: int) -> str:
+        """The manifest key readers use for ``step`` (the generation-0 key when none)."""
+        found = self.manifest_index()[0].get(step)
+        return found[1] if found is not None else manifest_key(step)
+
+    def discard_step(self, step: int) -> list[str]:
+        """Delete every manifest of ``step`` (all generations); return their keys."""
+        keys = [k for k in self.store.list(MANIFEST_PREFIX) if (parse_manifest_key(k) or (-1, 0))[0] == step]
+        for key in keys:
+            self.store.delete(key, missing_ok=True)
+        return keys
 
     def save(self, step: int, units: dict[str, tuple[Any, dict[str, Any]]], *,
              base: Manifest | None = None, plt: dict[str, Any] | None = None,
@@ -428,7 +606,7 @@ class CheckpointStore:
                 bad.append((s, exc))
         readable = {m.step for m in manifests}
         for s, error in bad:
-            problems.append(VerifyProblem(manifest_key(s), (), self._manifest_problem(s, error, steps, readable)))
+            problems.append(VerifyProblem(self._key_of(s), (), self._manifest_problem(s, error, steps, readable)))
         chunks: dict[tuple[str, int], tuple[ChunkRecord, set[str]]] = {}
         for m in manifests:
             for rec in m.units.values():
@@ -462,7 +640,7 @@ class CheckpointStore:
     def _manifest_problem(self, step: int, exc: ManifestError, steps: list[int], readable: set[int]) -> str:
         """What is wrong with the manifest of ``step`` and what it means for a restore."""
         try:
-            nbytes = self.store.size(manifest_key(step))
+            nbytes = self.store.size(self._key_of(step))
             size = f"{nbytes} bytes" + (", cut short" if f"(char {nbytes})" in str(exc) else "")
         except OSError as err:
             size = f"size unknown: {err}"
@@ -495,7 +673,8 @@ class CheckpointStore:
         considered, so a writer's in-flight objects for a later step are never touched.
         Old manifests are deleted before objects, so no kept manifest ever loses data.
         """
-        steps = self.steps()
+        visible, hidden = self.manifest_index()
+        steps = sorted(visible)
         if not steps:
             return []
         upto = steps[-1] if upto is None else upto
@@ -503,8 +682,12 @@ class CheckpointStore:
         deleted: list[str] = []
         for s in steps:
             if s not in keep:
-                self.store.delete(manifest_key(s), missing_ok=True)
-                deleted.append(manifest_key(s))
+                self.store.delete(visible[s][1], missing_ok=True)
+                deleted.append(visible[s][1])
+        for key in hidden:      # a fenced writer's, or an older generation's of a step: never read
+            if (parse_manifest_key(key) or (upto + 1, 0))[0] <= upto:
+                self.store.delete(key, missing_ok=True)
+                deleted.append(key)
         referenced: set[str] = set()
         for s in keep:
             try:

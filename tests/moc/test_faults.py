@@ -25,6 +25,7 @@ def test_s3_outage_training_continues_and_persists_resume(tmp_path):
     server = MotoS3()
     server.start()
     try:
+        server.reset()   # moto's servers in one process share one backend: no other test's objects
         server.make_bucket("ckpt")
         opts = dict(server.options, retry=QUICK, connect_timeout=timedelta(seconds=1),
                     read_timeout=timedelta(seconds=5))

@@ -243,6 +243,9 @@ def test_a_manager_starts_while_storage_is_down_and_persists_once_it_is_back(tmp
 
     server = MotoS3()
     server.start()
+    # moto's servers in one process share one backend: without a reset this job found the
+    # objects of the previous test's job under s3://ckpt/run (two jobs on one path)
+    server.reset()
     server.make_bucket("ckpt")
     proxy = StorageProxy(server.port).start()
     try:
@@ -320,6 +323,9 @@ def test_no_rank_waits_for_its_own_commit_hung_on_storage(tmp_path):
 
     server = MotoS3()
     server.start()
+    # moto's servers in one process share one backend: without a reset this job found the
+    # objects of the previous test's job under s3://ckpt/run (two jobs on one path)
+    server.reset()
     server.make_bucket("ckpt")
     proxy = StorageProxy(server.port).start()
     try:

@@ -68,7 +68,9 @@ def test_sharded_unit_chunks_from_several_writers(cs):
     cs.commit(5, [rec])
     out = cs.load().units["expert/l0/0"]
     assert torch.equal(out["model"]["layers.0.moe.experts.0.w"], torch.full((4, 8), 7.0))
-    assert sorted(cs.store.list("data/")) == ["data/000000000005/r0.experts.bin", "data/000000000005/r1.experts.bin"]
+    n = cs.nonce
+    assert sorted(cs.store.list("data/")) == [f"data/000000000005/g0.r0.{n}.experts.bin",
+                                              f"data/000000000005/g0.r1.{n}.experts.bin"]
 
 
 def test_compression_round_trip_and_saves_bytes(store):
@@ -101,7 +103,7 @@ def test_gc_never_touches_objects_of_later_uncommitted_steps(store):
     w.add_unit("module/emb", {"model": {"emb.weight": torch.zeros(2)}}, kind="module")
     w.finish()  # in flight: written, not committed
     save_step(cs, 10, [0], m, layers=1)
-    assert "data/000000000020/w0.state.bin" in cs.store.list("data/")
+    assert f"data/000000000020/g0.w0.{cs.nonce}.state.bin" in cs.store.list("data/")
 
 
 def test_concurrent_load_equals_sequential(store):

@@ -659,8 +659,20 @@ class Reconfigurer:
         with self.sockets.track():   # moc's own gloo groups (made here if not beforehand)
             s.ckpt = CheckpointManager(cfg, model=cast(nn.Module, s.model), optimizer=s.optimizer,
                                        memory_key=self.ctx.memory_key, handover=self.handover, node=self.ctx.node,
-                                       comm=comm)
+                                       comm=comm, generation=max(0, s.generation))
         self.handover = None
+        out = self._moc_state(s, cfg, lost, fresh_start, out)
+        # Fence the older generations (a frozen or partitioned member's writes) from the step
+        # this one resumes at: rank 0 writes the marker off this thread (storage must not
+        # hold up the reconfiguration's collectives), before its first commit at the latest.
+        if s.generation >= 1:
+            s.ckpt.fence(s.generation, resume_step=s.step, wait=False)
+        return out
+
+    def _moc_state(self, s: StateDraft, cfg: Any, lost: list[str], fresh_start: bool,
+                   out: dict[str, int]) -> dict[str, int]:
+        """Restore what this generation needs from moc (the step, lost experts)."""
+        assert s.ckpt is not None
         if fresh_start:
             s.step = s.ckpt.restore(reshard=True) if cfg.exact else s.ckpt.restore()
             self.unrestored.clear()
