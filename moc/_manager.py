@@ -217,6 +217,9 @@ class CheckpointManager:
         self._exit_after_close = False  # a SIGTERM came during that flush
         #: the generation base is known (adopted from a handover, or a restore read the store)
         self._base_known = any(t["handover"] is not None for t in told)
+        #: a job with no runtime counting generations for it (no generation given, no
+        #: handover): its first restore that finds a checkpoint starts a new generation
+        self._auto_fence = generation is None and not self._base_known
         self._adopt([t["handover"] for t in told])
         if generation is not None:
             self._set_generation(generation)
@@ -422,6 +425,8 @@ class CheckpointManager:
         started = time.monotonic()
         self._learn_generation_base()
         next_step = self.mode.restore(reshard=reshard)
+        if self._auto_fence and next_step:
+            self._fence_restart()
         replay = self.exact.last_replay if self.exact is not None and next_step else None
         self._restore_report = report_restore(
             self.recovery.last_restore, next_step=next_step, storage=str(self.cfg.storage), plt=self.plt(),
@@ -477,6 +482,23 @@ class CheckpointManager:
             if self.rank == 0:
                 log.info("rank 0 step -: %s holds fences up to generation %d: this job writes as generation %d",
                          self.store.store.url, newest, self.store.generation)
+
+    def _fence_restart(self) -> None:
+        """A restarted job (no runtime gives it generations) writes as a new generation
+        from its restore on and fences the old one: a process of the earlier incarnation
+        still running (a preempted node that did not die) can no longer commit, and what
+        the restart writes again (exact mode replays a committed window and commits it
+        anew) goes under keys of its own, never over the committed ones. The manifests
+        committed before the restore stay visible: the fence hides only older
+        generations' manifests of later steps. Collective, like :meth:`restore`."""
+        self._auto_fence = False
+        latest = self.store.latest_step() if self.rank == 0 else None
+        latest = self.comm.broadcast_json(latest)
+        resume = 0 if latest is None else int(latest) + 1
+        self.fence(self.store.generation - self.store.generation_base + 1, resume_step=resume)
+        if self.rank == 0:
+            log.info("rank 0 step %d: restarted job writes as generation %d (older generations fenced from step %d)",
+                     resume, self.store.generation, resume)
 
     def fence(self, generation: int, *, resume_step: int, wait: bool = True) -> None:
         """Write as fencing generation ``generation`` from now on and fence every older one:

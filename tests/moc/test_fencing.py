@@ -317,3 +317,53 @@ def test_a_sigstopped_writer_resumed_after_a_newer_generation_took_over_is_refus
     cli = subprocess.run([sys.executable, "-m", "moc.cli", "verify", store], capture_output=True, text=True,
                          timeout=120, env=env)
     assert cli.returncode == 0, cli.stdout + cli.stderr
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_a_restarted_job_writes_as_a_new_generation_and_fences_its_old_incarnation(tmp_path, exact):
+    """A job with no runtime counting generations (no ``generation=``): its restore starts
+    generation 1 and fences generation 0 from the step after the newest committed one. What
+    the restart writes again (exact mode replays its committed window and commits it anew)
+    goes under keys of its own, never over a committed manifest; the old incarnation, still
+    running, commits nothing more; every committed checkpoint stays readable."""
+    kw = dict(interval=1, k_snapshot=4, exact=True) if exact else dict(interval=2, k_snapshot=8)
+    cfg = MoCConfig(storage=str(tmp_path / "ckpt"), snapshot_dir=str(tmp_path / "shm-old"), **kw)
+    model, opt, task = make(0)
+    old = CheckpointManager(cfg, model=model, optimizer=opt)
+    for step in range(6):
+        train_step(model, opt, task, step, old)
+    old.wait()
+    before = CheckpointStore(str(tmp_path / "ckpt"))
+    committed = before.steps()
+    assert committed and old.generation == 0
+    # the restart (another process would; its own buffers): restore, then train on
+    cfg2 = MoCConfig(storage=str(tmp_path / "ckpt"), snapshot_dir=str(tmp_path / "shm-new"), **kw)
+    model2, opt2, _ = make(1)
+    new = CheckpointManager(cfg2, model=model2, optimizer=opt2)
+    start = new.restore()
+    assert start > 0 and new.generation == 1
+    fence = json.loads(new.store.store.read("fence/g000000000001.json"))
+    assert fence["resume_step"] == committed[-1] + 1
+    for step in range(start, 10):
+        train_step(model2, opt2, task, step, new)
+    new.close()
+    assert new.status()["writes_refused"] == 0
+    cs = CheckpointStore(str(tmp_path / "ckpt"))
+    keys = cs.store.list("manifests/")
+    assert any(k.endswith(".g1.json") for k in keys)
+    # the old incarnation keeps training: every commit it tries is refused, counted, logged
+    # (plain mode: training goes on, close() raises; exact mode stops at the window that
+    # could not be committed, naming the fence)
+    from moc import CheckpointError
+
+    with pytest.raises((FencedError, CheckpointError), match="generation 0 is stale, generation 1 took over"):
+        for step in range(6, 12):
+            train_step(model, opt, task, step, old)
+        old.wait(flush=False)
+        assert old.status()["writes_refused"] >= 1
+        old.close()
+    assert old.status()["writes_refused"] >= 1
+    assert cs.verify() == [] and committed[-1] in cs.steps()     # (retention dropped the oldest)
+    stale = [k for k in cs.store.list("manifests/")
+             if ".g" not in k and int(k.rsplit("/", 1)[-1].split(".")[0]) > committed[-1]]
+    assert stale == []                                           # the old incarnation committed nothing more
