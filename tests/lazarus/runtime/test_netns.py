@@ -272,7 +272,7 @@ def test_the_controller_cut_from_half_the_hosts(job: Job) -> None:
 
 
 FLAP_S = 50
-FLAP_LIMIT = 2
+FLAP_LIMIT = 1
 HOLD_DOWN_S = 10
 
 
@@ -282,9 +282,10 @@ HOLD_DOWN_S = 10
 def test_a_flapping_link_costs_a_bounded_number_of_reconfigurations(job: Job) -> None:
     # n1's link goes down and up, each state lasting 1-5 s (seeded), for FLAP_S seconds
     # (make soak NETWORK=netns flaps for 2 minutes). Without hysteresis each long enough
-    # "down" costs the members a failure plan and each "up" a join plan. With it, once n1
-    # was dropped FLAP_LIMIT times its join waits until it has been up HOLD_DOWN_S without
-    # a drop: at most FLAP_LIMIT drops and their joins, then the final join.
+    # "down" costs the members a failure plan and each "up" a join plan (4 plans in a run
+    # without it, --flap-hold-down 0s). With it, once n1 was dropped FLAP_LIMIT times its
+    # join waits until it has been up HOLD_DOWN_S without a drop: the drop, then the final
+    # join (one more allowed: a collective error's plan).
     c, slow = job.c, job.tmp / "slow"
     c.start(NODES)
     c.wait_step(15, timeout=180)
@@ -310,7 +311,7 @@ def test_a_flapping_link_costs_a_bounded_number_of_reconfigurations(job: Job) ->
           f"({[p['reason'] for p in plans]}); joins held {len(held)} times; "
           f"n1 back {rejoin['t_resumed'] - t_end:.1f} s after the flapping")
     assert held, "n1 was never held back"
-    assert len(plans) <= 2 * FLAP_LIMIT + 2, [(p["reason"], p["members"]) for p in plans]
+    assert len(plans) <= 2 * FLAP_LIMIT + 1, [(p["reason"], p["members"]) for p in plans]
     # the three trained on meanwhile; one generation at a time; n1 came back with the state
     assert len([m for m in c.steps() if t_flap < m["t"] < t_end]) >= 10
     _one_generation_at_a_time(job)
