@@ -497,7 +497,7 @@ def account(f: Fault, events: list[dict[str, Any]], recs: list[dict[str, Any]], 
 def measure(f: Fault, recs: list[dict[str, Any]], step_s: float) -> None:
     """Time and steps this fault cost: from the injection (the node kill, for a kill while
     the controller is away) until training first gets past the step it had reached
-    before it, minus one normal step; steps lost = recorded steps
+    before it (a network fault: the step after that one), minus one normal step; steps lost = recorded steps
     run again (a rollback to a checkpoint)."""
     t = f.t_hit or f.t
     before = [m["step"] for m in recs if m["t"] < t]
@@ -506,7 +506,10 @@ def measure(f: Fault, recs: list[dict[str, Any]], step_s: float) -> None:
         return
     hw = max(before)
     f.steps_lost = max(0, hw - after[0]["step"] + 1)
-    regain = next((m for m in after if m["step"] > hw), None)
+    # A network fault hits the step in flight, which may still be recorded just after it
+    # (a kill's step never is): training has got past the fault once the step after it is.
+    past = hw + 1 if f.kind in NETNS_KINDS else hw
+    regain = next((m for m in after if m["step"] > past), None)
     if regain is not None:
         f.time_lost = max(0.0, regain["t"] - t - step_s)
 
