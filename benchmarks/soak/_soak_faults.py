@@ -50,7 +50,7 @@ PROXY_KINDS = ("storage_outage", "slow_storage", "spot_notice_persist_hung")
 ALL_FAULTS = {**FAULTS, **NETNS_FAULTS}
 FLAP_S = 120.0
 #: the controller's --flap-limit default: a flap costs at most this many drops, their
-#: joins, and the final join (with a collective error's plan on either side of each)
+#: joins, and the final join (and one more: a collective error's plan)
 FLAP_LIMIT = 3
 MIN_NODES, MAX_NODES = 3, 5
 #: no fault is injected with less training than this left: the longest ones (a join under
@@ -334,6 +334,7 @@ class Soak:
         f.t = time.time()
         time.sleep(FLAP_S + 6.0)     # the last state may outlast the 2 minutes by up to 5 s
         f.t_end = self.net.heal(f.node)
+        f.t_hit = changes[0][0] if changes else None    # the link first went down
         f.detail["link_changes"] = len(changes)
 
     def run(self, minutes: float, seed: int, kinds: tuple[str, ...] = KINDS) -> None:
@@ -481,11 +482,13 @@ def account(f: Fault, events: list[dict[str, Any]], recs: list[dict[str, Any]], 
                  ("not dropped for it", pseudo(dropped is None, end))]
     elif f.kind == "flap":
         end = f.t_end or f.t
-        plans = [e for e in after if e["event"] == "plan" and e["t"] <= end + 90.0]
         before = [e for e in events if e.get("event") == "plan" and e["t"] <= end]
         back = (first(lambda e: e["event"] == "plan" and n in e.get("members", []), end)
                 or pseudo(bool(before) and n in before[-1].get("members", []), end))
-        bound = 4 * FLAP_LIMIT + 2
+        # the flap's plans: from its start until the one that has the node back (other
+        # faults may follow while it is held; theirs are not counted)
+        plans = [e for e in after if e["event"] == "plan" and e["t"] <= (back["t"] if back else end)]
+        bound = 2 * FLAP_LIMIT + 2
         d["plans"] = len(plans)
         found = [(f"{len(plans)} plans for {d.get('link_changes')} link changes (bound {bound})",
                   pseudo(len(plans) <= bound)),
