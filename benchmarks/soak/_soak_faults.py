@@ -49,6 +49,9 @@ NETNS_KINDS = tuple(NETNS_FAULTS)
 PROXY_KINDS = ("storage_outage", "slow_storage", "spot_notice_persist_hung")
 ALL_FAULTS = {**FAULTS, **NETNS_FAULTS}
 FLAP_S = 120.0
+#: the controller's --flap-hold-down default: a flapping node joins again this long after
+#: its link is steady, so a flap needs this much training left on top of END_MARGIN_S
+FLAP_HOLD_DOWN_S = 60.0
 #: the controller's --flap-limit default: a flap costs at most this many drops, their
 #: joins, and the final join (and one more: a collective error's plan)
 FLAP_LIMIT = 3
@@ -56,6 +59,8 @@ MIN_NODES, MAX_NODES = 3, 5
 #: no fault is injected with less training than this left: the longest ones (a join under
 #: a full tmpfs, a leave while storage hangs) take ~30 s to play out and be seen handled
 END_MARGIN_S = 45.0
+#: training left a kind needs to play out (the others: END_MARGIN_S)
+_MARGIN = {"flap": FLAP_S + FLAP_HOLD_DOWN_S + END_MARGIN_S}
 #: live nodes a kind needs before it is injected (min, max); outside it a join (too few)
 #: or a node kill (too many) is injected instead, so the world stays within 3-5 nodes
 _NEEDS = {"kill_node": (4, MAX_NODES), "spot_notice": (4, MAX_NODES), "spot_notice_persist_hung": (4, MAX_NODES),
@@ -356,7 +361,12 @@ class Soak:
                 self.say(f"about {left_s:.0f} s of training left; stopping the faults (each needs "
                          f"{END_MARGIN_S:.0f} s to play out and be checked)")
                 break
-            self.inject(self.pick_kind(drawn))
+            kind = self.pick_kind(drawn)
+            if left_s < _MARGIN.get(kind, END_MARGIN_S):
+                self.say(f"about {left_s:.0f} s of training left: too little for {kind} (it needs "
+                         f"{_MARGIN[kind]:.0f} s to play out and its node to be back); skipped")
+                continue
+            self.inject(kind)
         self.say(f"faults over after {time.time() - t0:.0f} s; running to step {self.steps}")
 
 
