@@ -117,12 +117,14 @@ bench-exact: $(STAMP)
 	$(VPY) benchmarks/exact/ettr.py $(if $(QUICK),--quick --out runs/bench-exact-quick)
 
 # Chaos soak of a live job (not part of `make test`): MINUTES of seeded random faults,
-# LOAD CPU-bound busy processes beside it.
+# LOAD CPU-bound busy processes beside it. NETWORK=netns: every host in its own network
+# namespace, and the network's faults (partitions, cuts, a flapping link; needs root, nft).
 MINUTES ?= 10
 SEED ?= 0
 LOAD ?= 0
+NETWORK ?= loopback
 soak: $(STAMP) bytecode
-	$(VPY) benchmarks/soak/main.py --minutes $(MINUTES) --seed $(SEED) --load $(LOAD)
+	$(VPY) benchmarks/soak/main.py --minutes $(MINUTES) --seed $(SEED) --load $(LOAD) --network $(NETWORK)
 
 # The soak for SEEDS seeds (a count, or a comma list) x MINUTES x LOADS (not part of `make test`
 # nor `make bench`; 10 x 10 min x {0, 2}: 20 soaks of 12-18 min, 4-5 hours on 2 cores). One table: benchmarks/soak/matrix.md.

@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import ipaddress
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -179,26 +180,38 @@ class NetnsNetwork:
             raise RuntimeError(f"nft on {host}: {r.stderr.strip()}")
         return t
 
-    def flap(self, host: str, period: timedelta, duration: timedelta | None = None) -> None:
+    def flap(self, host: str, period: timedelta, duration: timedelta | None = None, *,
+             up_to: timedelta | None = None, seed: int = 0) -> list[tuple[float, bool]]:
         """Take ``host``'s switch port down and up every ``period`` (for ``duration``, or
-        until :meth:`heal`), in a background thread."""
+        until :meth:`heal`), in a background thread; with ``up_to``, each wait is drawn
+        uniformly from [``period``, ``up_to``] by a ``random.Random(seed)``. Returns the list
+        the thread appends each change to (``(time.time(), up)``); the link is up at the end."""
         self._check(host)
         if not isinstance(period, timedelta) or period <= timedelta(0):
             raise ValueError(f"period must be a positive timedelta, got {period!r}")
+        if up_to is not None and (not isinstance(up_to, timedelta) or up_to < period):
+            raise ValueError(f"up_to must be a timedelta >= period ({period}), got {up_to!r}")
         stop = self._flaps.pop(host, None)
         if stop is not None:
             stop.set()
         stop = self._flaps[host] = threading.Event()
         end = None if duration is None else time.monotonic() + duration.total_seconds()
+        rng = random.Random(seed)
+        lo, hi = period.total_seconds(), (up_to or period).total_seconds()
+        changes: list[tuple[float, bool]] = []
 
         def run() -> None:
             up = True
-            while not stop.wait(period.total_seconds()) and (end is None or time.monotonic() < end):
+            while not stop.wait(rng.uniform(lo, hi)) and (end is None or time.monotonic() < end):
                 up = not up
                 _ip("-n", self.switch, "link", "set", f"p-{host}", "up" if up else "down", check=False)
+                changes.append((time.time(), up))
             _ip("-n", self.switch, "link", "set", f"p-{host}", "up", check=False)
+            if not up:
+                changes.append((time.time(), True))
 
         threading.Thread(target=run, name=f"flap-{host}", daemon=True).start()
+        return changes
 
     def heal(self, host: str) -> float:
         """Undo every fault of ``host``: flapping stops, its port is up, its nft rules gone."""

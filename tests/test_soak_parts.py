@@ -35,6 +35,48 @@ class _World:
         self.alive = [f"n{i}" for i in range(n)]
 
 
+def test_the_network_kinds_leave_the_loopback_schedule_as_it_was():
+    """make soak NETWORK=netns adds kinds; a loopback soak of a seed draws what it drew before."""
+    # seed 7's first 8 kinds as the schedule drew them before the network kinds (42ab3df)
+    assert [k for _, k in sf.schedule(7, 10)][:8] == ["kill_worker", "kill_node", "freeze_worker", "spot_notice",
+                                                      "freeze_worker", "kill_node", "kill_during_reconfig",
+                                                      "kill_controller"]
+    netns = tuple(k for k in sf.KINDS if k not in sf.PROXY_KINDS) + sf.NETNS_KINDS
+    kinds = {k for s in range(5) for _, k in sf.schedule(s, 10, netns)}
+    assert kinds & set(sf.NETNS_KINDS) and not kinds & set(sf.PROXY_KINDS)
+
+
+def test_a_peer_cut_is_accounted_only_when_the_cut_node_alone_was_dropped(tmp_path):
+    t0 = 1000.0
+    recs = [{"t": t0 + i * 0.5, "step": 100 + i} for i in range(40)]
+    ok = [{"t": t0 + 5.0, "event": "collective_error", "node": "n1"},
+          {"t": t0 + 6.1, "event": "plan", "lost": ["n2"], "joined": [], "members": ["n0", "n1", "n3"]},
+          {"t": t0 + 16.0, "event": "plan", "lost": [], "joined": ["n2"], "members": ["n0", "n1", "n2", "n3"]}]
+    f = sf.Fault("cut_peers_in", t0, node="n2", t_end=t0 + 10)
+    sf.account(f, ok, recs, tmp_path, 0.1)
+    assert f.accounted, f.evidence
+    wrong = [ok[0], dict(ok[1], lost=["n1"], members=["n0", "n2", "n3"]), ok[2]]   # a healthy node dropped
+    f = sf.Fault("cut_peers_in", t0, node="n2", t_end=t0 + 10)
+    sf.account(f, wrong, recs, tmp_path, 0.1)
+    assert not f.accounted, f.evidence
+
+
+def test_a_flap_is_accounted_by_a_bounded_number_of_plans_and_the_node_back(tmp_path):
+    t0, n = 1000.0, "n0"
+    recs = [{"t": t0 + i * 0.5, "step": 100 + i} for i in range(400)]
+    drop = {"event": "plan", "lost": [n], "joined": [], "members": ["n1", "n2", "n3"]}
+    back = {"event": "plan", "lost": [], "joined": [n], "members": ["n1", "n2", "n3", n]}
+    held = {"t": t0 + 130.0, "event": "join_held", "node": n}
+    f = sf.Fault("flap", t0, node=n, t_end=t0 + 126.0, detail={"link_changes": 36})
+    sf.account(f, [dict(drop, t=t0 + 3), held, dict(back, t=t0 + 180)], recs, tmp_path, 0.1)
+    assert f.accounted, f.evidence
+    # a plan per flap: past the bound
+    many = [dict(p, t=t0 + 3 + 6 * i + (3 if p is back else 0)) for i in range(sf.FLAP_LIMIT + 2) for p in (drop, back)]
+    f = sf.Fault("flap", t0, node=n, t_end=t0 + 126.0, detail={"link_changes": 36})
+    sf.account(f, [*many, held], recs, tmp_path, 0.1)
+    assert not f.accounted and f.detail["plans"] > 2 * sf.FLAP_LIMIT + 2, f.evidence
+
+
 @pytest.mark.parametrize("kind", sf.KINDS)
 def test_every_kind_keeps_the_world_within_3_to_5_nodes(kind):
     removes = {"kill_node": 1, "spot_notice": 1, "spot_notice_persist_hung": 1, "kill_controller_away": 1,

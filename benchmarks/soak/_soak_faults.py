@@ -33,16 +33,43 @@ FAULTS: dict[str, tuple[int, str]] = {
     "spot_notice_persist_hung": (1, "SIGTERM to an agent while S3 holds every request (a persist is stuck)"),
 }
 KINDS = tuple(FAULTS)
+#: ``--network netns`` (every node, the controller and S3 on hosts of their own): the
+#: network's faults, added to the kinds above, which lose the three that need the
+#: loopback proxy in front of S3 (PROXY_KINDS)
+NETNS_FAULTS: dict[str, tuple[int, str]] = {
+    "partition": (2, "a node's switch port down for 5-12 s (it reaches nothing), then up"),
+    "cut_controller": (2, "a node cut from the controller only (nft, both ways) for 5-12 s"),
+    "cut_peers": (1, "a node cut from every other node only (both ways) for 8-15 s"),
+    "cut_peers_in": (1, "a node cut from what every other node sends it for 8-15 s"),
+    "cut_peers_out": (1, "a node cut from sending to every other node for 8-15 s"),
+    "cut_storage": (1, "a node cut from the S3 host only (both ways) for 10-20 s"),
+    "flap": (1, "a node's link down and up, each state 1-5 s (seeded), for 2 minutes"),
+}
+NETNS_KINDS = tuple(NETNS_FAULTS)
+PROXY_KINDS = ("storage_outage", "slow_storage", "spot_notice_persist_hung")
+ALL_FAULTS = {**FAULTS, **NETNS_FAULTS}
+FLAP_S = 120.0
+#: the controller's --flap-hold-down default: a flapping node joins again this long after
+#: its link is steady, so a flap needs this much training left on top of END_MARGIN_S
+FLAP_HOLD_DOWN_S = 60.0
+#: the controller's --flap-limit default: a flap costs at most this many drops, their
+#: joins, and the final join (and one more: a collective error's plan)
+FLAP_LIMIT = 3
 MIN_NODES, MAX_NODES = 3, 5
 #: no fault is injected with less training than this left: the longest ones (a join under
 #: a full tmpfs, a leave while storage hangs) take ~30 s to play out and be seen handled
 END_MARGIN_S = 45.0
+#: training left a kind needs to play out (the others: END_MARGIN_S)
+_MARGIN = {"flap": FLAP_S + FLAP_HOLD_DOWN_S + END_MARGIN_S}
 #: live nodes a kind needs before it is injected (min, max); outside it a join (too few)
 #: or a node kill (too many) is injected instead, so the world stays within 3-5 nodes
 _NEEDS = {"kill_node": (4, MAX_NODES), "spot_notice": (4, MAX_NODES), "spot_notice_persist_hung": (4, MAX_NODES),
           "kill_controller_away": (4, MAX_NODES), "kill_during_reconfig": (5, MAX_NODES),
           "kill_two_in_grace": (5, MAX_NODES), "join": (MIN_NODES, 4), "shm_full": (MIN_NODES, 4),
-          "kill_during_join": (MIN_NODES, 4)}
+          "kill_during_join": (MIN_NODES, 4),
+          # a network fault drops its node for a while: from 4, as a kill
+          **{k: (4, MAX_NODES) for k in ("partition", "cut_controller", "cut_peers", "cut_peers_in", "cut_peers_out",
+                                         "flap")}}
 #: time-lost targets per kind (issue 28): seconds, and steps where one is set
 TARGETS: dict[str, tuple[float, int | None]] = {
     "kill_node": (2.0, None), "kill_worker": (2.0, None), "kill_controller": (2.0, 0), "storage_outage": (0.0, None),
@@ -77,8 +104,8 @@ def schedule(seed: int, minutes: float, kinds: tuple[str, ...] = KINDS,
              spacing: tuple[float, float] = (12.0, 24.0)) -> list[tuple[float, str]]:
     """Offsets (seconds after the warm-up) and kinds, from the seed alone."""
     rng = random.Random(seed)
-    kinds = tuple(k for k in KINDS if k in kinds)
-    weights = [FAULTS[k][0] for k in kinds]
+    kinds = tuple(k for k in (*KINDS, *NETNS_KINDS) if k in kinds)
+    weights = [ALL_FAULTS[k][0] for k in kinds]
     out, t = [], 0.0
     while True:
         t += rng.uniform(*spacing)
@@ -99,6 +126,7 @@ class Soak:
         self.faults: list[Fault] = []
         self.leave_timeout = leave_timeout
         self.log = open(c.dir / "soak.log", "a")
+        self.net = c.network    # a NetnsNetwork (--network netns) or None
 
     def say(self, text: str) -> None:
         line = f"{time.strftime('%H:%M:%S')} step {self.c.current_step()}: {text}"
@@ -169,7 +197,7 @@ class Soak:
         c, rng = self.c, self.rng
         f = Fault(kind, time.time(), step_before=c.current_step())
         if kind in ("kill_node", "kill_worker", "freeze_node", "freeze_worker", "spot_notice",
-                    "spot_notice_persist_hung", "kill_controller_away"):
+                    "spot_notice_persist_hung", "kill_controller_away", *NETNS_KINDS):
             f.node = rng.choice(sorted(self.alive))
         getattr(self, f"_inject_{kind}")(f)
         self.faults.append(f)
@@ -281,6 +309,39 @@ class Soak:
         proxy.heal()
         f.t_end = time.time()
 
+    # -- the network's faults (--network netns) ------------------------------------------------
+    def _cut_for(self, f: Fault, lo: float, hi: float, cut: Callable[[], float]) -> None:
+        f.t = cut()
+        time.sleep(self.rng.uniform(lo, hi))
+        f.t_end = self.net.heal(f.node)
+
+    def _inject_partition(self, f: Fault) -> None:
+        self._cut_for(f, 5.0, 12.0, lambda: self.net.partition(f.node))
+
+    def _inject_cut_controller(self, f: Fault) -> None:
+        self._cut_for(f, 5.0, 12.0, lambda: self.net.cut(f.node, "controller"))
+
+    def _inject_cut_peers(self, f: Fault) -> None:
+        self._cut_for(f, 8.0, 15.0, lambda: self.net.cut(f.node, "peers"))
+
+    def _inject_cut_peers_in(self, f: Fault) -> None:
+        self._cut_for(f, 8.0, 15.0, lambda: self.net.cut(f.node, "peers", direction="in"))
+
+    def _inject_cut_peers_out(self, f: Fault) -> None:
+        self._cut_for(f, 8.0, 15.0, lambda: self.net.cut(f.node, "peers", direction="out"))
+
+    def _inject_cut_storage(self, f: Fault) -> None:
+        self._cut_for(f, 10.0, 20.0, lambda: self.net.cut(f.node, "storage"))
+
+    def _inject_flap(self, f: Fault) -> None:
+        changes = self.net.flap(f.node, timedelta(seconds=1), timedelta(seconds=FLAP_S), up_to=timedelta(seconds=5),
+                                seed=self.rng.randrange(1 << 30))
+        f.t = time.time()
+        time.sleep(FLAP_S + 6.0)     # the last state may outlast the 2 minutes by up to 5 s
+        f.t_end = self.net.heal(f.node)
+        f.t_hit = changes[0][0] if changes else None    # the link first went down
+        f.detail["link_changes"] = len(changes)
+
     def run(self, minutes: float, seed: int, kinds: tuple[str, ...] = KINDS) -> None:
         c = self.c
         c.start_controller()
@@ -300,7 +361,12 @@ class Soak:
                 self.say(f"about {left_s:.0f} s of training left; stopping the faults (each needs "
                          f"{END_MARGIN_S:.0f} s to play out and be checked)")
                 break
-            self.inject(self.pick_kind(drawn))
+            kind = self.pick_kind(drawn)
+            if left_s < _MARGIN.get(kind, END_MARGIN_S):
+                self.say(f"about {left_s:.0f} s of training left: too little for {kind} (it needs "
+                         f"{_MARGIN[kind]:.0f} s to play out and its node to be back); skipped")
+                continue
+            self.inject(kind)
         self.say(f"faults over after {time.time() - t0:.0f} s; running to step {self.steps}")
 
 
@@ -407,6 +473,36 @@ def account(f: Fault, events: list[dict[str, Any]], recs: list[dict[str, Any]], 
                  ("leave plan", plan_with("leaving", n)),
                  (f"agent exit {rc} after {d.get('agent_exit_s')} s", pseudo(rc == 0, f.t + (d.get("agent_exit_s")
                                                                                           or 0)))]
+    elif f.kind in ("partition", "cut_controller"):
+        failed = ev("node_failed", n)
+        found = [("node_failed", failed), ("plan lost", plan_with("lost", n)),
+                 ("rejoin plan after the heal", plan_with("joined", n, f.t_end or f.t))]
+    elif f.kind in ("cut_peers", "cut_peers_in", "cut_peers_out"):
+        # the controller must drop the cut node (who reports whom), never the healthy others
+        lost = first(lambda e: e["event"] == "plan" and e.get("lost"))
+        found = [("collective_error", ev("collective_error")),
+                 (f"plan lost {lost['lost'] if lost else '?'} (only the cut node)",
+                  lost if lost and lost["lost"] == [n] else None),
+                 ("rejoin plan after the heal", plan_with("joined", n, f.t_end or f.t))]
+    elif f.kind == "cut_storage":
+        end = f.t_end or f.t
+        k = advanced(f.t, end)
+        dropped = first(lambda e: e["event"] == "plan" and n in e.get("lost", []) and e["t"] <= end)
+        found = [(f"{k} steps trained while cut ({d.get('rate')}x the median rate)", pseudo(k > 0, end)),
+                 ("not dropped for it", pseudo(dropped is None, end))]
+    elif f.kind == "flap":
+        end = f.t_end or f.t
+        before = [e for e in events if e.get("event") == "plan" and e["t"] <= end]
+        back = (first(lambda e: e["event"] == "plan" and n in e.get("members", []), end)
+                or pseudo(bool(before) and n in before[-1].get("members", []), end))
+        # the flap's plans: from its start until the one that has the node back (other
+        # faults may follow while it is held; theirs are not counted)
+        plans = [e for e in after if e["event"] == "plan" and e["t"] <= (back["t"] if back else end)]
+        bound = 2 * FLAP_LIMIT + 2
+        d["plans"] = len(plans)
+        found = [(f"{len(plans)} plans for {d.get('link_changes')} link changes (bound {bound})",
+                  pseudo(len(plans) <= bound)),
+                 ("join_held", ev("join_held", n)), (f"{n} a member again", back)]
     f.evidence = [f"{name} @{e['t'] - f.t:+.1f}s" if e else f"{name} MISSING" for name, e in found]
     f.accounted = bool(found) and all(e is not None for _, e in found)
 
@@ -414,7 +510,7 @@ def account(f: Fault, events: list[dict[str, Any]], recs: list[dict[str, Any]], 
 def measure(f: Fault, recs: list[dict[str, Any]], step_s: float) -> None:
     """Time and steps this fault cost: from the injection (the node kill, for a kill while
     the controller is away) until training first gets past the step it had reached
-    before it, minus one normal step; steps lost = recorded steps
+    before it (a network fault: the step after that one), minus one normal step; steps lost = recorded steps
     run again (a rollback to a checkpoint)."""
     t = f.t_hit or f.t
     before = [m["step"] for m in recs if m["t"] < t]
@@ -423,7 +519,10 @@ def measure(f: Fault, recs: list[dict[str, Any]], step_s: float) -> None:
         return
     hw = max(before)
     f.steps_lost = max(0, hw - after[0]["step"] + 1)
-    regain = next((m for m in after if m["step"] > hw), None)
+    # A network fault hits the step in flight, which may still be recorded just after it
+    # (a kill's step never is): training has got past the fault once the step after it is.
+    past = hw + 1 if f.kind in NETNS_KINDS else hw
+    regain = next((m for m in after if m["step"] > past), None)
     if regain is not None:
         f.time_lost = max(0.0, regain["t"] - t - step_s)
 

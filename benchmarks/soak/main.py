@@ -20,6 +20,16 @@ details in ``_soak_faults.FAULTS``):
 
 ``--load N`` runs N CPU-bound busy processes beside it for its whole duration.
 
+``--network netns`` (``make soak NETWORK=netns``; needs root, ``ip netns`` and nftables)
+runs the controller, moto and every node on hosts of their own, each in its network
+namespace with its own address on one bridge (:mod:`examples.netns_cluster`), and adds the
+network's faults: ``partition`` (a node's link down), ``cut_controller``, ``cut_peers``
+(both ways), ``cut_peers_in`` / ``cut_peers_out`` (one way), ``cut_storage`` (nft rules in
+the node's namespace) and ``flap`` (the link down and up every 1-5 s for 2 minutes). The
+three kinds that need the loopback proxy in front of S3 (``storage_outage``,
+``slow_storage``, ``spot_notice_persist_hung``) are left out there (``cut_storage`` is the
+network's storage fault). Every namespace is removed at the end.
+
 Before each fault the job must be healthy again (every live node a member of the newest
 plan, training past its earlier high-water mark). Then the job runs to its last step and
 the soak checks: the job finished, no worker died on its own (every worker exit is 0 or a
@@ -65,7 +75,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 from _soak_env import CpuLoad, S3Endpoint, Tmpfs, log_lines  # noqa: E402
-from _soak_faults import KINDS, MAX_NODES, MIN_NODES, TARGETS, Fault, Soak, account, measure, target_met  # noqa: E402
+from _soak_faults import (  # noqa: E402
+    KINDS, MAX_NODES, MIN_NODES, NETNS_KINDS, PROXY_KINDS, TARGETS, Fault, Soak, account, measure, target_met)
 
 from examples.local_cluster import LocalCluster  # noqa: E402
 
@@ -77,7 +88,33 @@ LEAVE_TIMEOUT_S = 60
 ORDERED_EXITS = (0, -9, -15)
 
 
-def _job(workdir: Path, s3: S3Endpoint, steps: int, run: str) -> LocalCluster:
+class NetnsStorage:
+    """``--network netns``: moto on the network's ``storage`` host (no proxy: the network
+    cuts it); :meth:`verify` runs ``moc verify`` there, on loopback."""
+
+    proxy = None
+
+    def __init__(self, net: Any, log: Path) -> None:
+        self.net, self.log = net, log
+        self.s3: Any = None
+        self.env: dict[str, str] = {}
+
+    def start(self) -> "NetnsStorage":
+        from examples.netns_cluster import NetnsS3
+
+        self.s3 = NetnsS3(self.net, log=self.log)
+        self.env = self.s3.env
+        return self
+
+    def stop(self) -> None:
+        if self.s3 is not None:
+            self.s3.close()
+
+    def make_bucket(self, name: str) -> None:
+        self.s3.make_bucket(name)
+
+
+def _job(workdir: Path, s3: Any, steps: int, run: str) -> LocalCluster:
     worker = ["--steps", str(steps), "--storage", f"s3://{BUCKET}/{run}", "--layers", str(LAYERS),
               "--experts", str(EXPERTS), "--d-model", "32", "--d-hidden", "64", "--batch-size", "8",
               "--seq-len", "32", "--corpus-bytes", str(1 << 20), "--interval", "5", "--k-snapshot", "2",
@@ -89,7 +126,7 @@ def _job(workdir: Path, s3: S3Endpoint, steps: int, run: str) -> LocalCluster:
     agent = ["--heartbeat-interval", "250ms", "--respawn-delay", "500ms", "--max-restarts", "20",
              "--reconnect-timeout", "2m", "--leave-timeout", f"{LEAVE_TIMEOUT_S}s"]
     return LocalCluster(workdir / "job", worker_args=worker, controller_args=controller, agent_args=agent,
-                        env=s3.env)
+                        env=s3.env, network=getattr(s3, "net", None))
 
 
 def _median_step_seconds(c: LocalCluster) -> float:
@@ -98,7 +135,7 @@ def _median_step_seconds(c: LocalCluster) -> float:
     return statistics.median(gaps) if gaps else 0.5
 
 
-def calibrate(workdir: Path, s3: S3Endpoint, steps: int = 40) -> float:
+def calibrate(workdir: Path, s3: Any, steps: int = 40) -> float:
     """Seconds per step of a fault-free job of the same shape (median)."""
     with _job(workdir, s3, steps, "calibration") as c:
         c.start([f"n{i}" for i in range(4)])
@@ -108,10 +145,14 @@ def calibrate(workdir: Path, s3: S3Endpoint, steps: int = 40) -> float:
         return _median_step_seconds(c)
 
 
-def moc_verify(s3: S3Endpoint, run: str) -> tuple[bool, str]:
-    env = dict(os.environ, **s3.direct_env, PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-m", "moc.cli", "verify", f"s3://{BUCKET}/{run}"], capture_output=True,
-                       text=True, env=env, timeout=600)
+def moc_verify(s3: Any, run: str) -> tuple[bool, str]:
+    cmd = [sys.executable, "-m", "moc.cli", "verify", f"s3://{BUCKET}/{run}"]
+    if isinstance(s3, NetnsStorage):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        r = s3.s3.run(cmd, capture_output=True, text=True, timeout=600)
+    else:
+        env = dict(os.environ, **s3.direct_env, PYTHONPATH=str(ROOT))
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     out = (r.stdout.strip().splitlines() or [""])[-1] or r.stderr.strip()[-300:]
     return r.returncode == 0, out
 
@@ -119,7 +160,7 @@ def moc_verify(s3: S3Endpoint, run: str) -> tuple[bool, str]:
 def by_kind(faults: list[Fault], step_s: float) -> list[dict[str, Any]]:
     """Per kind (and "all"): injected, accounted, time lost, steps lost, target, met."""
     rows = []
-    for kind in KINDS + ("all",):
+    for kind in KINDS + NETNS_KINDS + ("all",):
         fs = [f for f in faults if kind in ("all", f.kind)]
         if not fs:
             continue
@@ -177,9 +218,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=str(ROOT / "runs" / "soak"), help="work directory (wiped)")
     ap.add_argument("--steps", type=int, default=None,
                     help="steps of the job (default: calibrated so that it lasts about --minutes)")
-    ap.add_argument("--results", default=str(HERE / "results.md"), help="where to write the table ('' = nowhere)")
+    ap.add_argument("--results", default=None,
+                    help="where to write the table ('' = nowhere; default results.md, results-netns.md with "
+                         "--network netns)")
     ap.add_argument("--json", default="", help="also write the run's record (faults, checks) as JSON here")
-    ap.add_argument("--kinds", default=",".join(KINDS), help=f"faults to draw from (default all: {','.join(KINDS)})")
+    ap.add_argument("--kinds", default="",
+                    help=f"faults to draw from (default all: {','.join(KINDS)}; with --network netns also "
+                         f"{','.join(NETNS_KINDS)}, and not {','.join(PROXY_KINDS)})")
+    ap.add_argument("--network", choices=("loopback", "netns"), default="loopback",
+                    help="loopback (default): every process on 127.0.0.1; netns: each host in its own network "
+                         "namespace, with the network's faults (needs root, ip netns, nft)")
     ap.add_argument("--tmpfs-mib", type=int, default=64,
                     help="size of the tmpfs holding the nodes' snapshot memory (shm_full; default 64)")
     args = ap.parse_args(argv)
@@ -189,9 +237,18 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--load must be >= 0 busy processes, got {args.load}")
     if args.tmpfs_mib < 8:
         ap.error(f"--tmpfs-mib must be >= 8, got {args.tmpfs_mib}")
-    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
-    if not kinds or any(k not in KINDS for k in kinds):
-        ap.error(f"--kinds must be a comma list of {', '.join(KINDS)}; got {args.kinds!r}")
+    allowed = KINDS if args.network == "loopback" else (*[k for k in KINDS if k not in PROXY_KINDS], *NETNS_KINDS)
+    kinds = tuple(k.strip() for k in (args.kinds or ",".join(allowed)).split(",") if k.strip())
+    if not kinds or any(k not in allowed for k in kinds):
+        ap.error(f"--kinds must be a comma list of {', '.join(allowed)} (--network {args.network}); "
+                 f"got {args.kinds!r}")
+    net = None
+    if args.network == "netns":
+        from examples.netns_cluster import NetnsNetwork, unavailable
+
+        why = unavailable()
+        if why is not None:
+            ap.error(f"--network netns: {why}")
     workdir = Path(args.dir)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
@@ -205,7 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     ops = load_ops()
     print(f"soak: dispatcher op {'C++' if ops.cpp else 'torch fallback: ' + ops.reason}", flush=True)
     load = CpuLoad(args.load).start()
-    s3 = S3Endpoint().start()
+    if args.network == "netns":
+        net = NetnsNetwork()
+        s3: Any = NetnsStorage(net, workdir / "moto.log").start()
+    else:
+        s3 = S3Endpoint().start()
     s3.make_bucket(BUCKET)
     tmpfs = Tmpfs(workdir / "job" / "memory", args.tmpfs_mib << 20) if "shm_full" in kinds else None
     t_start = time.time()
@@ -229,7 +290,11 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 soak.run(args.minutes, args.seed, kinds)
             finally:
-                s3.proxy.heal()
+                if s3.proxy is not None:
+                    s3.proxy.heal()
+                if net is not None:
+                    for host in soak.alive:
+                        net.heal(host)
                 if tmpfs is not None:
                     tmpfs.drain()
             rc = c.wait(timeout=steps * 2.0 + 600)
@@ -255,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         s3.stop()
         load.stop()
+        if net is not None:
+            net.close()
         if tmpfs is not None:
             tmpfs.unmount()
     checks = [
@@ -270,10 +337,13 @@ def main(argv: list[str] | None = None) -> int:
          MIN_NODES <= len(final) <= MAX_NODES),
     ]
     rows = by_kind(soak.faults, step_s)
+    netarg = "" if args.network == "loopback" else f" --network {args.network}"
+    makearg = "" if args.network == "loopback" else f" NETWORK={args.network}"
     missed = [r["kind"] for r in rows if r["met"] is False]
     ok = all(passed for _, passed in checks)
     lines = [
-        f"Soak: seed {args.seed}, load {args.load}, faults for {args.minutes:g} min, {steps} steps in "
+        f"Soak: seed {args.seed}, load {args.load}, network {args.network}, faults for {args.minutes:g} min, "
+        f"{steps} steps in "
         f"{job_wall / 60:.1f} min ({step_s * 1000:.0f} ms/step median), {len(soak.faults)} faults, {LAYERS} layers "
         f"x {EXPERTS} experts, {MIN_NODES}-{MAX_NODES} nodes; total {(time.time() - t_start) / 60:.1f} min.",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
@@ -295,15 +365,19 @@ def main(argv: list[str] | None = None) -> int:
           f"time lost {f.time_lost if f.time_lost is None else round(f.time_lost, 2)} s, "
           f"steps lost {f.steps_lost}" for i, f in enumerate(soak.faults)],
         "",
-        f"Rerun: `make soak MINUTES={args.minutes:g} SEED={args.seed} LOAD={args.load}` or `python "
-        f"benchmarks/soak/main.py --minutes {args.minutes:g} --seed {args.seed} --load {args.load}`; logs, events "
+        f"Rerun: `make soak MINUTES={args.minutes:g} SEED={args.seed} LOAD={args.load}{makearg}` or "
+        f"`python benchmarks/soak/main.py --minutes {args.minutes:g} --seed {args.seed} --load {args.load}"
+        f"{netarg}`; logs, events "
         f"and metrics in `{workdir}/job`.",
     ]
     print("\n".join(lines))
+    if args.results is None:
+        args.results = str(HERE / ("results.md" if args.network == "loopback" else "results-netns.md"))
     if args.results:
         Path(args.results).write_text("# make soak\n\n" + "\n".join(lines) + "\n")
     if args.json:
-        record = {"seed": args.seed, "load": args.load, "minutes": args.minutes, "steps": steps,
+        record = {"seed": args.seed, "load": args.load, "network": args.network, "minutes": args.minutes,
+                  "steps": steps,
                   "step_s": step_s, "job_wall_s": job_wall, "faults": [f.to_json() for f in soak.faults],
                   "by_kind": rows, "checks": [{"name": n, "passed": p} for n, p in checks],
                   "targets_missed": missed, "commit_gap_s": gap, "commit_gap_steps": gap_steps,

@@ -175,6 +175,13 @@ def register_controller(sub: argparse._SubParsersAction) -> None:
                   help="after a restart, once a member that is back reports a broken collective, members "
                        "still missing this long after the controller serves again are handled as failed "
                        "(default 3s; at most --resume-grace)")
+    p.add_argument("--flap-limit", type=int, default=3,
+                   help="a node dropped this many times within --flap-window (its agent the same process) "
+                        "is flapping: it joins again only after --flap-hold-down without a drop (default 3)")
+    _add_duration(p, "--flap-window", "10m", help="how far back drops count for --flap-limit (default 10m)")
+    _add_duration(p, "--flap-hold-down", "60s",
+                  help="how long a flapping node must stay connected without a drop before it joins again "
+                       "(default 60s; 0 = off)")
     p.add_argument("--keep-running", action="store_true", help="do not exit when the job is done")
     _add_duration(p, "--protocol-error-interval", "10s",
                   help="repeated protocol errors from one address (a wrong secret, garbage) are logged once per "
@@ -192,7 +199,8 @@ _CONTROLLER_OPTIONS = {
     "rebalance_every": "--rebalance-every", "rebalance_min_gain": "--rebalance-min-gain",
     "secret": "--secret-file", "exit_grace": "--exit-grace", "state_dir": "--state-dir",
     "resume_grace": "--resume-grace", "resume_broken_grace": "--resume-broken-grace",
-    "protocol_error_interval": "--protocol-error-interval",
+    "protocol_error_interval": "--protocol-error-interval", "flap_limit": "--flap-limit",
+    "flap_window": "--flap-window", "flap_hold_down": "--flap-hold-down",
 }
 
 
@@ -212,7 +220,8 @@ def _run_controller(args: argparse.Namespace) -> int:
             rebalance_min_gain=args.rebalance_min_gain, events_path=args.events,
             exit_when_done=not args.keep_running, advertise_host=args.advertise_host,
             exit_grace=args.exit_grace, state_dir=args.state_dir, resume_grace=args.resume_grace,
-            resume_broken_grace=args.resume_broken_grace,
+            resume_broken_grace=args.resume_broken_grace, flap_limit=args.flap_limit,
+            flap_window=args.flap_window, flap_hold_down=args.flap_hold_down,
         )
     except ValueError as exc:
         raise _config_error(exc, _CONTROLLER_OPTIONS) from None

@@ -113,6 +113,12 @@ class ControllerConfig:
             the others (0: every one in full).
         secret_source: where the secret came from (``--secret-file PATH`` or
             ``LAZARUS_SECRET``), named when a peer's secret does not match.
+        flap_limit: a node dropped (heartbeat timeout or lost connection, its agent the
+            same process) this many times within ``flap_window`` is flapping: its next join
+            waits for ``flap_hold_down`` without a drop. In [1, 1000].
+        flap_window: how far back drops are counted for ``flap_limit``; in [1 s, 1 day].
+        flap_hold_down: how long a flapping node must stay connected without a drop before
+            it joins again (every drop starts it over); in [0, 1 h], 0 turns it off.
     """
 
     secret: bytes
@@ -141,9 +147,19 @@ class ControllerConfig:
     resume_broken_grace: timedelta = timedelta(seconds=3)
     protocol_error_interval: timedelta = timedelta(seconds=10)
     secret_source: str | None = None
+    flap_limit: int = 3
+    flap_window: timedelta = timedelta(minutes=10)
+    flap_hold_down: timedelta = timedelta(seconds=60)
 
     def __post_init__(self) -> None:
         self.secret = _check_secret(self.secret)
+        _check_int("flap_limit", self.flap_limit, 1, 1000)
+        _check_td("flap_window", self.flap_window, lo=timedelta(seconds=1))
+        if self.flap_window > timedelta(days=1):
+            raise ValueError(f"flap_window must be <= 1 day, got {self.flap_window.total_seconds()}s")
+        _check_td("flap_hold_down", self.flap_hold_down, positive=False)
+        if self.flap_hold_down > timedelta(hours=1):
+            raise ValueError(f"flap_hold_down must be <= 3600s, got {self.flap_hold_down.total_seconds()}s")
         _check_td("protocol_error_interval", self.protocol_error_interval, positive=False)
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"host must be a non-empty address string, got {self.host!r}")

@@ -34,6 +34,7 @@ from typing import Any
 from .._config import ControllerConfig
 from .._plan import Plan
 from .._wire import MalformedMessageError, store_address
+from ._flaps import FlapDamper
 from ._port import Node, Port, Timer, msg_field
 from ._reachability import cut_off
 from ._planner import InsufficientSlots, LayerSpec, PlanResult, applied_holdings, compute_plan, max_replica_load
@@ -70,6 +71,9 @@ class Membership:
         self._collective_timer: Timer | None = None
         # after a collective error: who each member's agent could not reach; nodes cut off (_probes)
         self._probes = Probes(port, view=self, rejoin=self._add_join)
+        # hysteresis: drops per node, and the joins held until a flapping node is stable (_flaps)
+        self._flaps = FlapDamper(config.flap_limit, config.flap_window, config.flap_hold_down)
+        self._held: dict[str, Timer] = {}
         self._start_timer: Timer | None = None
         self._pending_joins: set[str] = set()
         self._join_timer: Timer | None = None
@@ -93,7 +97,7 @@ class Membership:
     def cancel_timers(self) -> None:
         """The controller stops: no timer may fire any more."""
         for t in (self._failure_timer, self._collective_timer, self._start_timer,
-                  self._join_timer, self._leave_timer):
+                  self._join_timer, self._leave_timer, *self._held.values()):
             if t is not None:
                 t.cancel()
 
@@ -166,6 +170,7 @@ class Membership:
             self.declare_failure(node_id, "reregistered")
         self.nodes[node_id] = Node(node_id, peer, slots or self.config.slots_per_node, incarnation, pid,
                                    time.monotonic(), nproc=nproc)
+        self._flaps.registered(node_id, pid)
         self._forget_holdings(node_id)
         self.done.discard(node_id)
         self.left.discard(node_id)
@@ -182,6 +187,8 @@ class Membership:
         if node.dead:
             return
         node.dead = True
+        if node_id not in self.done and node_id not in self.left and not node.leaving:
+            self._flaps.dropped(node_id, self.port.time())
         if node.node_id in self._members and node.node_id not in self.done:
             self.declare_failure(node.node_id, "disconnect", peer=peer)
         else:
@@ -198,6 +205,8 @@ class Membership:
                 node.ready = False
                 self._pending_joins.discard(node.node_id)
                 self._pending_leaves.discard(node.node_id)
+                if node.node_id not in self.done:
+                    self._flaps.dropped(node.node_id, self.port.time())
                 if node.node_id in self._members and node.node_id not in self.done:
                     self.declare_failure(node.node_id, "heartbeat_timeout",
                                          silent_s=round(now - node.last_seen, 3))
@@ -566,6 +575,8 @@ class Membership:
         if node_id in self._probes.cut_nodes:   # dropped for a broken link: it joins once it reaches everyone
             self._probes.admit(node_id)
             return
+        if self._hold_flapping(node_id):
+            return
         self._pending_joins.add(node_id)
         warming = self._warming_up()
         self.port.event("join", node=node_id, generation=self.generation, waiting_for=warming)
@@ -581,6 +592,25 @@ class Membership:
             self._join_deadline = time.monotonic() + self.config.join_window.total_seconds()
             self._join_timer = self.port.call_later(self.config.join_window.total_seconds(),
                                                     self._join_window_closed)
+
+    def _hold_flapping(self, node_id: str) -> bool:
+        """Hold ``node_id``'s join while it is flapping (:mod:`._flaps`): True when held; it
+        is offered again once it has been stable for the hold-down."""
+        now = self.port.time()
+        wait = self._flaps.held(node_id, now)
+        if wait <= 0:
+            return False
+        if node_id not in self._held:
+            self.port.event("join_held", level=logging.WARNING, node=node_id, generation=self.generation,
+                            flaps=self._flaps.flaps(node_id, now), retry_s=round(wait, 3),
+                            hold_down_s=self.config.flap_hold_down.total_seconds())
+            self._held[node_id] = self.port.call_later(wait, self._held_over, node_id)
+        return True
+
+    def _held_over(self, node_id: str) -> None:
+        self._held.pop(node_id, None)
+        if node_id not in self._members and self.eligible(node_id) and not self.nodes[node_id].leaving:
+            self._add_join(node_id)
 
     def _join_window_closed(self) -> None:
         self._join_timer = None

@@ -6,6 +6,7 @@ that went out (first plan, failures coalesced by ``failure_grace``, joins batche
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -372,3 +373,59 @@ def test_a_restarted_controller_takes_its_members_back_without_a_plan() -> None:
     (resumed,) = c.named("resumed")
     assert resumed["back"] == ["a", "b"] and resumed["lost"] == [] and not resumed["unapplied_plan"]
     assert c.plans() == []                                 # nothing happened: training goes on
+
+
+# ============================================================================ a flapping node
+
+
+def _drop_and_come_back(c: Cluster, node: str, pid: int = 100) -> None:
+    """``node``'s connection breaks (a failure plan, applied), then its agent (``pid``)
+    registers again and its worker is ready."""
+    c.closed.add(node)
+    c.m.node_gone(node, f"peer-{node}")
+    c.loop.advance(0.3)
+    c.applied(c.m.generation)
+    c.closed.discard(node)
+    c.m.register(node, f"peer-{node}", slots=None, incarnation=1, pid=pid, nproc=1)
+    c.ready(node)
+
+
+def test_a_flapping_node_joins_again_only_after_the_hold_down() -> None:
+    c = started("a", "b", "c", failure_grace=timedelta(milliseconds=200), join_window=timedelta(0),
+                flap_limit=2, flap_window=timedelta(seconds=60), flap_hold_down=timedelta(seconds=10))
+    _drop_and_come_back(c, "b")                 # the first drop: it joins again at once
+    assert [p["reason"] for p in c.plans()] == ["start", "failure", "join"]
+    c.applied(c.m.generation)
+    _drop_and_come_back(c, "b")                 # the second within the window: held
+    assert [p["reason"] for p in c.plans()] == ["start", "failure", "join", "failure"]
+    (held,) = c.named("join_held")
+    assert held["node"] == "b" and held["flaps"] == 2 and held["retry_s"] == 9.7   # 10 s from the drop
+    c.loop.advance(5.0)
+    c.m.node_gone("b", "peer-b")                # down again while held: the hold-down starts over
+    c.m.register("b", "peer-b", slots=None, incarnation=1, pid=100, nproc=1)
+    c.ready("b")
+    c.loop.advance(9.0)
+    assert len(c.plans()) == 4 and "b" not in c.m.members
+    c.loop.advance(1.5)                         # stable for 10 s: it joins
+    assert c.plans()[-1]["reason"] == "join" and c.plans()[-1]["joined"] == ["b"]
+    assert len(c.named("join_held")) == 2
+
+
+def test_a_node_started_again_is_not_taken_for_flapping() -> None:
+    c = started("a", "b", "c", failure_grace=timedelta(milliseconds=200), join_window=timedelta(0),
+                flap_limit=1, flap_hold_down=timedelta(seconds=30))
+    _drop_and_come_back(c, "b", pid=101)        # a new agent process (a replacement): no hold
+    assert c.named("join_held") == [] and c.plans()[-1]["reason"] == "join"
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("flap_limit", 0, "flap_limit must be an integer [1, 1000], got 0"),
+    ("flap_window", timedelta(milliseconds=10), "flap_window must be >= 1.0s, got 0.01s"),
+    ("flap_window", timedelta(days=2), "flap_window must be <= 1 day, got 172800.0s"),
+    ("flap_hold_down", timedelta(seconds=-1), "flap_hold_down must be >= 0s, got -1.0s"),
+    ("flap_hold_down", timedelta(hours=2), "flap_hold_down must be <= 3600s, got 7200.0s"),
+    ("flap_hold_down", 30, "flap_hold_down must be a datetime.timedelta, got int"),
+])
+def test_flap_settings_are_checked(field: str, value: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ControllerConfig(secret=SECRET, **{field: value})

@@ -13,8 +13,10 @@ apt-get is); skips, saying which is missing, elsewhere.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
-from typing import Iterator
+from datetime import timedelta
+from typing import Iterator, Sequence
 
 import pytest
 
@@ -33,7 +35,8 @@ HEARTBEAT_TIMEOUT = 2.0
 class Job:
     """The network, its S3 endpoint and the cluster on it."""
 
-    def __init__(self, tmp_path: Path, net: NetnsNetwork, s3: NetnsS3, steps: int) -> None:
+    def __init__(self, tmp_path: Path, net: NetnsNetwork, s3: NetnsS3, steps: int,
+                 controller_args: Sequence[str] = ()) -> None:
         self.tmp, self.net, self.s3, self.steps = tmp_path, net, s3, steps
         worker = ["--steps", str(steps), "--storage", f"s3://{BUCKET}/run", "--layers", "2", "--experts", "4",
                   "--d-model", "32", "--d-hidden", "64", "--batch-size", "8", "--seq-len", "32",
@@ -43,7 +46,7 @@ class Job:
                   "--digests", str(tmp_path / "digest-{node}.json"), "--slow-while", str(tmp_path / "slow"),
                   "--storage-connect-timeout", "1s"]
         controller = ["--slots", "2", "--min-replicas", "2", "--expected-nodes", "4", "--heartbeat-timeout",
-                      f"{HEARTBEAT_TIMEOUT:g}s", "--join-window", "1s"]
+                      f"{HEARTBEAT_TIMEOUT:g}s", "--join-window", "1s", *controller_args]
         self.c = LocalCluster(tmp_path / "job", worker_args=worker, controller_args=controller,
                               agent_args=["--heartbeat-interval", "250ms"], env=s3.env, network=net)
 
@@ -80,12 +83,13 @@ class Job:
 
 @pytest.fixture
 def job(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Job]:
-    steps = getattr(request, "param", STEPS)
+    param = getattr(request, "param", STEPS)    # steps, or (steps, extra controller arguments)
+    steps, controller_args = param if isinstance(param, tuple) else (param, ())
     with NetnsNetwork() as net:
         s3 = NetnsS3(net, log=tmp_path / "moto.log")
         try:
             s3.make_bucket(BUCKET)
-            j = Job(tmp_path, net, s3, steps)
+            j = Job(tmp_path, net, s3, steps, controller_args)
             with j.c:
                 yield j
         finally:
@@ -218,5 +222,96 @@ def test_a_host_cut_from_one_peer_is_dropped_not_the_majority(job: Job) -> None:
     _rejoined(job, dropped[0], t_heal)
     assert len(_plans(job, "collective_error")) == 1, _plans(job)
     _no_stale_steps(job, rec)
+    slow.unlink()
+    job.finish(NODES)
+
+
+def _one_generation_at_a_time(job: Job) -> None:
+    """Split brain never happened: in the order they were recorded, the steps' generations
+    never go back (two groups training at once on different generations would interleave)."""
+    steps = sorted(job.c.steps(), key=lambda m: m["t"])
+    back = [(a, b) for a, b in zip(steps, steps[1:]) if b["generation"] < a["generation"]]
+    assert not back, back[:3]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("job", [150], indirect=True)
+def test_the_controller_cut_from_half_the_hosts(job: Job) -> None:
+    # The controller loses n2 and n3 (both ways); all four still reach one another and
+    # storage. The side that still reaches the controller wins: only the controller plans,
+    # so once n2's and n3's heartbeats time out n0 and n1 go on as a group of two, and the
+    # old four-rank group stops (half its ranks left it). n2 and n3 get no plan while cut
+    # off, so they can neither train nor form a group of their own on some generation:
+    # no plan ever splits the job in two. On heal both come back as joiners.
+    c, slow = job.c, job.tmp / "slow"
+    c.start(NODES)
+    c.wait_step(15, timeout=180)
+    slow.touch()
+    t_cut = job.net.cut("controller", "n2")
+    job.net.cut("controller", "n3")
+    rec = c.wait_for(lambda: job.failure_reconfigs(), 60, "reconfiguration without the cut half")[0]
+    assert sorted(rec["members"]) == ["n0", "n1"] and rec["world_size"] == 2, rec
+    failed = {e["node"]: e["cause"] for e in c.events() if e.get("event") == "node_failed" and e["t"] > t_cut}
+    assert failed == {"n2": "heartbeat_timeout", "n3": "heartbeat_timeout"}, failed
+    _resumed_within(job, t_cut, 2, HEARTBEAT_TIMEOUT + 10)
+    # the cut stays a while: the two go on, and nothing else trains or is planned
+    c.wait_for(lambda: len(job.trained_after(rec["t_resumed"], 10, 2)) >= 10, 60, "10 steps of the two")
+    during = [p for p in _plans(job) if p["t"] > t_cut]
+    assert [sorted(p["members"]) for p in during] == [["n0", "n1"]], during
+    assert not [m for m in c.steps() if m["t"] > rec["t_resumed"] and m["world"] != 2]
+    t_heal = job.net.heal("controller")
+    for node in ("n2", "n3"):
+        join = _rejoined(job, node, t_heal)
+        assert join["reason"] == "join" and join["dense_moves"] > 0, join
+    _no_stale_steps(job, rec)
+    _one_generation_at_a_time(job)
+    slow.unlink()
+    job.finish(NODES)
+
+
+FLAP_S = 50
+FLAP_LIMIT = 1
+HOLD_DOWN_S = 10
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("job", [(200, ["--flap-limit", str(FLAP_LIMIT), "--flap-window", "2m",
+                                        "--flap-hold-down", f"{HOLD_DOWN_S}s"])], indirect=True)
+def test_a_flapping_link_costs_a_bounded_number_of_reconfigurations(job: Job) -> None:
+    # n1's link goes down and up, each state lasting 1-5 s (seeded), for FLAP_S seconds
+    # (make soak NETWORK=netns flaps for 2 minutes). Without hysteresis each long enough
+    # "down" costs the members a failure plan and each "up" a join plan (4 plans in a run
+    # without it, --flap-hold-down 0s). With it, once n1 was dropped FLAP_LIMIT times its
+    # join waits until it has been up HOLD_DOWN_S without a drop: the drop, then the final
+    # join (one more allowed: a collective error's plan).
+    c, slow = job.c, job.tmp / "slow"
+    c.start(NODES)
+    c.wait_step(15, timeout=180)
+    slow.touch()
+    t_flap = time.time()
+    changes = job.net.flap("n1", timedelta(seconds=1), timedelta(seconds=FLAP_S), up_to=timedelta(seconds=5),
+                           seed=1234)
+    c.wait_for(lambda: time.time() > t_flap + FLAP_S + 6, FLAP_S + 30, "the end of the flapping")
+    t_end = changes[-1][0]
+    assert changes[-1][1] and len(changes) >= FLAP_S // 5, changes
+
+    def back() -> dict | None:   # the plan that has n1 back, once all four trained on it
+        plan = c.latest_plan()
+        if plan is None or sorted(plan["members"]) != NODES:
+            return None
+        recs = [r for r in c.reconfigurations() if r["generation"] == plan["generation"]]
+        return recs[0] if recs and job.trained_after(recs[0]["t_resumed"], 1, 4) else None
+
+    rejoin = c.wait_for(back, 120, "n1 back after the flapping")
+    plans = [p for p in _plans(job) if t_flap < p["t"] <= rejoin["t_resumed"]]
+    held = [e for e in c.events() if e.get("event") == "join_held" and e["node"] == "n1"]
+    print(f"{len(changes)} link changes in {t_end - t_flap:.0f} s; {len(plans)} plans "
+          f"({[p['reason'] for p in plans]}); joins held {len(held)} times; "
+          f"n1 back {rejoin['t_resumed'] - t_end:.1f} s after the flapping")
+    assert held, "n1 was never held back"
+    assert len(plans) <= 2 * FLAP_LIMIT + 1, [(p["reason"], p["members"]) for p in plans]
+    # the three trained on meanwhile; one generation at a time; n1 came back with the state
+    assert len([m for m in c.steps() if t_flap < m["t"] < t_end]) >= 10
+    _one_generation_at_a_time(job)
     slow.unlink()
     job.finish(NODES)
