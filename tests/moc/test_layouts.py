@@ -329,7 +329,8 @@ def test_sharded_jobs_save_local_shards_and_reshard_on_restore(tmp_path, kind, s
         assert any(level == "snapshot" for _, level in names.values()), "same sharding restores from memory"
     cs = CheckpointStore(open_store(run["store"]))
     m = cs.read_manifest(cs.steps()[-1])
-    writers = {c.key.rsplit("/", 1)[-1].split(".")[0] for r in m.units.values() for c in r.chunks}
+    # data/<step>/g<gen>.<writer>.<nonce>.<group>.bin (moc._store.format)
+    writers = {c.key.rsplit("/", 1)[-1].split(".")[1] for r in m.units.values() for c in r.chunks}
     assert writers == {f"r{r}" for r in range(world)}, "every rank writes what it holds"
 
 
