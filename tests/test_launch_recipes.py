@@ -182,13 +182,18 @@ def test_sbatch_forms_trains_survives_a_leave_and_ends(tmp_path, three_hosts):
         time.sleep(0.5)
         assert _alive(sorted(seen)) == [], "processes of the job outlived it"
     finally:
-        for pid in _alive(sorted(seen | set(fake_slurm.descendants(job.pid)))):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        job.wait(timeout=30)
-        out.close()
+        _end_job(job, seen, out)
+
+
+def _end_job(job: subprocess.Popen, seen: set[int], out) -> None:
+    """Kill whatever of the job is left (every process it ever had), reap it, close its log."""
+    for pid in _alive(sorted(seen | set(fake_slurm.descendants(job.pid)))):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    job.wait(timeout=30)
+    out.close()
 
 
 @pytest.mark.timeout(60)
@@ -284,13 +289,7 @@ def test_sbatch_preempted_requeues_and_the_requeued_job_resumes(tmp_path):
         digests = LocalCluster.read_digests(str(run / "digest-{node}.json"), ["127.0.0.1", "127.0.0.2"])
         assert LocalCluster.final_state_problems(digests, ["127.0.0.1", "127.0.0.2"], steps, 8) == []
     finally:
-        for pid in _alive(sorted(seen | set(fake_slurm.descendants(job.pid)))):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        job.wait(timeout=30)
-        out.close()
+        _end_job(job, seen, out)
 
 
 # ----------------------------------------------------------------------------- Kubernetes
