@@ -127,11 +127,12 @@ soak: $(STAMP) bytecode
 	$(VPY) benchmarks/soak/main.py --minutes $(MINUTES) --seed $(SEED) --load $(LOAD) --network $(NETWORK)
 
 # The soak for SEEDS seeds (a count, or a comma list) x MINUTES x LOADS (not part of `make test`
-# nor `make bench`; 10 x 10 min x {0, 2}: 20 soaks of 12-18 min, 4-5 hours on 2 cores). One table: benchmarks/soak/matrix.md.
+# nor `make bench`; 10 x 10 min x {0, 2}: 20 soaks of 12-18 min, 4-5 hours on 2 cores). One table: benchmarks/soak/matrix.md
+# (NETWORK=netns: benchmarks/soak/matrix-netns-runs.md).
 SEEDS ?= 10
 LOADS ?= 0,2
 soak-matrix: $(STAMP) bytecode
-	$(VPY) benchmarks/soak/matrix.py --seeds $(SEEDS) --minutes $(MINUTES) --loads $(LOADS)
+	$(VPY) benchmarks/soak/matrix.py --seeds $(SEEDS) --minutes $(MINUTES) --loads $(LOADS) --network $(NETWORK)
 
 # Not part of `make bench`: needs a CUDA GPU (moc stall vs DCP / torch.save, D2H bandwidth,
 # MoE layer with the CUDA dispatch kernel).

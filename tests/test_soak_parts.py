@@ -159,3 +159,16 @@ def test_freeze_worker_is_accounted_only_by_the_watchdogs_kill_and_the_rejoin(tm
     f = sf.Fault("freeze_worker", t0, node="n2", t_end=t0 + 4)
     sf.account(f, plain, recs, tmp_path, 0.1)
     assert not f.accounted
+
+
+def test_the_matrix_passes_the_network_to_every_run(tmp_path):
+    """``make soak-matrix NETWORK=netns``: each run's command carries ``--network``, and a
+    bad network is refused by name before anything runs."""
+    import matrix
+
+    cmd = matrix.command(7, 2, 4.0, tmp_path / "seed7-load2", "partition,flap", "netns")
+    assert cmd[cmd.index("--network") + 1] == "netns" and cmd[cmd.index("--kinds") + 1] == "partition,flap"
+    assert cmd[cmd.index("--json") + 1] == str(tmp_path / "seed7-load2.json")
+    assert matrix.command(7, 0, 4.0, tmp_path / "x", None, "loopback")[-2:] == ["--network", "loopback"]
+    with pytest.raises(SystemExit):
+        matrix.main(["--network", "ether", "--dir", str(tmp_path)])

@@ -56,13 +56,20 @@ def _seeds(text: str) -> list[int]:
     return list(range(n))
 
 
-def run_one(seed: int, load: int, minutes: float, workdir: Path, kinds: str | None) -> dict[str, Any]:
-    out = workdir / f"seed{seed}-load{load}"
-    record = out.with_suffix(".json")
+def command(seed: int, load: int, minutes: float, out: Path, kinds: str | None, network: str) -> list[str]:
+    """The ``main.py`` command line of one run (its record: ``out`` + ``.json``)."""
     cmd = [sys.executable, str(HERE / "main.py"), "--seed", str(seed), "--load", str(load), "--minutes", str(minutes),
-           "--dir", str(out), "--results", "", "--json", str(record)]
+           "--dir", str(out), "--results", "", "--json", str(out.with_suffix(".json")), "--network", network]
     if kinds:
         cmd += ["--kinds", kinds]
+    return cmd
+
+
+def run_one(seed: int, load: int, minutes: float, workdir: Path, kinds: str | None,
+            network: str = "loopback") -> dict[str, Any]:
+    out = workdir / f"seed{seed}-load{load}"
+    record = out.with_suffix(".json")
+    cmd = command(seed, load, minutes, out, kinds, network)
     t0 = time.time()
     commit = _commit()   # the code the run starts on (edits made while it runs do not count)
     samples: list[float] = []
@@ -163,8 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=10.0, help="minutes of faults per run (default 10)")
     ap.add_argument("--loads", default="0,2", help="comma list of --load values (busy processes; default 0,2)")
     ap.add_argument("--kinds", default=None, help="passed to main.py --kinds (default: every kind)")
-    ap.add_argument("--dir", default=str(ROOT / "runs" / "soak-matrix"), help="work directory")
-    ap.add_argument("--results", default=str(HERE / "matrix.md"), help="where to write the tables ('' = nowhere)")
+    ap.add_argument("--network", choices=("loopback", "netns"), default="loopback",
+                    help="passed to main.py --network (netns: every host in its own namespace, the network's "
+                         "faults added; needs root and nft)")
+    ap.add_argument("--dir", default=None, help="work directory (default runs/soak-matrix[-netns])")
+    ap.add_argument("--results", default=None,
+                    help="where to write the tables ('' = nowhere; default benchmarks/soak/matrix.md, or "
+                         "matrix-netns-runs.md with --network netns)")
     ap.add_argument("--collect", action="store_true",
                     help="run nothing: make the tables from the records of earlier runs in --dir")
     args = ap.parse_args(argv)
@@ -177,7 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--minutes must be > 0, got {args.minutes}")
     if not loads or any(x < 0 for x in loads):
         ap.error(f"--loads must be a comma list of integers >= 0, got {args.loads!r}")
-    workdir = Path(args.dir)
+    netns = args.network == "netns"
+    default_dir = ROOT / "runs" / ("soak-matrix-netns" if netns else "soak-matrix")
+    workdir = Path(args.dir) if args.dir is not None else default_dir
+    if args.results is None:
+        args.results = str(HERE / ("matrix-netns-runs.md" if netns else "matrix.md"))
     workdir.mkdir(parents=True, exist_ok=True)
     records = []
     for seed in seeds:
@@ -188,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                     "seed": seed, "load": load, "error": f"no record {path}"}
                 records.append(rec)
                 continue
-            rec = run_one(seed, load, args.minutes, workdir, args.kinds)
+            rec = run_one(seed, load, args.minutes, workdir, args.kinds, args.network)
             records.append(rec)
             print(row(rec), flush=True)
     legend = ", ".join(f"{v} = {k}" for k, v in SHORT.items())
