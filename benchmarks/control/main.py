@@ -599,7 +599,7 @@ NOTES = """\
   met: heartbeat handling p99 2 ms, the failure plan held by every survivor 0.38 s after
   detection, 10% of a core. What the controller does per message is a constant 0.01 ms; the
   heartbeat latency rows are its event loop's lag, which on a loaded 2-core machine is waiting
-  for a core: with four other sessions' tests beside it (load 5-14), p99 37-406 ms and the
+  for a core: with four parallel test runs beside it (load 5-14), p99 37-406 ms and the
   failure plan 0.70-1.74 s (planning's `compute_ms` doubles, and delivery of the compressed plan
   takes 0.3-0.9 s). Before the plan was compressed (119 KB of JSON to each of 973 survivors,
   115 MB; on a 1 GbE controller NIC alone ~0.9 s) the failure plan took 0.49-1.63 s at load ~6.
