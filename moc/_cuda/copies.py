@@ -332,19 +332,17 @@ class LateCopies(Generic[M]):
 
     def __init__(self, join: Callable[[list[torch.Tensor]], torch.Tensor]) -> None:
         self._join = join
-        self._pending: list[tuple[Any, torch.Tensor, list[M]]] = []
+        # (event, host, labels, host is page-locked and ours to reuse)
+        self._pending: list[tuple[Any, torch.Tensor, list[M], bool]] = []
         self._spare: dict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = {}
-        self._handed: list[torch.Tensor] = []    # handed over by the last arrived(): spare from the next call
-        self._ours: set[int] = set()             # ids of the page-locked host tensors of copies in flight
+        self._handed: list[torch.Tensor] = []    # reusable ones handed over by the last arrived()
         self.allocations = 0                     # page-locked host tensors allocated (a test reads it)
 
     def _recycle(self) -> None:
         for host in self._handed:
-            if id(host) in self._ours:
-                self._ours.discard(id(host))
-                spares = self._spare.setdefault((host.dtype, tuple(host.shape)), [])
-                if len(spares) < self.SPARES:
-                    spares.append(host)
+            spares = self._spare.setdefault((host.dtype, tuple(host.shape)), [])
+            if len(spares) < self.SPARES:
+                spares.append(host)
         self._handed = []
 
     def _host_for(self, t: torch.Tensor) -> torch.Tensor | None:
@@ -368,22 +366,22 @@ class LateCopies(Generic[M]):
         for group in by_device.values():
             joined = self._join([t for t, _ in group])
             event, host = to_host_later(joined, self._host_for(joined))
-            if _device_side(joined):
-                self._ours.add(id(host))
-            self._pending.append((event, host, [label for _, label in group]))
+            self._pending.append((event, host, [label for _, label in group], _device_side(joined)))
 
     def arrived(self, *, wait: bool) -> list[tuple[torch.Tensor, list[M]]]:
         """The copies on the host (``wait``: all of them, waiting for the device); valid
         until the next call of :meth:`send` or :meth:`arrived`."""
         self._recycle()
-        done, waiting = [], []
-        for event, host, labels in self._pending:
+        done, waiting, handed = [], [], []
+        for event, host, labels, reusable in self._pending:
             if event is not None and not wait and not event.query():
-                waiting.append((event, host, labels))
+                waiting.append((event, host, labels, reusable))
                 continue
             if event is not None:
                 event.synchronize()
             done.append((host, labels))
+            if reusable:
+                handed.append(host)
         self._pending = waiting
-        self._handed = [host for host, _ in done]
+        self._handed = handed
         return done
