@@ -139,6 +139,20 @@ def test_what_a_replay_measures() -> None:
     assert cfg["systems"]["ds"]["model"]["step_s_by_nodes"] == [[1, pytest.approx(0.1)], [2, pytest.approx(0.1)]]
 
 
+def test_a_job_that_lost_everything_holds_only_what_it_trained_since() -> None:
+    # steps 0..50 (0.1 s each from t0 = 100), a kill at 105.05 takes every replica, the job
+    # starts again from step 0 at 108 and is at step 30 at the end: the model at the end holds
+    # 31 steps, all trained after t0; the first 50 were committed, then lost
+    records = _steps(100.0, 0, 51, 1) + _steps(108.0, 0, 31, 1, run=1)
+    ev = [{"t": 105.05, "kind": "kill", "node": "n0"}]
+    res = measure(records, ev, 100.0, 112.0, tokens_per_step=10)
+    assert res["steps"] == 31 and res["tokens"] == 310
+    assert res["ettr"] == pytest.approx(31 * 0.1 / 12.0)
+    # the kill's cost runs until new progress (never here: the run ends below step 50)
+    (kill,) = res["per_event"]
+    assert kill["recovery_s"] is None and kill["lost_s"] == pytest.approx(112.0 - 105.05)
+
+
 @pytest.mark.timeout(120)
 def test_the_analysis_path_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     # by path, under a name of its own: benchmarks/peers has a main.py too, and whichever

@@ -3,18 +3,24 @@
 From a system's metrics lines (:mod:`benchmarks.peers._common`'s format) between the
 replay's start ``t0`` and its end:
 
+- *the final state's lineage*: the last commit, the last commit of the step before it that
+  came before it, and so on: the steps the model at the end holds. A commit a roll back
+  later discarded is not in it (a job that lost every replica and started again holds only
+  what it trained since), and of a step trained twice only the second is. Committed tokens
+  = the lineage's steps since ``t0`` x tokens per step (what the simulator counts: its roll
+  backs discard the compute they undo); goodput = committed tokens / wall seconds.
 - *progress*: the commits of steps never committed before (a restart's redone steps are
-  not progress); committed tokens = progress steps x tokens per step; goodput = committed
-  tokens / wall seconds.
-- *typical step* at each world size: the mean gap between consecutive progress commits of
+  not progress): an event's recovery runs to the first of them.
+- *typical step* at each world size: the mean gap between consecutive commits of
   that world (one step apart, same incarnation) away from any event (from an event until
   the job is back to new steps, for a join until the joiner trains) and any save: the
-  step as this (shared, loaded) machine runs it; *useful time* = each progress commit's own
+  step as this (shared, loaded) machine runs it; *useful time* = each lineage commit's own
   step time away from disruptions (the machine's background load moves it), its world's
   typical step inside one; ETTR = useful time / wall time (the simulator's compute /
   simulated time).
 - *time lost per event*: the wall time from an event to the next one (or the end) that is
-  not useful, less the checkpoint saves in it (booked as checkpoint time); events at the
+  not useful (counted by progress: a roll back's discarded steps are the event's), less the
+  checkpoint saves in it (booked as checkpoint time); events at the
   same instant share their span equally. The span before the first event is the baseline.
 
 :func:`sim_config` turns these into ``lazarus simulate --config`` sections, one per
@@ -33,7 +39,7 @@ import math
 import statistics
 from typing import Any, Sequence
 
-__all__ = ["progress", "typical_steps", "measure", "sim_config", "SIM_SYSTEM"]
+__all__ = ["progress", "lineage", "typical_steps", "measure", "sim_config", "SIM_SYSTEM"]
 
 #: The simulator's system for each live arm.
 SIM_SYSTEM = {"lazarus": "lazarus", "ckpt": "ds", "torchft": "dsft", "torchft-readme": "dsft"}
@@ -73,6 +79,28 @@ def progress(records: list[dict[str, Any]], t0: float, t_end: float) -> tuple[in
     return base, out
 
 
+def lineage(records: list[dict[str, Any]], t0: float, t_end: float) -> tuple[int, list[tuple[float, int, int, int]]]:
+    """``(the lineage's step at t0, its commits in (t0, t_end])``: the final state's lineage
+    (see the module docstring). Where it begins after ``t0`` (the job lost everything it
+    held then), its step at ``t0`` is the one before its first."""
+    commits = [c for c in _commits(records) if c[0] <= t_end]
+    if not commits:
+        return -1, []
+    by_step: dict[int, list[tuple[float, int, int, int]]] = {}
+    for c in commits:
+        by_step.setdefault(c[1], []).append(c)   # in time order
+    chain = [commits[-1]]
+    while True:
+        before = [c for c in by_step.get(chain[-1][1] - 1, ()) if c[0] < chain[-1][0]]
+        if not before:
+            break
+        chain.append(before[-1])
+    chain.reverse()
+    held = [c for c in chain if c[0] <= t0]
+    base = held[-1][1] if held else chain[0][1] - 1
+    return base, [c for c in chain if c[0] > t0]
+
+
 def typical_steps(prog: Sequence[tuple[float, int, int, int]],
                   disrupted: Sequence[tuple[float, float]] = ()) -> dict[int, float]:
     """World size -> its typical step (seconds): the mean gap between consecutive progress
@@ -110,7 +138,8 @@ def measure(records: list[dict[str, Any]], events: list[dict[str, Any]], t0: flo
     """The figures of one system's replay; ``events``: ``{"t", "kind", "node"}`` injected;
     ``joined``: node -> when a joiner began training (where the system says so)."""
     joined = joined or {}
-    base, prog = progress(records, t0, t_end)
+    _, fresh = progress(records, t0, t_end)
+    base, prog = lineage(records, t0, t_end)
     commits = _commits(records)
     # one save per checkpoint (every rank writes a line; keep one per step and run)
     seen: dict[tuple[int, int], float] = {}
@@ -145,20 +174,28 @@ def measure(records: list[dict[str, Any]], events: list[dict[str, Any]], t0: flo
     # the step time; the simulator gets the mean); one inside a disruption its world's step
     inside = sorted(c for c in commits if t0 < c[0] <= t_end)
     prev_of = {c: p for p, c in zip(inside, inside[1:])}
-    useful = []
-    for c in prog:
-        p = prev_of.get(c)
-        ok = p is not None and c[1] == p[1] + 1 and c[2] == p[2] and c[3] == p[3] and not any(
-            lo < c[0] and p[0] < hi for lo, hi in disrupted)
-        useful.append((c[0], c[0] - p[0] if ok and p is not None else _typical_at(typ, c[2])))
+
+    def useful_of(seq: Sequence[tuple[float, int, int, int]]) -> list[tuple[float, float]]:
+        out = []
+        for c in seq:
+            p = prev_of.get(c)
+            ok = p is not None and c[1] == p[1] + 1 and c[2] == p[2] and c[3] == p[3] and not any(
+                lo < c[0] and p[0] < hi for lo, hi in disrupted)
+            out.append((c[0], c[0] - p[0] if ok and p is not None else _typical_at(typ, c[2])))
+        return out
+
+    # ETTR counts the final state's steps; an event's lost time counts until new progress (a
+    # roll back's discarded steps are booked to the event that discards them, as the redone
+    # steps after it)
+    useful, fresh_useful = useful_of(prog), useful_of(fresh)
     # time lost per event: spans between event instants
     times = sorted({e["t"] for e in events})
     bounds = [t0] + [t for t in times if t0 <= t <= t_end] + [t_end]
     spans = []
     for lo, hi in zip(bounds, bounds[1:]):
-        use = sum(u for t, u in useful if lo < t <= hi)
+        use = sum(u for t, u in fresh_useful if lo < t <= hi)
         ck = sum(s for t, s in saves if lo < t <= hi)
-        redone = sum(1 for c in commits if lo < c[0] <= hi) - sum(1 for c in prog if lo < c[0] <= hi)
+        redone = sum(1 for c in commits if lo < c[0] <= hi) - sum(1 for c in fresh if lo < c[0] <= hi)
         spans.append({"lo": lo, "hi": hi, "lost_s": max(0.0, (hi - lo) - use - ck), "checkpoint_s": ck,
                       "redone": redone})
     per_event = []
@@ -170,10 +207,10 @@ def measure(records: list[dict[str, Any]], events: list[dict[str, Any]], t0: flo
         row = {**e, "at_s": round(e["t"] - t0, 3), "lost_s": span["lost_s"] / share,
                "span_s": span["hi"] - span["lo"]}
         # recovery: the event to the first progress commit after it (the steps redone on the way)
-        back = next((c for c in prog if c[0] > e["t"]), None)
+        back = next((c for c in fresh if c[0] > e["t"]), None)
         row["recovery_s"] = None if back is None else back[0] - e["t"]
         row["redone"] = sum(1 for c in commits if e["t"] < c[0] < (back[0] if back else t_end)) - sum(
-            1 for c in prog if e["t"] < c[0] < (back[0] if back else t_end))
+            1 for c in fresh if e["t"] < c[0] < (back[0] if back else t_end))
         row["overlapped"] = back is None or back[0] > span["hi"]   # another event came first
         row["left_s"] = t_end - e["t"]
         if e["kind"] == "join":
@@ -192,16 +229,18 @@ def measure(records: list[dict[str, Any]], events: list[dict[str, Any]], t0: flo
                 row["join_pause_at_s"] = max(0.0, prev[0] - e["t"])
                 row["join_stall_s"] = max(0.0, first[0] - prev[0] - _typical_at(typ, first[2]))
                 # all the members lost to it: the window's time not useful, the stall included
-                row["join_loss_s"] = max(0.0, first[0] - e["t"] - sum(u for t, u in useful if e["t"] < t <= first[0]))
+                used = sum(u for t, u in fresh_useful if e["t"] < t <= first[0])
+                row["join_loss_s"] = max(0.0, first[0] - e["t"] - used)
         per_event.append(row)
     by_kind: dict[str, dict[str, Any]] = {}
     for kind in ("kill", "term", "join"):
         xs = [p["lost_s"] for p in per_event if p["kind"] == kind]
         if xs:
             by_kind[kind] = {"n": len(xs), "mean_lost_s": statistics.fmean(xs), "max_lost_s": max(xs)}
-    tokens = (prog[-1][1] - base) * tokens_per_step if prog else 0
+    steps = max(0, prog[-1][1] - base) if prog else 0
+    tokens = steps * tokens_per_step
     useful_s = sum(u for _, u in useful)
-    return {"wall_s": wall, "steps": (prog[-1][1] - base) if prog else 0, "tokens": tokens,
+    return {"wall_s": wall, "steps": steps, "tokens": tokens,
             "goodput": tokens / wall if wall > 0 else 0.0, "useful_s": useful_s,
             "ettr": useful_s / wall if wall > 0 else 0.0, "typical_step_s": typ,
             "checkpoint_s": sum(s for _, s in saves), "baseline_lost_s": spans[0]["lost_s"] if spans else 0.0,

@@ -366,6 +366,10 @@ class SystemRun:
         join_at = math.inf
         # nodes that gave notice and stay until the joiners arrive, to hand their state over
         deferred: set[str] = set()
+        # nodes that arrived and are still starting (until the join window ends): a restart
+        # in the meantime cannot use them. A node that arrives at the same instant as a removal
+        # is a spare taking the removed one's place (``fail_every(replace=True)``): it is up.
+        starting: set[str] = set()
         i = 0
         while self.t < end and self.jct is None:
             nxt = min(times[i] if i < len(times) else math.inf, join_at)
@@ -374,6 +378,7 @@ class SystemRun:
                 break  # done, out of time, or idle with no event left to wake it
             if join_at <= nxt and (i >= len(times) or join_at <= times[i]):
                 join_at = math.inf
+                starting = set()
                 self.on_join(alive + sorted(deferred))
                 if deferred:
                     left, deferred = deferred, set()
@@ -387,7 +392,9 @@ class SystemRun:
                     gone |= set(ev.nodes)
                     notice = notice and ev.notice
                     alive = [n for n in alive if n not in ev.nodes]
+                    starting -= set(ev.nodes)
                 else:
+                    starting |= {n for n in ev.nodes if n not in alive}
                     alive += [n for n in ev.nodes if n not in alive]
                     added = True
             i += 1
@@ -400,7 +407,8 @@ class SystemRun:
                 deferred |= gone & set(self.sys.active)
                 gone -= deferred
             if gone:
-                self.on_remove(gone, alive, notice)
+                starting -= {n for ev in groups[times[i - 1]] if ev.kind == "add" for n in ev.nodes}
+                self.on_remove(gone, [n for n in alive if n not in starting], notice)
 
     # ------------------------------------------------------------------ output
     def totals(self) -> dict[str, float]:

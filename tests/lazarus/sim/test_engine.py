@@ -128,6 +128,20 @@ def test_losing_every_node_idles_until_one_joins() -> None:
     assert {n for _, _, b, n in run.timeline() if b == "compute" and _ > 14.0} == {2}
 
 
+def test_a_restart_waits_for_nodes_that_are_still_starting() -> None:
+    # n2 and n3 arrive at 10 s and are up at 14 s (the 4 s join window); n0 dies at 11 s, which
+    # leaves too few running nodes for a full set of experts: the job waits idle for the
+    # joiners, then restarts on them (it cannot restart on nodes that are still starting)
+    events = [Event(10.0, "add", ("n2", "n3")), Event(11.0, "remove", ("n0",))]
+    run = ran("ds", Scenario(nodes(2), events), duration=40.0)
+    check_tiling(run, 40.0)
+    tl = [(t0, t1, b) for t0, t1, b, _ in run.timeline()]
+    assert [(pytest.approx(11.0), pytest.approx(14.0))] == [(t0, t1) for t0, t1, b in tl if b == "idle"]
+    first_restart = min(t0 for t0, _, b in tl if b == "restart")
+    assert first_restart == pytest.approx(14.0)
+    assert run.result()["counts"]["idle_periods"] == 1
+
+
 def test_a_run_with_nothing_left_and_no_event_ends_idle() -> None:
     run = ran("ds", Scenario(nodes(2), [Event(4.0, "remove", nodes(2))]), duration=20.0)
     check_tiling(run, 20.0)
