@@ -182,6 +182,9 @@ def register_controller(sub: argparse._SubParsersAction) -> None:
     _add_duration(p, "--flap-hold-down", "60s",
                   help="how long a flapping node must stay connected without a drop before it joins again "
                        "(default 60s; 0 = off)")
+    _add_duration(p, "--handover-wait", "30s",
+                  help="when every member is leaving (SIGTERM) while a node is still starting, train on this "
+                       "long at most for it to be ready and hand the state to it (default 30s; 0 = off)")
     p.add_argument("--keep-running", action="store_true", help="do not exit when the job is done")
     _add_duration(p, "--protocol-error-interval", "10s",
                   help="repeated protocol errors from one address (a wrong secret, garbage) are logged once per "
@@ -200,7 +203,7 @@ _CONTROLLER_OPTIONS = {
     "secret": "--secret-file", "exit_grace": "--exit-grace", "state_dir": "--state-dir",
     "resume_grace": "--resume-grace", "resume_broken_grace": "--resume-broken-grace",
     "protocol_error_interval": "--protocol-error-interval", "flap_limit": "--flap-limit",
-    "flap_window": "--flap-window", "flap_hold_down": "--flap-hold-down",
+    "flap_window": "--flap-window", "flap_hold_down": "--flap-hold-down", "handover_wait": "--handover-wait",
 }
 
 
@@ -221,7 +224,7 @@ def _run_controller(args: argparse.Namespace) -> int:
             exit_when_done=not args.keep_running, advertise_host=args.advertise_host,
             exit_grace=args.exit_grace, state_dir=args.state_dir, resume_grace=args.resume_grace,
             resume_broken_grace=args.resume_broken_grace, flap_limit=args.flap_limit,
-            flap_window=args.flap_window, flap_hold_down=args.flap_hold_down,
+            flap_window=args.flap_window, flap_hold_down=args.flap_hold_down, handover_wait=args.handover_wait,
         )
     except ValueError as exc:
         raise _config_error(exc, _CONTROLLER_OPTIONS) from None

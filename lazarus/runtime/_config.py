@@ -119,6 +119,13 @@ class ControllerConfig:
         flap_window: how far back drops are counted for ``flap_limit``; in [1 s, 1 day].
         flap_hold_down: how long a flapping node must stay connected without a drop before
             it joins again (every drop starts it over); in [0, 1 h], 0 turns it off.
+        handover_wait: when every member is leaving (spot notices) while another node is
+            on its way in (registered, its worker still starting), the leaving members train
+            on for up to this long, until the joiner is ready, and hand their state to it (a
+            join plan, then the leave plan), instead of leaving with nobody to take their
+            experts (the job would start again from checkpoints, rolled back, PLT booked).
+            Keep it below the agents' ``leave_timeout`` and the notice your provider gives
+            (AWS: 2 minutes); in [0, 10 min], 0 turns it off.
     """
 
     secret: bytes
@@ -150,9 +157,13 @@ class ControllerConfig:
     flap_limit: int = 3
     flap_window: timedelta = timedelta(minutes=10)
     flap_hold_down: timedelta = timedelta(seconds=60)
+    handover_wait: timedelta = timedelta(seconds=30)
 
     def __post_init__(self) -> None:
         self.secret = _check_secret(self.secret)
+        _check_td("handover_wait", self.handover_wait, positive=False)
+        if self.handover_wait > timedelta(minutes=10):
+            raise ValueError(f"handover_wait must be <= 600s, got {self.handover_wait.total_seconds()}s")
         _check_int("flap_limit", self.flap_limit, 1, 1000)
         _check_td("flap_window", self.flap_window, lo=timedelta(seconds=1))
         if self.flap_window > timedelta(days=1):

@@ -20,7 +20,9 @@ Plan ordering rules:
   in flight; the survivors are blocked and wait for it);
 * joins, graceful leaves, rebalances -> *between-steps* plans, one at a time: the next
   waits until the newest plan was applied (first ``reconfigured`` report for its
-  generation) or superseded. Joins and leaves never share a plan; leaves go first.
+  generation) or superseded. Joins and leaves never share a plan; leaves go first, except
+  when every member is leaving while a node is on its way in: it joins first and they hand
+  their state to it (:mod:`._handover`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from .._config import ControllerConfig
 from .._plan import Plan
 from .._wire import MalformedMessageError, store_address
 from ._flaps import FlapDamper
+from ._handover import HandoverWait
 from ._port import Node, Port, Timer, msg_field
 from ._reachability import cut_off
 from ._planner import InsufficientSlots, LayerSpec, PlanResult, applied_holdings, compute_plan, max_replica_load
@@ -80,6 +83,7 @@ class Membership:
         self._join_deadline: float | None = None
         self._pending_leaves: set[str] = set()
         self._leave_timer: Timer | None = None
+        self._handover = HandoverWait(config.handover_wait, port=port, on_expiry=self.maybe_between_steps)
         self.left: set[str] = set()          # nodes a leave plan was issued for
         self._inflight: Plan | None = None  # between-steps plan not yet applied
         self.done: set[str] = set()
@@ -100,6 +104,7 @@ class Membership:
                   self._join_timer, self._leave_timer, *self._held.values()):
             if t is not None:
                 t.cancel()
+        self._handover.end()
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:
@@ -639,9 +644,20 @@ class Membership:
             self._pending_leaves.clear()
         if self._pending_leaves and self._leave_timer is None:
             leaving = sorted(n for n in self._pending_leaves if n in self._members)
+            members = [m for m in survivors if m not in leaving]
+            incoming = sorted(set(self._warming_up()) | {n for n in self._pending_joins
+                                                          if self.eligible(n) and n not in self._members})
+            if leaving and not members and self._handover.waiting(leaving, incoming, self.generation):
+                # nobody would be left to take their experts: the node on its way in joins
+                # first (once its worker is ready), then they leave, handing over to it
+                joins = sorted(n for n in self._pending_joins if self.eligible(n) and n not in self._members)
+                if joins:
+                    self._pending_joins.clear()
+                    self.issue("join", "between_steps", survivors + joins, joined=joins)
+                return
+            self._handover.end()
             self._pending_leaves.clear()
             if leaving:
-                members = [m for m in survivors if m not in leaving]
                 if not self.issue("leave", "between_steps", members, leaving=leaving):
                     for n in leaving:  # cannot plan without them: let them go anyway
                         self.left.add(n)

@@ -260,6 +260,35 @@ def test_sigterm_spot_notice_hands_experts_over_and_leaves(tmp_path: Path) -> No
 
 
 @pytest.mark.timeout(300)
+def test_the_last_members_under_notice_hand_over_to_a_node_still_starting(tmp_path: Path) -> None:
+    # n0 and n1 are the job; n2's agent has registered and its worker is still starting when
+    # both get their spot notice. They train on until n2 is ready, n2 joins, then they leave
+    # handing every expert to it: nothing is restored from a checkpoint, no step is lost.
+    steps = 200
+    with _cluster(tmp_path, steps=steps, extra_controller=("--expected-nodes", "2", "--slots", "4")) as c:
+        c.start(NODES[:2])
+        c.wait_step(15, timeout=180)
+        c.add_node("n2")
+        c.wait_for(lambda: [e for e in c.events() if e.get("event") == "node_registered" and e.get("node") == "n2"],
+                   60, "n2's registration")
+        c.leave("n0")
+        c.leave("n1")
+        plans = c.wait_for(lambda: (lambda ps: len(ps) >= 3 and ps)(
+            [e for e in c.events() if e.get("event") == "plan"]), 120, "the join and the leave plans")
+        (wait,) = [e for e in c.events() if e.get("event") == "handover_wait"]
+        assert wait["leaving"] == ["n0", "n1"] and wait["waiting_for"] == ["n2"]
+        assert [(p["reason"], p["members"], p["joined"], p["leaving"]) for p in plans[1:3]] == [
+            ("join", ["n0", "n1", "n2"], ["n2"], []), ("leave", ["n2"], [], ["n0", "n1"])]
+        rec = c.wait_for(lambda: [r for r in c.reconfigurations() if r["reason"] == "leave"], 60, "the leave")[0]
+        assert rec["world_size"] == 1 and rec["lost_experts"] == [] and rec["plt"] == 0.0
+        assert rec["sources"]["memory"] == 0 and rec["sources"]["storage"] == 0
+        assert c.agents["n0"].wait(timeout=60) == 0 and c.agents["n1"].wait(timeout=60) == 0
+        assert not _failure_reconfigs(c)
+        assert [e for e in c.events() if e.get("event") == "plan" and e["reason"] == "start"] == plans[:1]
+        _finish(c, tmp_path, ["n2"], steps=steps)
+
+
+@pytest.mark.timeout(300)
 def test_rebalance_from_routing_history_between_steps(tmp_path: Path) -> None:
     with _cluster(tmp_path,
                   extra_controller=("--slots", "3", "--rebalance-every", "20", "--rebalance-min-gain", "0.01")) as c:

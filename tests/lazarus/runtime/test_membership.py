@@ -312,6 +312,57 @@ def test_a_non_member_leaving_is_told_to_go_at_once() -> None:
     assert c.named("leave") == [{"event": "leave", "node": "x", "reason": "crash_loop", "error": "boom"}]
 
 
+def test_the_last_member_leaving_hands_over_to_a_node_still_starting() -> None:
+    # a is the only member; x registered and its worker is starting when a gets its notice:
+    # a trains on until x is ready, x joins, then a leaves handing its experts to x
+    c = started("a", failure_grace=timedelta(milliseconds=200), handover_wait=timedelta(seconds=30))
+    c.register("x", ready=False)
+    c.m.on_message("a", {"type": "leaving", "node": "a"})
+    c.loop.advance(3.0)
+    assert len(c.plans()) == 1 and ("a", {"type": "shutdown", "reason": "leave"}) not in c.sent
+    (wait,) = c.named("handover_wait")
+    assert wait["leaving"] == ["a"] and wait["waiting_for"] == ["x"] and wait["wait_s"] == 30.0
+    c.ready("x")
+    join = c.plans()[-1]
+    assert join["reason"] == "join" and join["members"] == ["a", "x"] and join["joined"] == ["x"]
+    assert join["leaving"] == []
+    c.applied(2)
+    leave = c.plans()[-1]
+    assert leave["reason"] == "leave" and leave["members"] == ["x"] and leave["leaving"] == ["a"]
+    assert sorted(c.receivers(3)) == ["a", "x"]             # a hands its experts over
+    c.loop.advance(60.0)
+    assert c.named("handover_wait_over") == [] and len(c.plans()) == 3
+    assert ("a", {"type": "shutdown", "reason": "leave"}) not in c.sent
+
+
+def test_the_hand_over_wait_runs_out_and_the_last_member_goes() -> None:
+    c = started("a", failure_grace=timedelta(milliseconds=200), handover_wait=timedelta(seconds=5))
+    c.register("x", ready=False)
+    c.m.on_message("a", {"type": "leaving", "node": "a"})
+    c.loop.advance(4.0)
+    assert ("a", {"type": "shutdown", "reason": "leave"}) not in c.sent
+    c.loop.advance(1.5)
+    (over,) = c.named("handover_wait_over")
+    assert over["leaving"] == ["a"] and over["waited_s"] == 5.0
+    assert ("a", {"type": "shutdown", "reason": "leave"}) in c.sent and len(c.plans()) == 1
+
+
+@pytest.mark.parametrize("settings", [{"handover_wait": timedelta(0)}, {}])
+def test_the_last_member_goes_at_once_with_the_wait_off_or_nobody_coming(settings: dict[str, Any]) -> None:
+    c = started("a", failure_grace=timedelta(milliseconds=200), **settings)
+    if settings:
+        c.register("x", ready=False)                      # on its way, but the wait is off
+    c.m.on_message("a", {"type": "leaving", "node": "a"})
+    c.loop.advance(0.2)
+    assert ("a", {"type": "shutdown", "reason": "leave"}) in c.sent and c.named("handover_wait") == []
+
+
+@pytest.mark.parametrize("value", [timedelta(seconds=-1), timedelta(minutes=11), 30])
+def test_handover_wait_is_checked(value: Any) -> None:
+    with pytest.raises(ValueError, match="handover_wait must be"):
+        ControllerConfig(secret=SECRET, handover_wait=value)
+
+
 # ============================================================================ collective errors
 
 
