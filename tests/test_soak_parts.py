@@ -172,3 +172,19 @@ def test_the_matrix_passes_the_network_to_every_run(tmp_path):
     assert matrix.command(7, 0, 4.0, tmp_path / "x", None, "loopback")[-2:] == ["--network", "loopback"]
     with pytest.raises(SystemExit):
         matrix.main(["--network", "ether", "--dir", str(tmp_path)])
+
+
+def test_the_matrix_row_names_every_kind_the_soak_injects():
+    """A run whose faults include the network's kinds makes a table row (the matrix used to
+    stop on them after the first netns run, its record kept but no table written)."""
+    import matrix
+
+    kinds = (*sf.KINDS, *sf.NETNS_KINDS)
+    assert [k for k in kinds if k not in matrix.SHORT] == []
+    assert len(set(matrix.SHORT.values())) == len(matrix.SHORT)          # one short name per kind
+    faults = [{"kind": k, "time_lost": 1.0, "steps_lost": 0, "accounted": True} for k in kinds]
+    rec = {"seed": 3, "load": 0, "faults": faults, "checks": [{"name": "job finished", "passed": True}],
+           "targets_missed": ["partition"]}
+    line = matrix.row(rec)
+    assert f"| {len(kinds)}/{len(kinds)} |" in line and "pt 1" in line and "fl 1" in line
+    assert line.endswith("all pass; targets missed: pt |")

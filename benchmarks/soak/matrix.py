@@ -39,7 +39,8 @@ SHORT = {"kill_node": "kn", "kill_worker": "kw", "kill_controller": "kc", "freez
          "spot_notice": "sp",
          "join": "j", "storage_outage": "so", "slow_storage": "ss", "shm_full": "shm", "kill_during_join": "kdj",
          "kill_during_reconfig": "kdr", "kill_controller_away": "kca", "kill_two_in_grace": "k2",
-         "spot_notice_persist_hung": "sph"}
+         "spot_notice_persist_hung": "sph", "partition": "pt", "cut_controller": "cc", "cut_peers": "cp",
+         "cut_peers_in": "cpi", "cut_peers_out": "cpo", "cut_storage": "cs", "flap": "fl"}
 #: the checks in the order main.py lists them, by the start of their text
 CHECKS = (("job finished", "finished"), ("no worker died", "no crash"), ("moc verify", "verify"),
           ("replicas identical", "replicas"), ("loss down", "loss"), ("every fault accounted", "accounted"),
@@ -126,8 +127,8 @@ def row(rec: dict[str, Any]) -> str:
     kinds = {}
     for f in faults:
         kinds.setdefault(f["kind"], []).append(f)
-    counts = " ".join(f"{SHORT[k]} {len(v)}" for k, v in kinds.items())
-    lost = "; ".join(f"{SHORT[k]} {_fmt([f['time_lost'] for f in v if f['time_lost'] is not None])}"
+    counts = " ".join(f"{SHORT.get(k, k)} {len(v)}" for k, v in kinds.items())
+    lost = "; ".join(f"{SHORT.get(k, k)} {_fmt([f['time_lost'] for f in v if f['time_lost'] is not None])}"
                      for k, v in kinds.items())
     steps = sum(f["steps_lost"] or 0 for f in faults)
     survived = f"{sum(f['accounted'] for f in faults)}/{len(faults)}"
@@ -135,7 +136,7 @@ def row(rec: dict[str, Any]) -> str:
               if c["name"].startswith(start) and not c["passed"]]
     checks = "all pass" if not failed else "**fail: " + ", ".join(failed) + "**"
     if rec.get("targets_missed"):
-        checks += "; targets missed: " + ", ".join(SHORT[k] for k in rec["targets_missed"])
+        checks += "; targets missed: " + ", ".join(SHORT.get(k, k) for k in rec["targets_missed"])
     nocommit = f"{rec['commit_gap_s']:.0f} s / {rec['commit_gap_steps']}" if "commit_gap_s" in rec else "-"
     host = rec.get("host_load")
     host = f"{host['mean']:.1f} / {host['max']:.1f}" if host else "-"
