@@ -37,9 +37,16 @@ from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import fields
 from typing import Any, Sequence
 
+from lazarus.runtime import ControllerConfig
+
 __all__ = ["progress", "lineage", "typical_steps", "measure", "sim_config", "SIM_SYSTEM"]
+
+#: How long the live Lazarus arm's last members under notice wait for a joiner to hand over
+#: to: the controller's default ``--handover-wait`` (the simulator's ``notice_period_s``).
+HANDOVER_WAIT_S: float = {f.name: f.default for f in fields(ControllerConfig)}["handover_wait"].total_seconds()
 
 #: The simulator's system for each live arm.
 SIM_SYSTEM = {"lazarus": "lazarus", "ckpt": "ds", "torchft": "dsft", "torchft-readme": "dsft"}
@@ -323,7 +330,9 @@ def sim_config(results: dict[str, dict[str, Any]], *, experts: int, layers: int,
                 xs = [e["lost_s"] for e in ev if e["kind"] in kinds]
                 p[field] = max(0.0, _mean(xs, 0.5 * ref) - 0.5 * ref)
             if name == "lazarus":
-                p.update(lazarus_interval_steps=10)
+                # the last members under notice wait for a starting joiner as long as the
+                # controller's --handover-wait (the live arm runs its default)
+                p.update(lazarus_interval_steps=10, notice_period_s=HANDOVER_WAIT_S)
         systems[name] = {"perf": p, "model": {"step_s": ref, "step_s_by_nodes": sorted([w, x] for w, x in typ.items())},
                          "checkpoint": "two-level" if name == "lazarus" else "full"}
     return {"model": model, "perf": perf, "systems": systems}
