@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gpu_common import GPU, free_port
+from gpu_common import GPU, free_port, record_figure
 from examples.local_cluster import LocalCluster
 from lazarus.dispatch import dispatch_counts, dispatch_device, dispatch_permutation, load_ops
 from lazarus.moe import MoEConfig, MoELayer
@@ -254,6 +254,73 @@ def test_two_nccl_ranks_on_one_gpu_survivor_aborts_and_is_back(tmp_path: Path, h
     assert r["solo_sum"] == 12.0 and r["reformed_s"] < 30, r  # back, alone, on the same GPU
     print(f"{how.name}: blocked {r['blocked_s']:.2f} s, watchdog {r['watchdog_error']}, re-formed in "
           f"{r['reformed_s']:.2f} s, back {r['back_s']:.2f} s after the signal")
+
+
+def _shrink_run(tmp_path: Path, mode: str, world: int = 3) -> list[dict]:
+    """``world`` NCCL ranks on one GPU (mp_nccl_shrink.py); the last is SIGKILLed, the others
+    re-form by ``mode``; returns the survivors' reports."""
+    repo = Path(__file__).resolve().parents[2]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    procs = []
+    for rank in range(world):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_NCCL_", "NCCL_"))}
+        env.update(NCCL_HOSTID=f"lazarus-shrink-{mode}-host{rank}", NCCL_SOCKET_IFNAME="lo", NCCL_P2P_DISABLE="1",
+                   NCCL_SHM_DISABLE="1", NCCL_IB_DISABLE="1", CUDA_VISIBLE_DEVICES=env.get("CUDA_VISIBLE_DEVICES", "0"),
+                   PYTHONPATH=os.pathsep.join([str(repo), env.get("PYTHONPATH", "")]))
+        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).parent / "mp_nccl_shrink.py"), str(rank),
+                                       str(world), str(store.port), mode, str(tmp_path / f"{mode}{rank}.json")],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        store.wait([f"ready{r}" for r in range(world)], timedelta(seconds=120))
+        os.kill(procs[-1].pid, signal.SIGKILL)
+        procs[-1].wait()
+        store.set("lost", "1")
+        reports = []
+        for rank, p in enumerate(procs[:-1]):
+            out, _ = p.communicate(timeout=150)
+            assert p.returncode == 0, out[-4000:]
+            r = json.loads((tmp_path / f"{mode}{rank}.json").read_text())
+            r["log"] = out[-3000:]
+            reports.append(r)
+        return reports
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+@pytest.mark.timeout(420)
+def test_nccl_shrink_and_reinit_side_by_side(tmp_path: Path) -> None:
+    """Three NCCL ranks on one GPU, the third SIGKILLed: the two survivors re-form (a) by
+    shrinking the communicator (``ElasticConfig.reform``'s shrink: ncclCommShrink, NCCL >=
+    2.27) and (b) by abort + ``init_process_group``; both groups work (device and host
+    all-reduce) and the time from the loss to a working group is reported side by side
+    (gpu-check's summary). Skips, saying why, where this torch/NCCL cannot shrink."""
+    from lazarus.runtime.worker._reform import local_shrink_available
+
+    ok, why = local_shrink_available()
+    if not ok:
+        pytest.skip(f"no NCCL shrink here: {why}")
+    results = {mode: _shrink_run(tmp_path, mode) for mode in ("reinit", "shrink")}
+    for mode, reports in results.items():
+        for r in reports:
+            assert "error" not in r, (mode, r["error"], r["log"])
+            assert r["first_sum"] == 3.0, r
+            assert (r["device_sum"], r["host_sum"]) == (3.0, 2.0), r   # ranks 1 + 2 on the device; 2 on the host
+            assert r["nccl_backends"] >= 1, r       # the new communicator is where the aborter finds it
+            assert r["errors"] == [], r
+    for r in results["shrink"]:
+        assert "shrink_error" not in r, (r["shrink_error"], r["log"])   # shrink ran, no fallback
+        assert r["shrunk_rank_size"] == [r["rank"], 2], r
+    worst = {mode: max(r["reformed_s"] for r in reports) for mode, reports in results.items()}
+    init = max(r["formed_s"] for r in results["reinit"])
+    record_figure("nccl_reform_3_to_2", unit="s", reinit=round(worst["reinit"], 4), shrink=round(worst["shrink"], 4),
+                  shrink_call=round(max(r["shrink_s"] for r in results["shrink"]), 4), first_init=round(init, 4),
+                  allreduce_ms_after={m: round(max(r["allreduce_ms"] for r in rs), 3) for m, rs in results.items()})
+    print(f"NCCL 3 -> 2 ranks after a SIGKILL: working group in {worst['shrink']:.3f} s by shrink "
+          f"(ncclCommShrink {max(r['shrink_s'] for r in results['shrink']):.3f} s) vs {worst['reinit']:.3f} s by "
+          f"abort + init (first init {init:.3f} s)")
 
 
 @pytest.mark.timeout(600)

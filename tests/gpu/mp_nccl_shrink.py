@@ -1,0 +1,116 @@
+"""One rank of the three-"host" NCCL group on ONE GPU that loses a peer and re-forms with
+the two others (tests/gpu/test_gpu_lazarus.py ``test_nccl_shrink_and_reinit_side_by_side``).
+
+As ``mp_nccl_pair.py``: every rank on cuda:0 as a separate host (a distinct
+``NCCL_HOSTID``, sockets on loopback, P2P and SHM off), the group formed as the trainer
+forms it (``cpu:gloo,cuda:nccl``, eager, non-blocking communicator). The ranks all-reduce,
+then wait quietly; the test SIGKILLs the last rank and sets ``lost`` on the store. From
+that moment each survivor times how long it takes to have a working group of the
+survivors (an all-reduce on the device and one on the host both done), one of two ways:
+
+* ``shrink``: ``ncclCommShrink`` of the old communicator excluding the dead rank
+  (``SHRINK_ABORT``: the peer is gone), the old group aborted, a ``cpu:gloo`` group formed
+  and the shrunk communicator attached as its CUDA backend: the trainer's code
+  (``lazarus.runtime.worker._reform``);
+* ``reinit``: the old group aborted (``GroupAborter.retire``) and a new
+  ``cpu:gloo,cuda:nccl`` group formed with ``init_process_group`` (what the trainer did
+  before, and does where shrink is not possible).
+
+    python tests/gpu/mp_nccl_shrink.py RANK WORLD PORT MODE OUT_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from lazarus.runtime.worker._abort import GroupAborter, nccl_backends, reset_group_names  # noqa: E402
+from lazarus.runtime.worker._backend import TrainerBackend, nccl_environment, nccl_init_kwargs  # noqa: E402
+from lazarus.runtime.worker._reform import attach_nccl, local_shrink_available, shrink_default_nccl  # noqa: E402
+
+TIMEOUT = timedelta(seconds=30)
+
+
+def main() -> None:
+    rank, world, port, mode, out_path = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
+                                         sys.argv[5])
+    out: dict = {"rank": rank, "mode": mode, "available": list(local_shrink_available())}
+    try:
+        nccl_environment(f"shrink rank {rank}", init_timeout=timedelta(seconds=60))
+        torch.cuda.set_device(0)
+        backend = TrainerBackend(device=torch.device("cuda", 0), backend="nccl")
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+        aborter = GroupAborter("nccl")
+        t0 = time.monotonic()
+        dist.init_process_group(backend.init_backend, store=dist.PrefixStore("gen0", store), rank=rank,
+                                world_size=world, timeout=TIMEOUT, **nccl_init_kwargs(backend))
+        x = torch.ones(1 << 20, device="cuda")
+        dist.all_reduce(x)
+        torch.cuda.synchronize()
+        out["formed_s"] = time.monotonic() - t0
+        out["first_sum"] = float(x[0])
+        for _ in range(20):
+            x.fill_(1.0)
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
+        store.set(f"ready{rank}", "1")
+        if rank == world - 1:
+            while True:              # the victim: SIGKILLed by the test
+                time.sleep(1)
+        store.wait(["lost"], timedelta(seconds=120))
+        survivors = world - 1
+        t1 = time.monotonic()
+        shrunk = None
+        if mode == "shrink":
+            try:
+                shrunk = shrink_default_nccl([world - 1], abort_parent=True)
+                out["shrunk_rank_size"] = [int(shrunk.rank()), int(shrunk.size())]
+            except Exception as exc:  # noqa: BLE001 - recorded: the test reports it
+                out["shrink_error"] = f"{type(exc).__name__}: {exc}"[:400]
+            out["shrink_s"] = time.monotonic() - t1
+        aborter.retire()             # the old group: aborted, never destroyed
+        reset_group_names()
+        t2 = time.monotonic()
+        if shrunk is not None:
+            dist.init_process_group("cpu:gloo", store=dist.PrefixStore("gen1", store), rank=rank,
+                                    world_size=survivors, timeout=TIMEOUT)
+            attach_nccl(shrunk, backend.device, backend.init_backend)
+        else:
+            dist.init_process_group(backend.init_backend, store=dist.PrefixStore("gen1", store), rank=rank,
+                                    world_size=survivors, timeout=TIMEOUT, **nccl_init_kwargs(backend))
+        out["form_s"] = time.monotonic() - t2
+        aborter.formed()
+        y = torch.full((4,), float(rank + 1), device="cuda")
+        dist.all_reduce(y)
+        torch.cuda.synchronize()
+        h = torch.ones(2)
+        dist.all_reduce(h)           # the host half (gloo)
+        out["reformed_s"] = time.monotonic() - t1
+        out["device_sum"], out["host_sum"] = float(y[0]), float(h[0])
+        out["nccl_backends"] = len(nccl_backends())   # what the trainer's aborter would abort next time
+        out["errors"] = [] if aborter.watchdog_error() is None else [aborter.watchdog_error()]
+        # the new group's all-reduce in steady state (1M floats)
+        torch.cuda.synchronize()
+        t3 = time.monotonic()
+        for _ in range(20):
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
+        out["allreduce_ms"] = (time.monotonic() - t3) / 20 * 1e3
+    except BaseException:  # noqa: BLE001
+        out["error"] = traceback.format_exc()[-2000:]
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
