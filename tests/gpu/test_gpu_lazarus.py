@@ -6,7 +6,10 @@ CUDA tensors).
 Two NCCL ranks share the one GPU as two "hosts" (a distinct ``NCCL_HOSTID`` per process,
 sockets on loopback, P2P and SHM off): one is SIGKILLed, or SIGSTOPped, mid-training and
 the survivor must abort its communicator and be back within ``collective_timeout`` + 2 s
-(no 60 s dump stall, no heartbeat-monitor ``std::abort``). What one GPU cannot show: the
+(no 60 s dump stall, no heartbeat-monitor ``std::abort``). Three NCCL ranks on the GPU
+re-form after losing one by shrinking the communicator (NCCL >= 2.27) and by abort + init,
+timed side by side, raw (a SIGKILLed peer) and through the trainer's Reconfigurer (a leave);
+these figures are not yet measured: no GPU has run them. What one GPU cannot show: the
 NVLink / NVLS transports and 8 ranks contending for PCIe. Run with ``make test-gpu``
 (skipped without a GPU). The dispatch kernel must build where nvcc and ninja exist: a
 failed build fails these tests rather than skipping them.
@@ -321,6 +324,64 @@ def test_nccl_shrink_and_reinit_side_by_side(tmp_path: Path) -> None:
     print(f"NCCL 3 -> 2 ranks after a SIGKILL: working group in {worst['shrink']:.3f} s by shrink "
           f"(ncclCommShrink {max(r['shrink_s'] for r in results['shrink']):.3f} s) vs {worst['reinit']:.3f} s by "
           f"abort + init (first init {init:.3f} s)")
+
+
+def _reform_run(tmp_path: Path, reform: str) -> dict[str, dict]:
+    """mp_nccl_reform.py: three nodes on one GPU, n2 leaves, n0 and n1 re-form by ``reform``."""
+    repo = Path(__file__).resolve().parents[2]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    procs = {}
+    for i, node in enumerate(("n0", "n1", "n2")):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_NCCL_", "NCCL_"))}
+        env.update(NCCL_HOSTID=f"lazarus-reform-{reform}-host{i}", NCCL_SOCKET_IFNAME="lo", NCCL_P2P_DISABLE="1",
+                   NCCL_SHM_DISABLE="1", NCCL_IB_DISABLE="1", CUDA_VISIBLE_DEVICES=env.get("CUDA_VISIBLE_DEVICES", "0"),
+                   PYTHONPATH=os.pathsep.join([str(repo), env.get("PYTHONPATH", "")]))
+        procs[node] = subprocess.Popen([sys.executable, str(Path(__file__).parent / "mp_nccl_reform.py"), node,
+                                        str(store.port), reform, str(tmp_path / f"{reform}-{node}.json")],
+                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        reports = {}
+        for node, p in procs.items():
+            out, _ = p.communicate(timeout=200)
+            assert p.returncode == 0, out[-4000:]
+            reports[node] = json.loads((tmp_path / f"{reform}-{node}.json").read_text())
+            reports[node]["log"] = out[-3000:]
+        return reports
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+@pytest.mark.timeout(480)
+def test_trainer_leave_on_nccl_shrinks_or_reinits(tmp_path: Path) -> None:
+    """The trainer's own Reconfigurer on NCCL (three nodes on one GPU): a node leaves and the
+    two others re-form with ``ElasticConfig.reform="auto"`` (shrink: ncclCommShrink, the
+    shrunk communicator attached to a new cpu:gloo group) and ``"reinit"`` (abort + init);
+    both groups work, and the times are reported side by side (gpu-check's figures)."""
+    from lazarus.runtime.worker._reform import local_shrink_available
+
+    ok, why = local_shrink_available()
+    if not ok:
+        pytest.skip(f"no NCCL shrink here: {why}")
+    runs = {reform: _reform_run(tmp_path, reform) for reform in ("reinit", "auto")}
+    for reform, reports in runs.items():
+        assert reports["n2"].get("left") is True and "error" not in reports["n2"], reports["n2"]
+        for node in ("n0", "n1"):
+            r = reports[node]
+            assert "error" not in r, (reform, r["error"], r["log"])
+            assert r["first_sum"] == 3.0 and r["rank_world"] == [int(node[1]), 2], r
+            assert (r["device_sum"], r["host_sum"]) == (3.0, 2.0), r
+            assert r["fallbacks"] == [], r        # no failed shrink
+            assert r["how"] == ("shrink" if reform == "auto" else "reinit"), r
+            assert r["nccl_backends"] >= 1, r
+            assert r["reform_logs"] and f"by {r['how']}" in r["reform_logs"][0], r
+    worst = {reform: max(reports[n]["reformed_s"] for n in ("n0", "n1")) for reform, reports in runs.items()}
+    record_figure("nccl_trainer_leave_3_to_2", unit="s", reinit=round(worst["reinit"], 4),
+                  shrink=round(worst["auto"], 4))
+    print(f"trainer leave, NCCL 3 -> 2: re-formed in {worst['auto']:.3f} s by shrink vs {worst['reinit']:.3f} s by "
+          "abort + init")
 
 
 @pytest.mark.timeout(600)
