@@ -16,7 +16,15 @@ survivors (an all-reduce on the device and one on the host both done), one of tw
   ``cpu:gloo,cuda:nccl`` group formed with ``init_process_group`` (what the trainer did
   before, and does where shrink is not possible).
 
-    python tests/gpu/mp_nccl_shrink.py RANK WORLD PORT MODE OUT_JSON
+With ``inflight``, every rank keeps all-reducing and the victim is killed mid-collective:
+the survivors' training threads block in the device sync, as a trainer's do. A watcher
+thread sees ``lost`` and either aborts the communicators (``reinit``: what the trainer does
+now) or shrinks with ``SHRINK_ABORT`` from that thread (``shrink``), which should end the
+parent's blocked kernel; if the blocked step is not back 3 s after the shrink returned,
+the watcher aborts the parent and says so (``shrink_released_step`` false). This is the
+question the trainer's failure path (which aborts, so cannot shrink) needs answered on a GPU.
+
+    python tests/gpu/mp_nccl_shrink.py RANK WORLD PORT MODE OUT_JSON [inflight]
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -40,12 +49,73 @@ from lazarus.runtime.worker._reform import attach_nccl, local_shrink_available, 
 TIMEOUT = timedelta(seconds=30)
 
 
+def _shrink(world: int, mode: str, out: dict, t1: float):
+    """``shrink`` mode: the survivors' communicator without the last rank (None if it failed)."""
+    shrunk = None
+    if mode == "shrink":
+        try:
+            shrunk = shrink_default_nccl([world - 1], abort_parent=True)
+            out["shrunk_rank_size"] = [int(shrunk.rank()), int(shrunk.size())]
+        except Exception as exc:  # noqa: BLE001 - recorded: the test reports it
+            out["shrink_error"] = f"{type(exc).__name__}: {exc}"[:400]
+        out["shrink_s"] = time.monotonic() - t1
+    return shrunk
+
+
+def _lost_in_flight(rank: int, world: int, port: int, mode: str, x: torch.Tensor, aborter: GroupAborter,
+                    out: dict) -> tuple[float, object]:
+    """Train (all-reduce, sync, health check) until the step fails; a watcher thread
+    interrupts it once the test says the last rank is lost (see the module docstring).
+    Returns (when the loss was seen, the shrunk backend or None)."""
+    if rank == world - 1:
+        while True:                  # the victim: all-reduces until SIGKILLed mid-collective
+            x.fill_(1.0)
+            dist.all_reduce(x)
+            torch.cuda.synchronize()
+    seen: dict = {}
+    back = threading.Event()
+
+    def watcher() -> None:
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+        client.wait(["lost"], timedelta(seconds=120))
+        seen["t"] = time.monotonic()
+        if mode == "shrink":
+            seen["shrunk"] = _shrink(world, mode, out, seen["t"])
+            aborter.interrupted = True          # the step that was running is not valid
+            released = back.wait(3.0)
+            out["shrink_released_step"] = released
+            if not released:
+                out["aborted_after_shrink"] = aborter.interrupt_nccl()
+        else:
+            out["aborted"] = aborter.interrupt().nccl_aborted
+
+    th = threading.Thread(target=watcher, daemon=True)
+    th.start()
+    steps = 0
+    try:
+        while True:
+            x.fill_(1.0)
+            dist.all_reduce(x)
+            torch.cuda.synchronize()
+            aborter.check_healthy()
+            steps += 1
+    except Exception as exc:  # noqa: BLE001 - the failure the test waits for
+        out["step_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    back.set()
+    th.join(30)
+    out["steps_before"] = steps
+    out["blocked_s"] = time.monotonic() - seen["t"] if "t" in seen else None
+    return seen.get("t", time.monotonic()), seen.get("shrunk")
+
+
 def main() -> None:
     rank, world, port, mode, out_path = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
                                          sys.argv[5])
-    out: dict = {"rank": rank, "mode": mode, "available": list(local_shrink_available())}
+    inflight = sys.argv[6:] == ["inflight"]
+    out: dict = {"rank": rank, "mode": mode, "inflight": inflight, "available": list(local_shrink_available())}
     try:
-        nccl_environment(f"shrink rank {rank}", init_timeout=timedelta(seconds=60))
+        # a shrink or an init waiting on a dead peer gives up after 20 s (TORCH_NCCL_NONBLOCKING_TIMEOUT)
+        nccl_environment(f"shrink rank {rank}", init_timeout=timedelta(seconds=20))
         torch.cuda.set_device(0)
         backend = TrainerBackend(device=torch.device("cuda", 0), backend="nccl")
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
@@ -63,20 +133,16 @@ def main() -> None:
             dist.all_reduce(x)
         torch.cuda.synchronize()
         store.set(f"ready{rank}", "1")
-        if rank == world - 1:
-            while True:              # the victim: SIGKILLed by the test
-                time.sleep(1)
-        store.wait(["lost"], timedelta(seconds=120))
         survivors = world - 1
-        t1 = time.monotonic()
-        shrunk = None
-        if mode == "shrink":
-            try:
-                shrunk = shrink_default_nccl([world - 1], abort_parent=True)
-                out["shrunk_rank_size"] = [int(shrunk.rank()), int(shrunk.size())]
-            except Exception as exc:  # noqa: BLE001 - recorded: the test reports it
-                out["shrink_error"] = f"{type(exc).__name__}: {exc}"[:400]
-            out["shrink_s"] = time.monotonic() - t1
+        if inflight:
+            t1, shrunk = _lost_in_flight(rank, world, port, mode, x, aborter, out)
+        else:
+            if rank == world - 1:
+                while True:              # the victim: SIGKILLed by the test
+                    time.sleep(1)
+            store.wait(["lost"], timedelta(seconds=120))
+            t1 = time.monotonic()
+            shrunk = _shrink(world, mode, out, t1)
         aborter.retire()             # the old group: aborted, never destroyed
         reset_group_names()
         t2 = time.monotonic()

@@ -259,22 +259,27 @@ def test_two_nccl_ranks_on_one_gpu_survivor_aborts_and_is_back(tmp_path: Path, h
           f"{r['reformed_s']:.2f} s, back {r['back_s']:.2f} s after the signal")
 
 
-def _shrink_run(tmp_path: Path, mode: str, world: int = 3) -> list[dict]:
-    """``world`` NCCL ranks on one GPU (mp_nccl_shrink.py); the last is SIGKILLed, the others
-    re-form by ``mode``; returns the survivors' reports."""
+def _shrink_run(tmp_path: Path, mode: str, world: int = 3, inflight: bool = False) -> list[dict]:
+    """``world`` NCCL ranks on one GPU (mp_nccl_shrink.py); the last is SIGKILLed (while
+    every rank all-reduces: ``inflight``), the others re-form by ``mode``; returns the
+    survivors' reports."""
+    tag = f"{mode}{'-inflight' if inflight else ''}"
     repo = Path(__file__).resolve().parents[2]
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
     procs = []
     for rank in range(world):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_NCCL_", "NCCL_"))}
-        env.update(NCCL_HOSTID=f"lazarus-shrink-{mode}-host{rank}", NCCL_SOCKET_IFNAME="lo", NCCL_P2P_DISABLE="1",
+        env.update(NCCL_HOSTID=f"lazarus-shrink-{tag}-host{rank}", NCCL_SOCKET_IFNAME="lo", NCCL_P2P_DISABLE="1",
                    NCCL_SHM_DISABLE="1", NCCL_IB_DISABLE="1", CUDA_VISIBLE_DEVICES=env.get("CUDA_VISIBLE_DEVICES", "0"),
                    PYTHONPATH=os.pathsep.join([str(repo), env.get("PYTHONPATH", "")]))
         procs.append(subprocess.Popen([sys.executable, str(Path(__file__).parent / "mp_nccl_shrink.py"), str(rank),
-                                       str(world), str(store.port), mode, str(tmp_path / f"{mode}{rank}.json")],
+                                       str(world), str(store.port), mode, str(tmp_path / f"{tag}{rank}.json")]
+                                      + (["inflight"] if inflight else []),
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
         store.wait([f"ready{r}" for r in range(world)], timedelta(seconds=120))
+        if inflight:
+            time.sleep(0.5)          # every rank back in its all-reduce loop
         os.kill(procs[-1].pid, signal.SIGKILL)
         procs[-1].wait()
         store.set("lost", "1")
@@ -282,7 +287,7 @@ def _shrink_run(tmp_path: Path, mode: str, world: int = 3) -> list[dict]:
         for rank, p in enumerate(procs[:-1]):
             out, _ = p.communicate(timeout=150)
             assert p.returncode == 0, out[-4000:]
-            r = json.loads((tmp_path / f"{mode}{rank}.json").read_text())
+            r = json.loads((tmp_path / f"{tag}{rank}.json").read_text())
             r["log"] = out[-3000:]
             reports.append(r)
         return reports
@@ -324,6 +329,36 @@ def test_nccl_shrink_and_reinit_side_by_side(tmp_path: Path) -> None:
     print(f"NCCL 3 -> 2 ranks after a SIGKILL: working group in {worst['shrink']:.3f} s by shrink "
           f"(ncclCommShrink {max(r['shrink_s'] for r in results['shrink']):.3f} s) vs {worst['reinit']:.3f} s by "
           f"abort + init (first init {init:.3f} s)")
+
+
+@pytest.mark.timeout(420)
+def test_nccl_shrink_with_a_collective_in_flight(tmp_path: Path) -> None:
+    """As above, but the peer dies while every rank is inside an all-reduce, the survivors'
+    training threads blocked in the device sync (the trainer's failure case). ``reinit``:
+    the watcher aborts, as the trainer does; ``shrink``: the watcher shrinks with
+    SHRINK_ABORT instead, which should end the blocked kernel (else it aborts 3 s later and
+    says so). Both must be back with a working group; whether the shrink released the step,
+    and the times, go to gpu-check's figures: they decide whether the trainer's failure
+    path (which aborts, so cannot shrink today) should shrink from its watcher."""
+    from lazarus.runtime.worker._reform import local_shrink_available
+
+    ok, why = local_shrink_available()
+    if not ok:
+        pytest.skip(f"no NCCL shrink here: {why}")
+    results = {mode: _shrink_run(tmp_path, mode, inflight=True) for mode in ("reinit", "shrink")}
+    for mode, reports in results.items():
+        for r in reports:
+            assert "error" not in r, (mode, r["error"], r["log"])
+            assert r["steps_before"] >= 1 and r["step_error"], r          # the blocked step failed, in-process
+            assert r["blocked_s"] is not None and r["blocked_s"] < 10, r  # back well before the 30 s timeout
+            assert (r["device_sum"], r["host_sum"]) == (3.0, 2.0), r
+    shrink = results["shrink"]
+    record_figure("nccl_reform_3_to_2_inflight", unit="s",
+                  reinit=round(max(r["reformed_s"] for r in results["reinit"]), 4),
+                  shrink=round(max(r["reformed_s"] for r in shrink), 4),
+                  shrink_ok=all("shrink_error" not in r for r in shrink),
+                  shrink_released_step=all(r.get("shrink_released_step") for r in shrink),
+                  shrink_errors=[r["shrink_error"][:120] for r in shrink if "shrink_error" in r])
 
 
 def _reform_run(tmp_path: Path, reform: str) -> dict[str, dict]:
