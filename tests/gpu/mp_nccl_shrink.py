@@ -44,7 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from lazarus.runtime.worker._abort import GroupAborter, nccl_backends, reset_group_names  # noqa: E402
 from lazarus.runtime.worker._backend import TrainerBackend, nccl_environment, nccl_init_kwargs  # noqa: E402
-from lazarus.runtime.worker._reform import attach_nccl, local_shrink_available, shrink_default_nccl  # noqa: E402
+from lazarus.runtime.worker._reform import (agree_on_shrink, attach_nccl, local_shrink_available,  # noqa: E402
+                                            shrink_default_nccl)
 
 TIMEOUT = timedelta(seconds=30)
 
@@ -81,6 +82,9 @@ def _lost_in_flight(rank: int, world: int, port: int, mode: str, x: torch.Tensor
         seen["t"] = time.monotonic()
         if mode == "shrink":
             seen["shrunk"] = _shrink(world, mode, out, seen["t"])
+            if seen["shrunk"] is None:          # it failed: abort at once, as without a shrink
+                out["aborted"] = aborter.interrupt().nccl_aborted
+                return
             aborter.interrupted = True          # the step that was running is not valid
             released = back.wait(3.0)
             out["shrink_released_step"] = released
@@ -143,6 +147,11 @@ def main() -> None:
             store.wait(["lost"], timedelta(seconds=120))
             t1 = time.monotonic()
             shrunk = _shrink(world, mode, out, t1)
+        if mode == "shrink":         # the members agree as the trainer's do: all shrunk, or none used
+            store.set(f"shrunk{rank}", "1" if shrunk is not None else "0")
+            outcomes = [bytes(store.get(f"shrunk{r}")).decode() for r in range(survivors)]
+            shrunk = agree_on_shrink(outcomes, shrunk, where=f"rank {rank} step -")
+            out["shrunk_used"] = shrunk is not None
         aborter.retire()             # the old group: aborted, never destroyed
         reset_group_names()
         t2 = time.monotonic()
