@@ -71,3 +71,29 @@ def test_the_summary_fails_when_any_check_fails(tmp_path: Path) -> None:
     text = out.read_text()
     assert text.startswith("# make gpu-check: FAIL") and "| tests/gpu | **FAIL** |" in text and "failed: boom" in text
     assert '"ok": false' in out.with_suffix(".json").read_text()
+
+
+def test_figures_the_tests_record_reach_the_summary(tmp_path: Path) -> None:
+    """A child process (as tests/gpu and the bench run) appends figures through
+    ``record_figure`` to the file the check names in its environment; the summary lists
+    them, and a line that is not JSON is kept as text, not dropped."""
+    figures = tmp_path / "g.figures.jsonl"
+    env = check.child_env(tmp_path / "no-site", figures)
+    code = ("import sys; sys.path.insert(0, 'tests/gpu'); from gpu_common import record_figure; "
+            "record_figure('nccl_reform_3_to_2', unit='s', reinit=1.25, shrink=0.5); "
+            "record_figure('moe_bf16_vs_grouped_mm', ratio=0.91)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    with figures.open("a") as f:
+        f.write("not json\n")
+    s = check.Summary(machine={"date": "d", "torch": "t"})
+    s.checks = [check.Check("tests/gpu", True, 1.0, "1 passed")]
+    s.figures = check.read_figures(figures)
+    out = tmp_path / "g.md"
+    check.write(s, out)
+    text = out.read_text()
+    assert "| nccl_reform_3_to_2 | unit s, reinit 1.25, shrink 0.5 |" in text
+    assert "| moe_bf16_vs_grouped_mm | ratio 0.91 |" in text
+    assert "| unreadable | text not json |" in text
+    assert '"ratio": 0.91' in out.with_suffix(".json").read_text()
+    assert check.read_figures(tmp_path / "absent.jsonl") == []

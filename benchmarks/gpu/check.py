@@ -15,7 +15,10 @@ nothing of this project): it
    its best, snapshot bandwidth, the MoE layer;
 4. writes one summary (``--out``, default ``gpu-check.md`` here, and ``.json`` beside it):
    pass/fail per check, the bench's figures, GPU, driver, torch, CUDA and NCCL versions, the
-   date, in at most ``--budget`` (8 minutes by default; each part has its own share).
+   date, in at most ``--budget`` (8 minutes by default; each part has its own share). The
+   figures the tests and the bench measure (NCCL re-forming by shrink vs abort + init, the
+   MoE layer's bf16 throughput against a plain grouped-mm reference) come to it through
+   ``$LAZARUS_GPU_FIGURES``, one JSON line each, and are listed in a table of their own.
 
 Without a GPU it says so and exits 2 (nothing is faked here). Rerun: ``make gpu-check``
 (``GPU_PY=python3`` by default for this target: the CUDA interpreter, no venv).
@@ -62,6 +65,7 @@ class Summary:
     checks: list[Check] = field(default_factory=list)
     tests: list[dict[str, str]] = field(default_factory=list)
     bench: str = ""
+    figures: list[dict[str, object]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -112,9 +116,32 @@ def install_missing(wheels: Path, site: Path) -> Check:
     return Check("dependencies", ok, time.perf_counter() - t0, detail)
 
 
-def child_env(site: Path) -> dict[str, str]:
+#: the file (JSON lines) where tests/gpu (``record_figure``) and the bench append their figures
+FIGURES_ENV = "LAZARUS_GPU_FIGURES"
+
+
+def child_env(site: Path, figures: Path | None = None) -> dict[str, str]:
     paths = [str(ROOT)] + ([str(site)] if site.is_dir() else []) + [os.environ.get("PYTHONPATH", "")]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), PYTHONUNBUFFERED="1")
+    if figures is not None:
+        env[FIGURES_ENV] = str(figures)
+    return env
+
+
+def read_figures(path: Path) -> list[dict[str, object]]:
+    """The figures appended to ``path`` (a line that is not a JSON object is kept as text)."""
+    if not path.exists():
+        return []
+    out: list[dict[str, object]] = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError:
+            item = None
+        out.append(item if isinstance(item, dict) else {"name": "unreadable", "text": line[:300]})
+    return out
 
 
 def run_tests(env: dict[str, str], out: Path, timeout: float) -> tuple[Check, list[dict[str, str]]]:
@@ -172,13 +199,18 @@ def write(summary: Summary, out: Path) -> None:
         lines += ["", "## tests/gpu", "", "| test | outcome | seconds |", "|---|---|---:|"]
         lines += [f"| {t['test']} | {t['outcome']}{(': ' + t['why']) if t['why'] else ''} | {t['seconds']} |"
                   for t in summary.tests]
+    if summary.figures:
+        lines += ["", "## figures", "", "| figure | values |", "|---|---|"]
+        for f in summary.figures:
+            values = ", ".join(f"{k} {v}" for k, v in f.items() if k != "name").replace("|", "/")
+            lines.append(f"| {f.get('name')} | {values} |")
     if summary.bench:
         lines += ["", "## bench-gpu --quick", "", summary.bench]
     lines += ["", "Rerun: `make gpu-check` (see benchmarks/gpu/check.py)."]
     out.write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps(
         {"ok": summary.ok, "machine": summary.machine, "checks": [asdict(c) for c in summary.checks],
-         "tests": summary.tests}, indent=1))
+         "tests": summary.tests, "figures": summary.figures}, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,13 +228,16 @@ def main(argv: list[str] | None = None) -> int:
     summary = Summary(machine=versions())
     site = Path(tempfile.mkdtemp(prefix="moc-gpu-site-"))
     summary.checks.append(install_missing(args.wheels, site))
-    env = child_env(site)
+    figures = args.out.with_suffix(".figures.jsonl")
+    figures.unlink(missing_ok=True)
+    env = child_env(site, figures)
     left = lambda: args.budget - (time.perf_counter() - start)  # noqa: E731
     check, summary.tests = run_tests(env, args.out, timeout=max(60.0, left() * (0.6 if not args.skip_bench else 1)))
     summary.checks.append(check)
     if not args.skip_bench:
         check, summary.bench = run_bench(env, args.out, timeout=max(60.0, left() - 10))
         summary.checks.append(check)
+    summary.figures = read_figures(figures)
     write(summary, args.out)
     print(args.out.read_text())
     return 0 if summary.ok else 1

@@ -61,3 +61,18 @@ def shm_dir(tmp_path):
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+#: where ``make gpu-check`` (benchmarks/gpu/check.py) collects the figures the tests measure
+FIGURES_ENV = "LAZARUS_GPU_FIGURES"
+
+
+def record_figure(name: str, **values) -> None:
+    """Append one measured figure (JSON line) to the file ``$LAZARUS_GPU_FIGURES`` names, for
+    the gpu-check summary; nothing when it is unset (a plain ``make test-gpu``)."""
+    import json
+
+    path = os.environ.get(FIGURES_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"name": name, **values}) + "\n")

@@ -6,7 +6,10 @@ CUDA tensors).
 Two NCCL ranks share the one GPU as two "hosts" (a distinct ``NCCL_HOSTID`` per process,
 sockets on loopback, P2P and SHM off): one is SIGKILLed, or SIGSTOPped, mid-training and
 the survivor must abort its communicator and be back within ``collective_timeout`` + 2 s
-(no 60 s dump stall, no heartbeat-monitor ``std::abort``). What one GPU cannot show: the
+(no 60 s dump stall, no heartbeat-monitor ``std::abort``). Three NCCL ranks on the GPU
+re-form after losing one by shrinking the communicator (NCCL >= 2.27) and by abort + init,
+timed side by side, raw (a SIGKILLed peer) and through the trainer's Reconfigurer (a leave);
+these figures are not yet measured: no GPU has run them. What one GPU cannot show: the
 NVLink / NVLS transports and 8 ranks contending for PCIe. Run with ``make test-gpu``
 (skipped without a GPU). The dispatch kernel must build where nvcc and ninja exist: a
 failed build fails these tests rather than skipping them.
@@ -29,7 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gpu_common import GPU, free_port
+from gpu_common import GPU, free_port, record_figure
 from examples.local_cluster import LocalCluster
 from lazarus.dispatch import dispatch_counts, dispatch_device, dispatch_permutation, load_ops
 from lazarus.moe import MoEConfig, MoELayer
@@ -254,6 +257,166 @@ def test_two_nccl_ranks_on_one_gpu_survivor_aborts_and_is_back(tmp_path: Path, h
     assert r["solo_sum"] == 12.0 and r["reformed_s"] < 30, r  # back, alone, on the same GPU
     print(f"{how.name}: blocked {r['blocked_s']:.2f} s, watchdog {r['watchdog_error']}, re-formed in "
           f"{r['reformed_s']:.2f} s, back {r['back_s']:.2f} s after the signal")
+
+
+def _shrink_run(tmp_path: Path, mode: str, world: int = 3, inflight: bool = False) -> list[dict]:
+    """``world`` NCCL ranks on one GPU (mp_nccl_shrink.py); the last is SIGKILLed (while
+    every rank all-reduces: ``inflight``), the others re-form by ``mode``; returns the
+    survivors' reports."""
+    tag = f"{mode}{'-inflight' if inflight else ''}"
+    repo = Path(__file__).resolve().parents[2]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    procs = []
+    for rank in range(world):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_NCCL_", "NCCL_"))}
+        env.update(NCCL_HOSTID=f"lazarus-shrink-{tag}-host{rank}", NCCL_SOCKET_IFNAME="lo", NCCL_P2P_DISABLE="1",
+                   NCCL_SHM_DISABLE="1", NCCL_IB_DISABLE="1", CUDA_VISIBLE_DEVICES=env.get("CUDA_VISIBLE_DEVICES", "0"),
+                   PYTHONPATH=os.pathsep.join([str(repo), env.get("PYTHONPATH", "")]))
+        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).parent / "mp_nccl_shrink.py"), str(rank),
+                                       str(world), str(store.port), mode, str(tmp_path / f"{tag}{rank}.json")]
+                                      + (["inflight"] if inflight else []),
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        store.wait([f"ready{r}" for r in range(world)], timedelta(seconds=120))
+        if inflight:
+            time.sleep(0.5)          # every rank back in its all-reduce loop
+        os.kill(procs[-1].pid, signal.SIGKILL)
+        procs[-1].wait()
+        store.set("lost", "1")
+        reports = []
+        for rank, p in enumerate(procs[:-1]):
+            out, _ = p.communicate(timeout=150)
+            assert p.returncode == 0, out[-4000:]
+            r = json.loads((tmp_path / f"{tag}{rank}.json").read_text())
+            r["log"] = out[-3000:]
+            reports.append(r)
+        return reports
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+@pytest.mark.timeout(420)
+def test_nccl_shrink_and_reinit_side_by_side(tmp_path: Path) -> None:
+    """Three NCCL ranks on one GPU, the third SIGKILLed: the two survivors re-form (a) by
+    shrinking the communicator (``ElasticConfig.reform``'s shrink: ncclCommShrink, NCCL >=
+    2.27) and (b) by abort + ``init_process_group``; both groups work (device and host
+    all-reduce) and the time from the loss to a working group is reported side by side
+    (gpu-check's summary). Skips, saying why, where this torch/NCCL cannot shrink."""
+    from lazarus.runtime.worker._reform import local_shrink_available
+
+    ok, why = local_shrink_available()
+    if not ok:
+        pytest.skip(f"no NCCL shrink here: {why}")
+    results = {mode: _shrink_run(tmp_path, mode) for mode in ("reinit", "shrink")}
+    for mode, reports in results.items():
+        for r in reports:
+            assert "error" not in r, (mode, r["error"], r["log"])
+            assert r["first_sum"] == 3.0, r
+            assert (r["device_sum"], r["host_sum"]) == (3.0, 2.0), r   # ranks 1 + 2 on the device; 2 on the host
+            assert r["nccl_backends"] >= 1, r       # the new communicator is where the aborter finds it
+            assert r["errors"] == [], r
+    for r in results["shrink"]:
+        assert "shrink_error" not in r, (r["shrink_error"], r["log"])   # shrink ran, no fallback
+        assert r["shrunk_rank_size"] == [r["rank"], 2] and r["shrunk_used"], r
+    worst = {mode: max(r["reformed_s"] for r in reports) for mode, reports in results.items()}
+    init = max(r["formed_s"] for r in results["reinit"])
+    record_figure("nccl_reform_3_to_2", unit="s", reinit=round(worst["reinit"], 4), shrink=round(worst["shrink"], 4),
+                  shrink_call=round(max(r["shrink_s"] for r in results["shrink"]), 4), first_init=round(init, 4),
+                  allreduce_ms_after={m: round(max(r["allreduce_ms"] for r in rs), 3) for m, rs in results.items()})
+    print(f"NCCL 3 -> 2 ranks after a SIGKILL: working group in {worst['shrink']:.3f} s by shrink "
+          f"(ncclCommShrink {max(r['shrink_s'] for r in results['shrink']):.3f} s) vs {worst['reinit']:.3f} s by "
+          f"abort + init (first init {init:.3f} s)")
+
+
+@pytest.mark.timeout(420)
+def test_nccl_shrink_with_a_collective_in_flight(tmp_path: Path) -> None:
+    """As above, but the peer dies while every rank is inside an all-reduce, the survivors'
+    training threads blocked in the device sync (the trainer's failure case). ``reinit``:
+    the watcher aborts, as the trainer does; ``shrink``: the watcher shrinks with
+    SHRINK_ABORT instead, which should end the blocked kernel (else it aborts 3 s later and
+    says so). Both must be back with a working group; whether the shrink released the step,
+    and the times, go to gpu-check's figures: they decide whether the trainer's failure
+    path (which aborts, so cannot shrink today) should shrink from its watcher."""
+    from lazarus.runtime.worker._reform import local_shrink_available
+
+    ok, why = local_shrink_available()
+    if not ok:
+        pytest.skip(f"no NCCL shrink here: {why}")
+    results = {mode: _shrink_run(tmp_path, mode, inflight=True) for mode in ("reinit", "shrink")}
+    for mode, reports in results.items():
+        for r in reports:
+            assert "error" not in r, (mode, r["error"], r["log"])
+            assert r["steps_before"] >= 1 and r["step_error"], r          # the blocked step failed, in-process
+            assert r["blocked_s"] is not None and r["blocked_s"] < 10, r  # back well before the 30 s timeout
+            assert (r["device_sum"], r["host_sum"]) == (3.0, 2.0), r
+    shrink = results["shrink"]
+    record_figure("nccl_reform_3_to_2_inflight", unit="s",
+                  reinit=round(max(r["reformed_s"] for r in results["reinit"]), 4),
+                  shrink=round(max(r["reformed_s"] for r in shrink), 4),
+                  shrink_ok=all(r.get("shrunk_used") for r in shrink),
+                  shrink_released_step=all(r.get("shrink_released_step") for r in shrink),
+                  shrink_errors=[r["shrink_error"][:120] for r in shrink if "shrink_error" in r])
+
+
+def _reform_run(tmp_path: Path, reform: str) -> dict[str, dict]:
+    """mp_nccl_reform.py: three nodes on one GPU, n2 leaves, n0 and n1 re-form by ``reform``."""
+    repo = Path(__file__).resolve().parents[2]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    procs = {}
+    for i, node in enumerate(("n0", "n1", "n2")):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_NCCL_", "NCCL_"))}
+        env.update(NCCL_HOSTID=f"lazarus-reform-{reform}-host{i}", NCCL_SOCKET_IFNAME="lo", NCCL_P2P_DISABLE="1",
+                   NCCL_SHM_DISABLE="1", NCCL_IB_DISABLE="1", CUDA_VISIBLE_DEVICES=env.get("CUDA_VISIBLE_DEVICES", "0"),
+                   PYTHONPATH=os.pathsep.join([str(repo), env.get("PYTHONPATH", "")]))
+        procs[node] = subprocess.Popen([sys.executable, str(Path(__file__).parent / "mp_nccl_reform.py"), node,
+                                        str(store.port), reform, str(tmp_path / f"{reform}-{node}.json")],
+                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        reports = {}
+        for node, p in procs.items():
+            out, _ = p.communicate(timeout=200)
+            assert p.returncode == 0, out[-4000:]
+            reports[node] = json.loads((tmp_path / f"{reform}-{node}.json").read_text())
+            reports[node]["log"] = out[-3000:]
+        return reports
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+@pytest.mark.timeout(480)
+def test_trainer_leave_on_nccl_shrinks_or_reinits(tmp_path: Path) -> None:
+    """The trainer's own Reconfigurer on NCCL (three nodes on one GPU): a node leaves and the
+    two others re-form with ``ElasticConfig.reform="auto"`` (shrink: ncclCommShrink, the
+    shrunk communicator attached to a new cpu:gloo group) and ``"reinit"`` (abort + init);
+    both groups work, and the times are reported side by side (gpu-check's figures)."""
+    from lazarus.runtime.worker._reform import local_shrink_available
+
+    ok, why = local_shrink_available()
+    if not ok:
+        pytest.skip(f"no NCCL shrink here: {why}")
+    runs = {reform: _reform_run(tmp_path, reform) for reform in ("reinit", "auto")}
+    for reform, reports in runs.items():
+        assert reports["n2"].get("left") is True and "error" not in reports["n2"], reports["n2"]
+        for node in ("n0", "n1"):
+            r = reports[node]
+            assert "error" not in r, (reform, r["error"], r["log"])
+            assert r["first_sum"] == 3.0 and r["rank_world"] == [int(node[1]), 2], r
+            assert (r["device_sum"], r["host_sum"]) == (3.0, 2.0), r
+            assert r["fallbacks"] == [], r        # no failed shrink
+            assert r["how"] == ("shrink" if reform == "auto" else "reinit"), r
+            assert r["nccl_backends"] >= 1, r
+            assert r["reform_logs"] and f"by {r['how']}" in r["reform_logs"][0], r
+    worst = {reform: max(reports[n]["reformed_s"] for n in ("n0", "n1")) for reform, reports in runs.items()}
+    record_figure("nccl_trainer_leave_3_to_2", unit="s", reinit=round(worst["reinit"], 4),
+                  shrink=round(worst["auto"], 4))
+    print(f"trainer leave, NCCL 3 -> 2: re-formed in {worst['auto']:.3f} s by shrink vs {worst['reinit']:.3f} s by "
+          "abort + init")
 
 
 @pytest.mark.timeout(600)

@@ -9,6 +9,7 @@ from typing import Union
 from moc import MoCConfig
 
 from ._backend import check_backend_spec, check_device_spec
+from ._reform import check_reform_spec
 
 __all__ = ["ElasticConfig", "LOST_EXPERTS"]
 
@@ -67,6 +68,15 @@ class ElasticConfig:
         backend: ``"auto"`` (follows the device: NCCL on CUDA, gloo on CPU), ``"gloo"`` or
             ``"nccl"`` (CUDA only). A broken NCCL communicator is aborted, gloo's sockets
             are shut down; both re-form the next generation in-process.
+        reform: how an NCCL trainer re-forms its group when members leave it: ``"auto"``
+            (default) shrinks the current communicator (``ncclCommShrink``, torch's
+            ``shrink_group``: NCCL >= 2.27) when the plan only removes ranks, keeps the
+            others' order and the communicator is intact, and aborts it and forms a new one
+            otherwise (a join, a reorder, gloo, an older NCCL); ``"shrink"`` the same, but a
+            torch or NCCL that cannot shrink at all is an error at start; ``"reinit"``
+            always aborts and forms a new one. A shrink that fails falls back to a new
+            communicator (logged with the rank and step). The GPU timings of both ways are
+            not yet measured (``make gpu-check`` records them).
     """
 
     collective_timeout: timedelta = timedelta(seconds=10)
@@ -81,6 +91,7 @@ class ElasticConfig:
     device: str = "auto"
     backend: str = "auto"
     lost_experts: Union[str, None] = None
+    reform: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("collective_timeout", "rendezvous_timeout", "plan_timeout", "connect_timeout"):
@@ -122,6 +133,7 @@ class ElasticConfig:
             raise ValueError(f"ElasticConfig.grad_clip must be a positive number or None, got {self.grad_clip!r}")
         check_device_spec(self.device, "ElasticConfig.device")
         check_backend_spec(self.backend, "ElasticConfig.backend")
+        check_reform_spec(self.reform, "ElasticConfig.reform")
         if self.backend == "nccl" and self.device == "cpu":
             raise ValueError("ElasticConfig.backend='nccl' needs a CUDA device, got device='cpu'; "
                              "use device='cuda' (or 'auto') or backend='gloo'")

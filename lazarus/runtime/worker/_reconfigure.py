@@ -66,6 +66,8 @@ from ._backend import nccl_init_kwargs
 from ._join_gate import JoinGate
 from ._moc_groups import MocGroups
 from ._plan_feed import latest_plan
+from ._reform import (ReformChoice, abort_quietly, agree_on_shrink, attach_nccl, reform_for_plan, shrink_for_plan,
+                      trainer_shrink_available)
 from ._rendezvous_store import StoreClients
 from ._transfer import StoreBoard, choose_moves, exchange_units, read_all, unit_needs, world_comm
 from ._worker_state import StateDraft, WorkerContext, WorkerState, carry_state
@@ -117,6 +119,9 @@ class Reconfigurer:
         # trained state until the plan's transfer is installed.
         self.stateless = False
         self.rollback: dict[str, Any] | None = None   # what the newest plan's rollback did (lost_experts="replay")
+        # ElasticConfig.reform: can this process shrink an NCCL communicator at all?
+        self.shrink_available = trainer_shrink_available(getattr(config, "reform", "auto"), context.backend.backend)
+        self.last_reform: ReformChoice | None = None   # how the newest plan's group was formed (tests, logs)
 
     def _prepare_join(self, s: StateDraft, plan: Plan) -> None:
         """A joiner, before the plan's rendezvous: build the model for its rank of the plan
@@ -214,17 +219,22 @@ class Reconfigurer:
             log.info("node %s step -: hosting a rendezvous store on %s:%d", self.ctx.where, host, hosted.port)
         return {"host": host, "port": int(hosted.port)}
 
-    def _rendezvous(self, s: StateDraft, plan: Plan, inventory: dict[str, Any] | None = None) -> list[Any] | None:
+    def _rendezvous(self, s: StateDraft, plan: Plan, inventory: dict[str, Any] | None = None, *,
+                    shrink: ReformChoice | None = None, shrunk: Any = None) -> list[Any] | None:
         """Form the plan's group; with ``inventory`` (this rank's entry) and a world of at
         most :data:`STORE_INVENTORY_WORLD`, return every rank's entry in rank order, read
-        from the store as the rendezvous completes (None: gather it on the group)."""
+        from the store as the rendezvous completes (None: gather it on the group). ``shrunk``:
+        this rank's shrunk communicator, used if every member's ``shrink`` worked (:mod:`._reform`)."""
         try:
-            return self._rendezvous_inner(s, plan, inventory)
+            return self._rendezvous_inner(s, plan, inventory, shrink, shrunk)
         except BaseException:
             self.stores.drop()   # it may be the store of a controller that died: reconnect next time
+            if shrunk is not None:
+                abort_quietly(shrunk)
             raise
 
-    def _rendezvous_inner(self, s: StateDraft, plan: Plan, inventory: dict[str, Any] | None) -> list[Any] | None:
+    def _rendezvous_inner(self, s: StateDraft, plan: Plan, inventory: dict[str, Any] | None,
+                          shrink: ReformChoice | None, shrunk: Any) -> list[Any] | None:
         members = plan.members
         rank, world = self._plan_position(plan)
         store = self.stores.client_for(plan.store, plan.generation)
@@ -233,6 +243,8 @@ class Reconfigurer:
         if by_store:   # written before the arrival is counted: all are there once all arrived
             store.set(f"{prefix}/inventory/{rank}", json.dumps(inventory))
             self.stores.board_for(plan)   # now: see StoreClients.board_for
+        if shrink is not None:   # this rank's shrink outcome, read by all once all arrived
+            store.set(f"{prefix}/shrunk/{rank}", "1" if shrunk is not None else "0")
         store.add(f"{prefix}/arrived", 1)
         deadline = time.monotonic() + self.config.rendezvous_timeout.total_seconds()
         while store.add(f"{prefix}/arrived", 0) < world:
@@ -245,6 +257,9 @@ class Reconfigurer:
         gathered = None
         if by_store:
             gathered = [json.loads(v) for v in read_all(store, [f"{prefix}/inventory/{r}" for r in range(world)])]
+        if shrink is not None:   # every member's shrink succeeded, or none is used
+            shrunk = agree_on_shrink(read_all(store, [f"{prefix}/shrunk/{r}" for r in range(world)]), shrunk,
+                                     where=f"node {self.ctx.where} rank {rank} step {s.step} gen {plan.generation}")
         reset_group_names()   # a failed earlier attempt may have advanced the names here only
         form = self._form_timeout()
         with self.sockets.track():
@@ -256,9 +271,14 @@ class Reconfigurer:
             # gloo: formed with the short connect timeout (see _form_timeout), the group's
             # collectives then get collective_timeout.
             try:
-                dist.init_process_group(self.ctx.backend.init_backend, store=dist.PrefixStore(prefix + "/pg", store),
-                                        rank=rank, world_size=world, timeout=form,
-                                        **nccl_init_kwargs(self.ctx.backend))
+                if shrunk is not None:   # the host half only; the CUDA half is the shrunk communicator
+                    dist.init_process_group("cpu:gloo", store=dist.PrefixStore(prefix + "/pg", store),
+                                            rank=rank, world_size=world, timeout=form)
+                    attach_nccl(shrunk, self.ctx.backend.device, self.ctx.backend.init_backend)
+                else:
+                    dist.init_process_group(self.ctx.backend.init_backend,
+                                            store=dist.PrefixStore(prefix + "/pg", store), rank=rank,
+                                            world_size=world, timeout=form, **nccl_init_kwargs(self.ctx.backend))
             except Exception:
                 # no newer plan meanwhile: a slow member (or a death not yet planned): wait longer next time
                 if not self._superseded.is_set():
@@ -279,6 +299,19 @@ class Reconfigurer:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), GROUP_RANK=str(members.index(self.ctx.node)),
                           LOCAL_RANK=str(self.ctx.local_rank), LOCAL_WORLD_SIZE=str(self.ctx.local_world))
         return gathered
+
+    def _try_shrink(self, s: StateDraft, plan: Plan) -> tuple[ReformChoice | None, Any]:
+        """Shrink the current NCCL communicator for ``plan`` (:mod:`._reform`, the leavers do
+        not call this)? ``(choice, this rank's shrunk backend or None)``; ``(None, None)``
+        when the plan forms a new one."""
+        where = f"node {self.ctx.where} rank {s.rank} step {s.step} gen {s.generation} -> {plan.generation}"
+        self.last_reform = choice = reform_for_plan(
+            getattr(self.config, "reform", "auto"), backend=self.ctx.backend.backend, available=self.shrink_available,
+            members=s.members, world=s.world, plan_members=plan.members, plan_gpus_per_node=plan.gpus_per_node,
+            intact=dist.is_initialized() and not self.aborter.interrupted and not nccl_errors(), where=where)
+        if not choice.shrink:
+            return None, None
+        return choice, shrink_for_plan(choice, *self._plan_position(plan), device=self.ctx.device, where=where)
 
     def _form_timeout(self) -> timedelta:
         """How long ``init_process_group`` waits for any one peer. gloo retries a connection
@@ -428,11 +461,14 @@ class Reconfigurer:
             # is re-formed on the plan's: moc's groups (and any later new_group) need a live store.
             same_group = members == s.members and tuple(sorted(plan.store.items())) == self.group_store
             if not same_group:
+                t1 = time.time()   # members only left: the survivors may shrink the NCCL communicator
+                shrink, shrunk = self._try_shrink(s, plan)
+                timings["shrink"] = time.time() - t1
                 t1 = time.time()
                 self._retire(s, planned=True)
                 timings["retire"] = time.time() - t1
                 t1 = time.time()
-                self._rendezvous(s, plan)
+                self._rendezvous(s, plan, shrink=shrink, shrunk=shrunk)
                 timings["rendezvous"] = time.time() - t1
             elif s.ckpt is not None:
                 self.handover = s.ckpt.detach()
