@@ -97,3 +97,26 @@ def test_figures_the_tests_record_reach_the_summary(tmp_path: Path) -> None:
     assert "| unreadable | text not json |" in text
     assert '"ratio": 0.91' in out.with_suffix(".json").read_text()
     assert check.read_figures(tmp_path / "absent.jsonl") == []
+
+
+def test_only_a_missing_nccl_shrink_may_skip_on_a_gpu(tmp_path: Path) -> None:
+    """A real pytest's JUnit report: a test skipped because this NCCL cannot shrink is not a
+    failure of the GPU check; any other skip (a CUDA toolchain missing, say) is."""
+    (tmp_path / "test_x.py").write_text(
+        "import pytest\n"
+        "def test_ran():\n    pass\n"
+        "def test_shrink():\n    pytest.skip('no NCCL shrink here: NCCL 2.21.5 < 2.27')\n"
+        "def test_kernel():\n    pytest.skip('no CUDA toolchain to build the dispatch kernel')\n")
+
+    def report(select: str) -> tuple[int, list[dict[str, str]]]:
+        junit = tmp_path / f"{select}.xml"
+        code = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", select,
+                               f"--junitxml={junit}", str(tmp_path / "test_x.py")], cwd=tmp_path,
+                              capture_output=True).returncode
+        return code, check.read_junit(junit)
+
+    code, tests = report("ran or shrink")
+    assert sorted(t["outcome"] for t in tests) == ["passed", "skipped"] and check.tests_ok(code, tests)
+    code, tests = report("ran or kernel")
+    assert not check.tests_ok(code, tests)
+    assert not check.tests_ok(0, [])                              # nothing ran: not a pass

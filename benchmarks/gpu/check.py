@@ -144,17 +144,13 @@ def read_figures(path: Path) -> list[dict[str, object]]:
     return out
 
 
-def run_tests(env: dict[str, str], out: Path, timeout: float) -> tuple[Check, list[dict[str, str]]]:
-    """``pytest -m gpu tests/gpu`` with a JUnit report: one outcome per test."""
-    t0 = time.perf_counter()
-    junit = out.with_suffix(".junit.xml")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", f"--junitxml={junit}", "-p",
-           "no:cacheprovider"]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        tail, code = (proc.stdout + proc.stderr)[-3000:], proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        tail, code = f"timed out after {timeout:.0f} s: {str(exc.stdout or '')[-2000:]}", -1
+#: a skipped GPU test whose reason says so is not a failure: this GPU's NCCL cannot do it
+NOT_ON_THIS_NCCL = "no NCCL shrink here"
+
+
+def read_junit(junit: Path) -> list[dict[str, str]]:
+    """One ``{"test", "outcome", "seconds", "why"}`` per test case of a JUnit report (none
+    when the report is missing: pytest did not get that far)."""
     tests: list[dict[str, str]] = []
     if junit.exists():
         for case in ET.parse(junit).getroot().iter("testcase"):
@@ -166,8 +162,30 @@ def run_tests(env: dict[str, str], out: Path, timeout: float) -> tuple[Check, li
                     why = (el.get("message") or "")[:300]
             tests.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
                           "seconds": case.get("time", ""), "why": why})
-    skipped = [t for t in tests if t["outcome"] == "skipped"]
-    ok = code == 0 and bool(tests) and not skipped      # on a GPU, nothing may skip
+    return tests
+
+
+def tests_ok(code: int, tests: list[dict[str, str]]) -> bool:
+    """pytest passed, ran something, and skipped nothing but what this GPU's NCCL lacks
+    (shrink needs NCCL >= 2.27: the trainer re-forms by abort + init there, which the other
+    tests cover)."""
+    skipped = [t for t in tests if t["outcome"] == "skipped" and NOT_ON_THIS_NCCL not in t["why"]]
+    return code == 0 and bool(tests) and not skipped
+
+
+def run_tests(env: dict[str, str], out: Path, timeout: float) -> tuple[Check, list[dict[str, str]]]:
+    """``pytest -m gpu tests/gpu`` with a JUnit report: one outcome per test."""
+    t0 = time.perf_counter()
+    junit = out.with_suffix(".junit.xml")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", f"--junitxml={junit}", "-p",
+           "no:cacheprovider"]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        tail, code = (proc.stdout + proc.stderr)[-3000:], proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        tail, code = f"timed out after {timeout:.0f} s: {str(exc.stdout or '')[-2000:]}", -1
+    tests = read_junit(junit)
+    ok = tests_ok(code, tests)
     summary = re.findall(r"\d+ (?:passed|failed|skipped|error)", tail)
     return Check("tests/gpu", ok, time.perf_counter() - t0,
                  ", ".join(summary) + ("" if ok else f"; exit {code}; tail: {tail[-1500:]}")), tests
