@@ -54,6 +54,7 @@ import torch
 import xxhash
 
 from .._config import MoCConfig
+from .._cuda import CudaCopier, CudaCopyBatch, HostCopier, copier_for, runtime
 from .._daemon import DaemonExecutor
 from .._dist import Comm
 from .._errors import CheckpointError
@@ -63,10 +64,12 @@ from .._store import CheckpointStore, TreePlan, UnitRecord, plan_tree
 from .._together import tick_seconds, wait_together
 from .._units import UnitLayout, UnitPlans
 from .._units.capture import _clone_all, apply_partial, apply_units, restore_rng
+from .determinism import check_replay_settings, on_cuda
 from .elastic import ExactHandover, read_window_resharded
 from .loading import WindowLoader
 from .schedule import ExactSchedule, plan_schedule
-from .state import Replay as _Replay, Round as _Round, Window as _Window, grad_digest, window_steps
+from .state import Replay as _Replay, Round as _Round, Window as _Window, digest_key, grad_digest, grad_digest_later, \
+    window_steps
 from .store import extra_name, rank_meta, weights_name, window_meta, write_part
 
 __all__ = ["ExactCheckpointer", "grad_digest", "weights_name", "extra_name"]
@@ -149,6 +152,19 @@ class ExactCheckpointer:
         self.last_replay: dict[str, Any] | None = None    # {"start", "end", "source": "memory" | "storage"}
         self.rounds = 0
         self.interrupted_replay = False            # the manager this one replaces was replaying (adopt)
+        # CUDA: captures are copied on a side stream per device (moc._cuda.copies), ordered after
+        # optimizer.step() by an event; the next update waits for them on the device (_batch)
+        self._copier: HostCopier | CudaCopier = HostCopier()
+        self._batch: CudaCopyBatch | None = None
+        self.device_captures_async = 0             # steps whose copies were issued into page-locked memory
+        self.device_captures_fallback = 0          # ... copied by the capture thread (buffer not page-locked yet)
+        self._check_device()
+
+    def _check_device(self) -> None:
+        """On CUDA, refuse to capture without the settings bit-exact replay needs
+        (:mod:`moc._exact.determinism`)."""
+        if on_cuda(self.model.parameters()):
+            check_replay_settings(self.run.where())
 
     # -- capture ---------------------------------------------------------------------------
     def step(self, t: int, *, sigterm: bool = False) -> bool:
@@ -202,6 +218,8 @@ class ExactCheckpointer:
         when every rank has a buffer. Returns True when the ranks agreed to exit."""
         self._reap_persist()
         full, weights = self._sizes()
+        self._check_device()
+        self._copier = copier_for((src for p in full.values() for src in p.sources), self._copier)
         schedule = plan_schedule(self.layout, self._k_snapshot(), {u: p.nbytes for u, p in full.items()},
                                  {u: p.nbytes for u, p in weights.items()})
         extra = plan_tree(self.extra_tree(t)).nbytes + 64
@@ -212,7 +230,7 @@ class ExactCheckpointer:
         reason = "every snapshot buffer is being persisted, read or holds the newest complete window"
         if buf is not None:
             try:
-                buf.ensure(need, defer_upkeep=True)
+                buf.ensure(need, pin=self._pin_device(), defer_upkeep=True)
             except (OSError, RuntimeError) as exc:
                 with self.run.lock:
                     self.pool.unreserve()
@@ -302,7 +320,8 @@ class ExactCheckpointer:
         if w.offset + nbytes > w.buf.capacity:
             remaining = sum(w.step_bytes[-1:] or [nbytes]) * (w.schedule.window - i - 1)
             try:
-                w.buf.ensure(w.offset + nbytes + remaining, defer_upkeep=True)   # grows; the file keeps its bytes
+                w.buf.ensure(w.offset + nbytes + remaining, pin=self._pin_device(),
+                             defer_upkeep=True)   # grows; the file keeps its bytes
             except (OSError, RuntimeError) as exc:
                 self._failed(RuntimeError(f"the buffer cannot grow: {type(exc).__name__}: {exc}"))
                 return
@@ -315,17 +334,52 @@ class ExactCheckpointer:
         # Tensors the next forward may change in place (module buffers, the extra state's
         # live tensors) are copied now; parameters and optimizer state in the background.
         sync = [e for e in placed if e[0] == "extra" or (e[3] is not None and any(k not in params for k in e[3].keys))]
-        for what, name, plan, spec, off in sync:
-            plan.copy_range(0, plan.nbytes, w.buf.data[off: off + plan.nbytes])
         done_now = {id(e) for e in sync}
         later = [e for e in placed if id(e) not in done_now]
         last = i == w.schedule.window - 1
-        self.in_flight = self._capture.submit(self._fill, w, t, placed, later, last)
+        # CUDA: the copies run on a side stream that waits on an event recorded behind this
+        # step's update. Into a page-locked buffer they are all issued now (asynchronous; the
+        # next forward waits for those of in-place state, the next update for all of them, on
+        # the device); else the capture thread makes them and the pre-hook waits for it.
+        batch = self._copier.begin() if self._copier.device_async else None
+        issued = batch is not None and w.buf.pinned_for(w.offset)
+        if batch is not None and issued:
+            for what, name, plan, spec, off in sync:
+                batch.copy(plan, 0, plan.nbytes, w.buf.data[off: off + plan.nbytes])
+            batch.fence()
+            for what, name, plan, spec, off in later:
+                batch.copy(plan, 0, plan.nbytes, w.buf.data[off: off + plan.nbytes])
+            batch.finish()
+            self._batch = batch
+            self.device_captures_async += 1
+            later = []
+        else:
+            if batch is not None:
+                self.device_captures_fallback += 1
+            for what, name, plan, spec, off in sync:
+                self._copy_now(batch, plan, w.buf.data[off: off + plan.nbytes])
+        self.in_flight = self._capture.submit(self._fill, w, t, placed, later, last, batch, issued)
 
-    def _fill(self, w: _Window, t: int, placed, later, last: bool) -> None:
+    @staticmethod
+    def _copy_now(batch: CudaCopyBatch | None, plan: TreePlan, out: torch.Tensor) -> None:
+        """A copy complete on return: on the host, or on the side stream behind the update."""
+        if batch is None:
+            plan.copy_range(0, plan.nbytes, out)
+        else:
+            batch.copy(plan, 0, plan.nbytes, out, non_blocking=False)
+
+    def _pin_device(self) -> torch.device | None:
+        return self._copier.device if isinstance(self._copier, CudaCopier) else None
+
+    def _fill(self, w: _Window, t: int, placed, later, last: bool, batch: CudaCopyBatch | None = None,
+              issued: bool = False) -> None:
         buf = w.buf
+        if batch is not None:
+            runtime().set_device(batch.device)    # before any CUDA call of this thread
+            if issued:
+                batch.synchronize()               # the copies issued by step() have landed
         for what, name, plan, spec, off in later:
-            plan.copy_range(0, plan.nbytes, buf.data[off: off + plan.nbytes])
+            self._copy_now(batch, plan, buf.data[off: off + plan.nbytes])
         for what, name, plan, spec, off in placed:
             w.pieces.append({
                 "what": what, "step": t, "unit": name, "offset": off, "nbytes": plan.nbytes,
@@ -337,13 +391,15 @@ class ExactCheckpointer:
             return
         header = {"run": self.run.run_id, "rank": self.run.rank, "world": self.run.world, "step": w.end,
                   "exact": {"format": FORMAT, "start": w.start, "window": w.schedule.window,
-                            "slots": w.schedule.slots, "grad": w.grad, "step_bytes": w.step_bytes},
+                            "slots": w.schedule.slots, "grad": None if w.grad is None else w.grad.result(),
+                            "step_bytes": w.step_bytes},
                   "pieces": w.pieces}
         with self.run.lock:
             if self.run.abandoned:
                 raise RuntimeError("exact window abandoned: the manager was closed")
             buf.publish(header)
             buf.step, buf.header, buf.state, buf.persisted = w.end, header, READY, False
+            buf.start_upkeep()      # page-lock a created or grown buffer (CUDA) now that no copy writes into it
         self.pool.release(buf)
 
     def _settle(self) -> None:
@@ -394,8 +450,12 @@ class ExactCheckpointer:
         """The optimizer step pre-hook: wait for the capture in flight (the stall); hash the
         gradients of a window's second step (recorded, or checked while replaying: the
         ranks' verdicts are ORed, so a divergence on any rank stops every rank here)."""
+        batch, self._batch = self._batch, None
         fut = self.in_flight
-        if fut is not None and not fut.done():
+        if batch is not None:
+            batch.order_update()        # on the device: the host does not wait
+            self.stall_last = 0.0
+        elif fut is not None and not fut.done():
             t0 = time.perf_counter()
             try:
                 fut.result()
@@ -409,15 +469,16 @@ class ExactCheckpointer:
         if r is not None:
             if r.next == r.start + 1 and not r.checked:
                 r.checked = True
-                got = grad_digest(self.model) if r.grad is not None else None
-                mine = got is not None and r.grad is not None and got["xxh3"] != r.grad["xxh3"]
+                kind = "xxh3" if r.grad is None else digest_key(r.grad)
+                got = grad_digest(self.model, kind) if r.grad is not None else None     # one host read
+                mine = got is not None and r.grad is not None and got[kind] != r.grad[kind]
                 anywhere = self.comm.any_true(mine)
                 if mine:
                     assert got is not None and r.grad is not None     # both digests, or mine is False
                     raise CheckpointError(
                         f"rank {self.run.rank} step {r.next}: replay diverged: the gradients of replayed step "
-                        f"{r.next} differ from those recorded when it was trained (xxh3 {r.grad['xxh3']}, global "
-                        f"norm {r.grad['norm']:.6g}; now xxh3 {got['xxh3']}, norm {got['norm']:.6g}). Exact replay "
+                        f"{r.next} differ from those recorded when it was trained ({kind} {r.grad[kind]}, global "
+                        f"norm {r.grad['norm']:.6g}; now {kind} {got[kind]}, norm {got['norm']:.6g}). Exact replay "
                         "needs the same batch at every step (a function of the step, or a data loader passed in "
                         "extra_state) and the same model code; moc restores the RNG. Nothing was updated.")
                 if anywhere:
@@ -427,7 +488,7 @@ class ExactCheckpointer:
             return
         w = self.window
         if w is not None and w.grad is None and self.expected == w.start + 1 and w.schedule.window > 1:
-            w.grad = grad_digest(self.model)
+            w.grad = grad_digest_later(self.model)     # on the device on CUDA; read by the capture thread
 
     # -- persisting ------------------------------------------------------------------------
     def _reap_persist(self) -> None:
@@ -760,4 +821,6 @@ class ExactCheckpointer:
             "replaying": None if r is None else {"start": r.start, "end": r.end, "next": r.next, "source": r.source},
             "replays": self.replays, "replayed_steps": self.replayed_steps, "last_replay": self.last_replay,
             "stall_seconds_last": self.stall_last, "stall_seconds_total": self.stall_total,
+            "device_captures_async": self.device_captures_async,
+            "device_captures_fallback": self.device_captures_fallback,
         }
