@@ -230,7 +230,11 @@ class ExactCheckpointer:
         reason = "every snapshot buffer is being persisted, read or holds the newest complete window"
         if buf is not None:
             try:
-                buf.ensure(need, pin=self._pin_device(), defer_upkeep=True)
+                # CUDA: a buffer that grows is mapped anew and not page-locked until its window ends
+                # (the copies fall back to the capture thread): one that must grow gets 1/8 headroom
+                # for the extra state (routing history, the user's) to grow in
+                grow = self._pin_device() is not None and buf.capacity < need
+                buf.ensure(need + need // 8 if grow else need, pin=self._pin_device(), defer_upkeep=True)
             except (OSError, RuntimeError) as exc:
                 with self.run.lock:
                     self.pool.unreserve()
