@@ -6,8 +6,11 @@ the compute weights of the units whose full capture is later, plus the extra sta
 (RNG, optimizer hyper-parameters, the user's ``extra_state``). The copies go into one of
 the three shared-memory buffers of :mod:`moc._snapshot.buffers` (one buffer holds one window, filled
 step by step, reserved and leased by its rules) on a background thread; the optimizer's
-step pre-hook waits for it (the stall). A window's header is published once its last step
-is copied: an incomplete window is never read.
+step pre-hook waits for it (the stall). On CUDA the copies run on :mod:`moc._cuda`'s side
+streams behind an event recorded after ``optimizer.step()``, issued from ``step()`` into a
+page-locked buffer, and the next update waits for them on the device, not the host; the
+settings bit-exact replay needs there are checked (:mod:`moc._exact.determinism`). A
+window's header is published once its last step is copied: an incomplete window is never read.
 
 Several ranks (plain replicas, FSDP2 / DTensor shards, expert parallelism): each rank
 captures and replays the pieces it holds (its units, named as everywhere in moc: FQN plus
