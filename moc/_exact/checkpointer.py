@@ -161,6 +161,7 @@ class ExactCheckpointer:
         self._batch: CudaCopyBatch | None = None
         self.device_captures_async = 0             # steps whose copies were issued into page-locked memory
         self.device_captures_fallback = 0          # ... copied by the capture thread (buffer not page-locked yet)
+        self._pin_error_logged = False
         self._check_device()
 
     def _check_device(self) -> None:
@@ -363,6 +364,12 @@ class ExactCheckpointer:
         else:
             if batch is not None:
                 self.device_captures_fallback += 1
+                error = self.pool.pin_error()
+                if error is not None and not self._pin_error_logged:
+                    self._pin_error_logged = True
+                    log.warning("%s: a snapshot buffer in %s cannot be page-locked (%s); exact captures from CUDA "
+                                "are copied by the capture thread and the optimizer step waits for it",
+                                self.run.where(), self.pool.directory, error)
             for what, name, plan, spec, off in sync:
                 self._copy_now(batch, plan, w.buf.data[off: off + plan.nbytes])
         self.in_flight = self._capture.submit(self._fill, w, t, placed, later, last, batch, issued)

@@ -210,3 +210,30 @@ def test_exact_mode_on_cuda_refuses_without_the_replay_settings(tmp_path, fake, 
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.benchmark = bench
+
+
+@pytest.mark.timeout(120)
+def test_buffers_that_cannot_be_page_locked_fall_back_to_the_capture_thread(tmp_path, fake, deterministic,
+                                                                            caplog) -> None:
+    """The driver refuses page-locking: every capture is copied by the capture thread (on the
+    side stream, bound to cuda:1), windows still complete, one warning says why."""
+    import logging
+    fake.fail_register = 2                  # cudaErrorMemoryAllocation
+    model, opt, task = make(0, dim=16, hidden=32)
+    train_step(model, opt, task, 0)
+    on_device(fake, model, opt)
+    with caplog.at_level(logging.WARNING, logger="moc"):
+        with CheckpointManager(cfg(tmp_path), model=model, optimizer=opt) as ckpt:
+            for s in range(1, 14):
+                train_step(model, opt, task, s, ckpt)
+                if s % 3 == 0:
+                    ckpt.wait(flush=False)
+                    for b in ckpt.pool.buffers:
+                        b.settle()
+            ckpt.wait()
+            st = ckpt.status()["exact"]
+            assert st["device_captures_async"] == 0 and st["device_captures_fallback"] == 13, st
+            assert st["windows_complete"] == 4 and st["windows_failed"] == 0, st
+    warnings = [r for r in caplog.records if "cannot be page-locked" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert set(fake.contexts) == {DEVICE} and not fake.live and not fake.violations
