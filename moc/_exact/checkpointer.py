@@ -57,7 +57,6 @@ import torch
 import xxhash
 
 from .._config import MoCConfig
-from .._cuda import CudaCopier, CudaCopyBatch, HostCopier, copier_for, runtime
 from .._daemon import DaemonExecutor
 from .._dist import Comm
 from .._errors import CheckpointError
@@ -67,6 +66,7 @@ from .._store import CheckpointStore, TreePlan, UnitRecord, plan_tree
 from .._together import tick_seconds, wait_together
 from .._units import UnitLayout, UnitPlans
 from .._units.capture import _clone_all, apply_partial, apply_units, restore_rng
+from .copies import CaptureCopies
 from .determinism import check_replay_settings, on_cuda
 from .elastic import ExactHandover, read_window_resharded
 from .loading import WindowLoader
@@ -155,13 +155,7 @@ class ExactCheckpointer:
         self.last_replay: dict[str, Any] | None = None    # {"start", "end", "source": "memory" | "storage"}
         self.rounds = 0
         self.interrupted_replay = False            # the manager this one replaces was replaying (adopt)
-        # CUDA: captures are copied on a side stream per device (moc._cuda.copies), ordered after
-        # optimizer.step() by an event; the next update waits for them on the device (_batch)
-        self._copier: HostCopier | CudaCopier = HostCopier()
-        self._batch: CudaCopyBatch | None = None
-        self.device_captures_async = 0             # steps whose copies were issued into page-locked memory
-        self.device_captures_fallback = 0          # ... copied by the capture thread (buffer not page-locked yet)
-        self._pin_error_logged = False
+        self.copies = CaptureCopies(pool, run.where)     # on the host, or on CUDA side streams
         self._check_device()
 
     def _check_device(self) -> None:
@@ -223,7 +217,7 @@ class ExactCheckpointer:
         self._reap_persist()
         full, weights = self._sizes()
         self._check_device()
-        self._copier = copier_for((src for p in full.values() for src in p.sources), self._copier)
+        self.copies.refresh(src for p in full.values() for src in p.sources)
         schedule = plan_schedule(self.layout, self._k_snapshot(), {u: p.nbytes for u, p in full.items()},
                                  {u: p.nbytes for u, p in weights.items()})
         extra = plan_tree(self.extra_tree(t)).nbytes + 64
@@ -237,8 +231,9 @@ class ExactCheckpointer:
                 # CUDA: a buffer that grows is mapped anew and not page-locked until its window ends
                 # (the copies fall back to the capture thread): one that must grow gets 1/8 headroom
                 # for the extra state (routing history, the user's) to grow in
-                grow = self._pin_device() is not None and buf.capacity < need
-                buf.ensure(need + need // 8 if grow else need, pin=self._pin_device(), defer_upkeep=True)
+                pin = self.copies.pin_device()
+                grow = pin is not None and buf.capacity < need
+                buf.ensure(need + need // 8 if grow else need, pin=pin, defer_upkeep=True)
             except (OSError, RuntimeError) as exc:
                 with self.run.lock:
                     self.pool.unreserve()
@@ -328,7 +323,7 @@ class ExactCheckpointer:
         if w.offset + nbytes > w.buf.capacity:
             remaining = sum(w.step_bytes[-1:] or [nbytes]) * (w.schedule.window - i - 1)
             try:
-                w.buf.ensure(w.offset + nbytes + remaining, pin=self._pin_device(),
+                w.buf.ensure(w.offset + nbytes + remaining, pin=self.copies.pin_device(),
                              defer_upkeep=True)   # grows; the file keeps its bytes
             except (OSError, RuntimeError) as exc:
                 self._failed(RuntimeError(f"the buffer cannot grow: {type(exc).__name__}: {exc}"))
@@ -345,55 +340,13 @@ class ExactCheckpointer:
         done_now = {id(e) for e in sync}
         later = [e for e in placed if id(e) not in done_now]
         last = i == w.schedule.window - 1
-        # CUDA: the copies run on a side stream that waits on an event recorded behind this
-        # step's update. Into a page-locked buffer they are all issued now (asynchronous; the
-        # next forward waits for those of in-place state, the next update for all of them, on
-        # the device); else the capture thread makes them and the pre-hook waits for it.
-        batch = self._copier.begin() if self._copier.device_async else None
-        issued = batch is not None and w.buf.pinned_for(w.offset)
-        if batch is not None and issued:
-            for what, name, plan, spec, off in sync:
-                batch.copy(plan, 0, plan.nbytes, w.buf.data[off: off + plan.nbytes])
-            batch.fence()
-            for what, name, plan, spec, off in later:
-                batch.copy(plan, 0, plan.nbytes, w.buf.data[off: off + plan.nbytes])
-            batch.finish()
-            self._batch = batch
-            self.device_captures_async += 1
-            later = []
-        else:
-            if batch is not None:
-                self.device_captures_fallback += 1
-                error = self.pool.pin_error()
-                if error is not None and not self._pin_error_logged:
-                    self._pin_error_logged = True
-                    log.warning("%s: a snapshot buffer in %s cannot be page-locked (%s); exact captures from CUDA "
-                                "are copied by the capture thread and the optimizer step waits for it",
-                                self.run.where(), self.pool.directory, error)
-            for what, name, plan, spec, off in sync:
-                self._copy_now(batch, plan, w.buf.data[off: off + plan.nbytes])
+        # CUDA: on side streams behind this step's update, issued now into a page-locked buffer
+        batch, issued, later = self.copies.issue(w.buf, w.offset, sync, later)
         self.in_flight = self._capture.submit(self._fill, w, t, placed, later, last, batch, issued)
 
-    @staticmethod
-    def _copy_now(batch: CudaCopyBatch | None, plan: TreePlan, out: torch.Tensor) -> None:
-        """A copy complete on return: on the host, or on the side stream behind the update."""
-        if batch is None:
-            plan.copy_range(0, plan.nbytes, out)
-        else:
-            batch.copy(plan, 0, plan.nbytes, out, non_blocking=False)
-
-    def _pin_device(self) -> torch.device | None:
-        return self._copier.device if isinstance(self._copier, CudaCopier) else None
-
-    def _fill(self, w: _Window, t: int, placed, later, last: bool, batch: CudaCopyBatch | None = None,
-              issued: bool = False) -> None:
+    def _fill(self, w: _Window, t: int, placed, later, last: bool, batch=None, issued: bool = False) -> None:
         buf = w.buf
-        if batch is not None:
-            runtime().set_device(batch.device)    # before any CUDA call of this thread
-            if issued:
-                batch.synchronize()               # the copies issued by step() have landed
-        for what, name, plan, spec, off in later:
-            self._copy_now(batch, plan, buf.data[off: off + plan.nbytes])
+        self.copies.land(buf, batch, issued, later)
         for what, name, plan, spec, off in placed:
             w.pieces.append({
                 "what": what, "step": t, "unit": name, "offset": off, "nbytes": plan.nbytes,
@@ -464,10 +417,8 @@ class ExactCheckpointer:
         """The optimizer step pre-hook: wait for the capture in flight (the stall); hash the
         gradients of a window's second step (recorded, or checked while replaying: the
         ranks' verdicts are ORed, so a divergence on any rank stops every rank here)."""
-        batch, self._batch = self._batch, None
         fut = self.in_flight
-        if batch is not None:
-            batch.order_update()        # on the device: the host does not wait
+        if self.copies.order_update():     # on the device: the host does not wait
             self.stall_last = 0.0
         elif fut is not None and not fut.done():
             t0 = time.perf_counter()
@@ -835,6 +786,6 @@ class ExactCheckpointer:
             "replaying": None if r is None else {"start": r.start, "end": r.end, "next": r.next, "source": r.source},
             "replays": self.replays, "replayed_steps": self.replayed_steps, "last_replay": self.last_replay,
             "stall_seconds_last": self.stall_last, "stall_seconds_total": self.stall_total,
-            "device_captures_async": self.device_captures_async,
-            "device_captures_fallback": self.device_captures_fallback,
+            "device_captures_async": self.copies.device_async,
+            "device_captures_fallback": self.copies.device_fallback,
         }

@@ -54,7 +54,7 @@ def kill_and_replay(tmp_path: Path, device: str, shm: str | None = None) -> None
     ref = _run(["--device", device, "--no-moc", "--steps", str(STEPS)], tmp_path / "ref.json")
 
     cmd = [sys.executable, str(WORKER), "--device", device, "--storage", store, "--shm", shm, "--steps", str(STEPS),
-           "--step-sleep", "0.5", "--out", str(tmp_path / "killed.json")]
+           "--step-sleep", "0.3", "--out", str(tmp_path / "killed.json")]
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen: list[str] = []
     try:
@@ -63,7 +63,7 @@ def kill_and_replay(tmp_path: Path, device: str, shm: str | None = None) -> None
         for line in proc.stdout:
             seen.append(line.strip())
             if line.startswith(f"STEP {KILL_AT} "):
-                os.kill(proc.pid, signal.SIGKILL)       # mid-run: the next steps would follow in 0.5 s
+                os.kill(proc.pid, signal.SIGKILL)       # mid-run: the next step follows in 0.3 s
                 break
             assert time.monotonic() < deadline, seen[-5:]
         proc.wait(timeout=60)
