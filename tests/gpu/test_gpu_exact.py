@@ -77,7 +77,9 @@ def kill_and_replay(tmp_path: Path, device: str, shm: str | None = None) -> None
     last = dict(kv.split("=") for kv in seen[-1].split()[2:])
     if device.startswith("cuda"):
         # the side-stream path was taken once the first windows' buffers were page-locked
-        assert int(last["async"]) > 0, seen
+        assert int(last["async"]) > 0, (
+            f"no capture was issued on the side stream into a page-locked buffer (snapshot dir {shm}: page-locking "
+            f"needs tmpfs, see gpu_common.shm_dir): {seen[-3:]}")
 
     got = _run(["--device", device, "--storage", store, "--shm", shm, "--steps", str(STEPS), "--restore"],
                tmp_path / "restored.json")
