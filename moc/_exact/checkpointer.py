@@ -6,8 +6,11 @@ the compute weights of the units whose full capture is later, plus the extra sta
 (RNG, optimizer hyper-parameters, the user's ``extra_state``). The copies go into one of
 the three shared-memory buffers of :mod:`moc._snapshot.buffers` (one buffer holds one window, filled
 step by step, reserved and leased by its rules) on a background thread; the optimizer's
-step pre-hook waits for it (the stall). A window's header is published once its last step
-is copied: an incomplete window is never read.
+step pre-hook waits for it (the stall). On CUDA the copies run on :mod:`moc._cuda`'s side
+streams behind an event recorded after ``optimizer.step()``, issued from ``step()`` into a
+page-locked buffer, and the next update waits for them on the device, not the host; the
+settings bit-exact replay needs there are checked (:mod:`moc._exact.determinism`). A
+window's header is published once its last step is copied: an incomplete window is never read.
 
 Several ranks (plain replicas, FSDP2 / DTensor shards, expert parallelism): each rank
 captures and replays the pieces it holds (its units, named as everywhere in moc: FQN plus
@@ -63,10 +66,13 @@ from .._store import CheckpointStore, TreePlan, UnitRecord, plan_tree
 from .._together import tick_seconds, wait_together
 from .._units import UnitLayout, UnitPlans
 from .._units.capture import _clone_all, apply_partial, apply_units, restore_rng
+from .copies import CaptureCopies
+from .determinism import check_replay_settings, on_cuda
 from .elastic import ExactHandover, read_window_resharded
 from .loading import WindowLoader
 from .schedule import ExactSchedule, plan_schedule
-from .state import Replay as _Replay, Round as _Round, Window as _Window, grad_digest, window_steps
+from .state import Replay as _Replay, Round as _Round, Window as _Window, digest_key, grad_digest, grad_digest_later, \
+    window_steps
 from .store import extra_name, rank_meta, weights_name, window_meta, write_part
 
 __all__ = ["ExactCheckpointer", "grad_digest", "weights_name", "extra_name"]
@@ -149,6 +155,14 @@ class ExactCheckpointer:
         self.last_replay: dict[str, Any] | None = None    # {"start", "end", "source": "memory" | "storage"}
         self.rounds = 0
         self.interrupted_replay = False            # the manager this one replaces was replaying (adopt)
+        self.copies = CaptureCopies(pool, run.where)     # on the host, or on CUDA side streams
+        self._check_device()
+
+    def _check_device(self) -> None:
+        """On CUDA, refuse to capture without the settings bit-exact replay needs
+        (:mod:`moc._exact.determinism`)."""
+        if on_cuda(self.model.parameters()):
+            check_replay_settings(self.run.where())
 
     # -- capture ---------------------------------------------------------------------------
     def step(self, t: int, *, sigterm: bool = False) -> bool:
@@ -202,6 +216,8 @@ class ExactCheckpointer:
         when every rank has a buffer. Returns True when the ranks agreed to exit."""
         self._reap_persist()
         full, weights = self._sizes()
+        self._check_device()
+        self.copies.refresh(src for p in full.values() for src in p.sources)
         schedule = plan_schedule(self.layout, self._k_snapshot(), {u: p.nbytes for u, p in full.items()},
                                  {u: p.nbytes for u, p in weights.items()})
         extra = plan_tree(self.extra_tree(t)).nbytes + 64
@@ -212,7 +228,12 @@ class ExactCheckpointer:
         reason = "every snapshot buffer is being persisted, read or holds the newest complete window"
         if buf is not None:
             try:
-                buf.ensure(need, defer_upkeep=True)
+                # CUDA: a buffer that grows is mapped anew and not page-locked until its window ends
+                # (the copies fall back to the capture thread): one that must grow gets 1/8 headroom
+                # for the extra state (routing history, the user's) to grow in
+                pin = self.copies.pin_device()
+                grow = pin is not None and buf.capacity < need
+                buf.ensure(need + need // 8 if grow else need, pin=pin, defer_upkeep=True)
             except (OSError, RuntimeError) as exc:
                 with self.run.lock:
                     self.pool.unreserve()
@@ -302,7 +323,8 @@ class ExactCheckpointer:
         if w.offset + nbytes > w.buf.capacity:
             remaining = sum(w.step_bytes[-1:] or [nbytes]) * (w.schedule.window - i - 1)
             try:
-                w.buf.ensure(w.offset + nbytes + remaining, defer_upkeep=True)   # grows; the file keeps its bytes
+                w.buf.ensure(w.offset + nbytes + remaining, pin=self.copies.pin_device(),
+                             defer_upkeep=True)   # grows; the file keeps its bytes
             except (OSError, RuntimeError) as exc:
                 self._failed(RuntimeError(f"the buffer cannot grow: {type(exc).__name__}: {exc}"))
                 return
@@ -315,17 +337,16 @@ class ExactCheckpointer:
         # Tensors the next forward may change in place (module buffers, the extra state's
         # live tensors) are copied now; parameters and optimizer state in the background.
         sync = [e for e in placed if e[0] == "extra" or (e[3] is not None and any(k not in params for k in e[3].keys))]
-        for what, name, plan, spec, off in sync:
-            plan.copy_range(0, plan.nbytes, w.buf.data[off: off + plan.nbytes])
         done_now = {id(e) for e in sync}
         later = [e for e in placed if id(e) not in done_now]
         last = i == w.schedule.window - 1
-        self.in_flight = self._capture.submit(self._fill, w, t, placed, later, last)
+        # CUDA: on side streams behind this step's update, issued now into a page-locked buffer
+        batch, issued, later = self.copies.issue(w.buf, w.offset, sync, later)
+        self.in_flight = self._capture.submit(self._fill, w, t, placed, later, last, batch, issued)
 
-    def _fill(self, w: _Window, t: int, placed, later, last: bool) -> None:
+    def _fill(self, w: _Window, t: int, placed, later, last: bool, batch=None, issued: bool = False) -> None:
         buf = w.buf
-        for what, name, plan, spec, off in later:
-            plan.copy_range(0, plan.nbytes, buf.data[off: off + plan.nbytes])
+        self.copies.land(buf, batch, issued, later)
         for what, name, plan, spec, off in placed:
             w.pieces.append({
                 "what": what, "step": t, "unit": name, "offset": off, "nbytes": plan.nbytes,
@@ -337,13 +358,15 @@ class ExactCheckpointer:
             return
         header = {"run": self.run.run_id, "rank": self.run.rank, "world": self.run.world, "step": w.end,
                   "exact": {"format": FORMAT, "start": w.start, "window": w.schedule.window,
-                            "slots": w.schedule.slots, "grad": w.grad, "step_bytes": w.step_bytes},
+                            "slots": w.schedule.slots, "grad": None if w.grad is None else w.grad.result(),
+                            "step_bytes": w.step_bytes},
                   "pieces": w.pieces}
         with self.run.lock:
             if self.run.abandoned:
                 raise RuntimeError("exact window abandoned: the manager was closed")
             buf.publish(header)
             buf.step, buf.header, buf.state, buf.persisted = w.end, header, READY, False
+            buf.start_upkeep()      # page-lock a created or grown buffer (CUDA) now that no copy writes into it
         self.pool.release(buf)
 
     def _settle(self) -> None:
@@ -395,7 +418,9 @@ class ExactCheckpointer:
         gradients of a window's second step (recorded, or checked while replaying: the
         ranks' verdicts are ORed, so a divergence on any rank stops every rank here)."""
         fut = self.in_flight
-        if fut is not None and not fut.done():
+        if self.copies.order_update():     # on the device: the host does not wait
+            self.stall_last = 0.0
+        elif fut is not None and not fut.done():
             t0 = time.perf_counter()
             try:
                 fut.result()
@@ -409,15 +434,16 @@ class ExactCheckpointer:
         if r is not None:
             if r.next == r.start + 1 and not r.checked:
                 r.checked = True
-                got = grad_digest(self.model) if r.grad is not None else None
-                mine = got is not None and r.grad is not None and got["xxh3"] != r.grad["xxh3"]
+                kind = "xxh3" if r.grad is None else digest_key(r.grad)
+                got = grad_digest(self.model, kind) if r.grad is not None else None     # one host read
+                mine = got is not None and r.grad is not None and got[kind] != r.grad[kind]
                 anywhere = self.comm.any_true(mine)
                 if mine:
                     assert got is not None and r.grad is not None     # both digests, or mine is False
                     raise CheckpointError(
                         f"rank {self.run.rank} step {r.next}: replay diverged: the gradients of replayed step "
-                        f"{r.next} differ from those recorded when it was trained (xxh3 {r.grad['xxh3']}, global "
-                        f"norm {r.grad['norm']:.6g}; now xxh3 {got['xxh3']}, norm {got['norm']:.6g}). Exact replay "
+                        f"{r.next} differ from those recorded when it was trained ({kind} {r.grad[kind]}, global "
+                        f"norm {r.grad['norm']:.6g}; now {kind} {got[kind]}, norm {got['norm']:.6g}). Exact replay "
                         "needs the same batch at every step (a function of the step, or a data loader passed in "
                         "extra_state) and the same model code; moc restores the RNG. Nothing was updated.")
                 if anywhere:
@@ -427,7 +453,7 @@ class ExactCheckpointer:
             return
         w = self.window
         if w is not None and w.grad is None and self.expected == w.start + 1 and w.schedule.window > 1:
-            w.grad = grad_digest(self.model)
+            w.grad = grad_digest_later(self.model)     # on the device on CUDA; read by the capture thread
 
     # -- persisting ------------------------------------------------------------------------
     def _reap_persist(self) -> None:
@@ -760,4 +786,6 @@ class ExactCheckpointer:
             "replaying": None if r is None else {"start": r.start, "end": r.end, "next": r.next, "source": r.source},
             "replays": self.replays, "replayed_steps": self.replayed_steps, "last_replay": self.last_replay,
             "stall_seconds_last": self.stall_last, "stall_seconds_total": self.stall_total,
+            "device_captures_async": self.copies.device_async,
+            "device_captures_fallback": self.copies.device_fallback,
         }
