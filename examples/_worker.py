@@ -83,6 +83,13 @@ def start_worker(args: argparse.Namespace) -> str:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s worker {where} %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
+    if args.exact and args.device != "cpu":
+        # exact mode replays bit-identically on CUDA only with deterministic kernels (moc
+        # refuses to start without them, docs/exact.md "On CUDA"); cuBLAS reads its workspace
+        # setting when first used, so before the model exists
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
     return node
 
 
