@@ -21,8 +21,7 @@ Plan ordering rules:
 * joins, graceful leaves, rebalances -> *between-steps* plans, one at a time: the next
   waits until the newest plan was applied (first ``reconfigured`` report for its
   generation) or superseded. Joins and leaves never share a plan; leaves go first, except
-  when every member is leaving while a node is on its way in: it joins first and they hand
-  their state to it (:mod:`._handover`).
+  when every member is leaving while a node is on its way in, which joins first (:mod:`._handover`).
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ from .._plan import Plan
 from .._wire import MalformedMessageError, store_address
 from ._flaps import FlapDamper
 from ._handover import HandoverWait
+from ._silence import hold_for_silent
 from ._port import Node, Port, Timer, msg_field
 from ._reachability import cut_off
 from ._planner import InsufficientSlots, LayerSpec, PlanResult, applied_holdings, compute_plan, max_replica_load
@@ -523,6 +523,12 @@ class Membership:
     def _failure_replan(self) -> None:
         self._failure_timer = None
         if self.resuming:   # the failures stay in _lost for Resume.end
+            return
+        held = 0.0 if self._detected_at is None else time.time() - self._detected_at
+        others = [self.nodes[m] for m in self._members if m not in self._lost and m in self.nodes]
+        wait = hold_for_silent(others, self.config.heartbeat_timeout.total_seconds(), time.monotonic(), held)
+        if wait > 0:   # another member is going silent: one plan for both (._silence)
+            self._failure_timer = self.port.call_later(wait, self._failure_replan)
             return
         if self._collective_timer is not None:
             self._collective_timer.cancel()

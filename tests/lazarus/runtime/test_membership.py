@@ -251,6 +251,67 @@ def test_a_silent_node_fails_on_its_heartbeat_timeout() -> None:
     assert c.sent[-1] == ("b", {"type": "evicted", "node": "b"})
 
 
+class _ModuleClock:
+    """The membership module's clocks (``time.monotonic`` for heartbeats, ``time.time`` for
+    failure stamps) on the test's fake loop."""
+
+    def __init__(self, loop: FakeLoop) -> None:
+        self.loop = loop
+
+    def monotonic(self) -> float:
+        return 1000.0 + self.loop.now
+
+    def time(self) -> float:
+        return 5000.0 + self.loop.now
+
+    def perf_counter(self) -> float:
+        return self.loop.now
+
+
+def _silent_pair(monkeypatch: pytest.MonkeyPatch) -> tuple[Cluster, float]:
+    """Four members; c timed out, d silent for 1.8 s of a 2 s timeout: a cut of both."""
+    c = started("a", "b", "c", "d", failure_grace=timedelta(milliseconds=200), heartbeat_timeout=timedelta(seconds=2))
+    import lazarus.runtime.controller._membership as membership
+
+    monkeypatch.setattr(membership, "time", _ModuleClock(c.loop))
+    t = 1000.0 + c.loop.now
+    for n in ("a", "b"):
+        c.m.nodes[n].last_seen = t
+    c.m.nodes["c"].last_seen, c.m.nodes["d"].last_seen = t - 2.1, t - 1.8
+    c.m.check_heartbeats(t, 2.0)
+    c.loop.advance(0.2)                       # failure_grace over: held for d
+    assert [p["generation"] for p in c.plans()] == [1]
+    return c, t
+
+
+def test_members_going_silent_together_are_dropped_by_one_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    c, t = _silent_pair(monkeypatch)
+    c.m.check_heartbeats(t + 0.25, 2.0)        # d times out 0.25 s after c
+    c.loop.advance(0.2)
+    plan = c.plans()[-1]
+    assert plan["generation"] == 2 and plan["lost"] == ["c", "d"] and plan["members"] == ["a", "b"]
+    assert len(c.plans()) == 2
+
+
+def test_a_member_that_speaks_again_stays(monkeypatch: pytest.MonkeyPatch) -> None:
+    c, t = _silent_pair(monkeypatch)
+    c.m.on_message("d", {"type": "heartbeat", "node": "d"})
+    c.loop.advance(0.3)
+    plan = c.plans()[-1]
+    assert plan["generation"] == 2 and plan["lost"] == ["c"] and plan["members"] == ["a", "b", "d"]
+
+
+def test_the_hold_for_a_silent_member_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # d neither times out (no heartbeat round runs) nor speaks: the plan goes without
+    # waiting for it past half the timeout from the first failure
+    c, t = _silent_pair(monkeypatch)
+    c.loop.advance(0.7)                        # 0.9 s after c failed: still held
+    assert [p["generation"] for p in c.plans()] == [1]
+    c.loop.advance(0.2)                        # half the 2 s timeout passed: it goes
+    plan = c.plans()[-1]
+    assert plan["generation"] == 2 and plan["lost"] == ["c"] and plan["members"] == ["a", "b", "d"]
+
+
 # ============================================================================ joins and leaves
 
 
